@@ -1,0 +1,72 @@
+"""tilewise: memory-bounded high-resolution diffusion, exact where exactness is possible.
+
+`import tilewise` stays light: public names are resolved lazily from their layer modules on first use,
+so torch and diffusers are imported only by the parts that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module (relative to this package) that defines it
+_EXPORTS: dict[str, str] = {
+    # geometry
+    "Tile": "geometry",
+    "TileGrid": "geometry",
+    # blending
+    "weight_window": "blending",
+    "Accumulator": "blending",
+    # sinks
+    "TensorSink": "sinks",
+    "MemmapSink": "sinks",
+    "PNGSink": "sinks",
+    "TIFFSink": "sinks",
+    "open_sink": "sinks",
+    # metrics and test patterns
+    "compare": "metrics",
+    "seam_score": "metrics",
+    "tone_drift": "metrics",
+    "psnr": "metrics",
+    # memory
+    "parse_bytes": "memory",
+    "format_bytes": "memory",
+    "tensor_bytes": "memory",
+    "measure_peak": "memory",
+    # locality
+    "analyze": "locality",
+    "probe_receptive_field": "locality",
+    "lower": "locality",
+    # vae
+    "TiledVAE": "vae",
+    # diffusion
+    "TiledDenoiser": "diffusion",
+    "Region": "diffusion",
+    "upscale": "diffusion",
+    # buckets
+    "BucketPlanner": "buckets",
+    "batch_by_bucket": "buckets",
+    "profile_buckets": "buckets",
+    "choose_buckets": "buckets",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tilewise' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .geometry import Tile, TileGrid  # noqa: F401
