@@ -1,0 +1,423 @@
+"""The tile program: primitive ops over named values, their locality, and a region interpreter.
+
+A value is a (B, C, H, W) tensor. Every op knows, for an output box of its destination value, which box
+of each source value it reads (`input_boxes`, unclipped: parts outside the image are the conv's zero
+padding), and can compute any output box from source tensors that cover at least the clipped input
+boxes (`run`). Running every op on the full box is the untiled forward; running it on a tile's box with
+explicit zero padding only where the box leaves the image is what makes tiles exact at image borders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open
+
+
+def clip_box(box: Box, shape: tuple[int, int]) -> Box:
+    """Intersect a box with the image [0, H) x [0, W)."""
+    y0, y1, x0, x1 = box
+    h, w = shape
+    return max(y0, 0), min(y1, h), max(x0, 0), min(x1, w)
+
+
+def union_box(a: Box | None, b: Box) -> Box:
+    """Bounding box of two boxes."""
+    if a is None:
+        return b
+    return min(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3])
+
+
+def box_empty(box: Box) -> bool:
+    """True when the box holds no pixel."""
+    return box[1] <= box[0] or box[3] <= box[2]
+
+
+def sub_tensor(t, have: Box, want: Box):
+    """Slice the `want` box out of tensor `t` that covers box `have` (want must lie inside have)."""
+    if want[0] < have[0] or want[1] > have[1] or want[2] < have[2] or want[3] > have[3]:
+        raise AssertionError(f"box {want} is not inside the computed box {have}")
+    return t[..., want[0] - have[0] : want[1] - have[0], want[2] - have[2] : want[3] - have[2]]
+
+
+@dataclass
+class Op:
+    """A primitive op reading values `src` and writing value `dst`; `name` is the module path."""
+
+    src: tuple[str, ...]
+    dst: str
+    name: str
+
+    sync = False  # needs the whole spatial domain (GroupNorm statistics, global attention)
+    kind = "op"
+
+    def out_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        """Spatial shape of dst from the shapes of src."""
+        return shapes[0]
+
+    def out_channels(self, channels: list[int]) -> int:
+        """Channel count of dst from the channel counts of src."""
+        return channels[0]
+
+    def input_boxes(self, box: Box) -> list[Box]:
+        """Unclipped box of each source needed to compute `box` of dst (identity for pointwise ops)."""
+        return [box for _ in self.src]
+
+    def run(self, ctx: RunContext, inputs: list[Any], have: list[Box], box: Box, shapes: list):
+        """Compute `box` of dst from source tensors covering boxes `have`."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for the analysis table."""
+        return self.kind
+
+
+@dataclass
+class Conv(Op):
+    """2-D convolution, zero padding (top, bottom, left, right) made explicit per tile."""
+
+    weight: Any = None
+    bias: Any = None
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    groups: int = 1
+    kind = "conv"
+
+    @property
+    def kernel(self) -> tuple[int, int]:
+        return int(self.weight.shape[-2]), int(self.weight.shape[-1])
+
+    def out_shape(self, shapes):
+        (h, w), (kh, kw) = shapes[0], self.kernel
+        t, b, l, r = self.padding
+        oh = (h + t + b - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + l + r - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+        return oh, ow
+
+    def out_channels(self, channels):
+        return int(self.weight.shape[0])
+
+    def input_boxes(self, box):
+        y0, y1, x0, x1 = box
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        t, _, l, _ = self.padding
+        return [(y0 * sh - t, (y1 - 1) * sh + dh * (kh - 1) + 1 - t,
+                 x0 * sw - l, (x1 - 1) * sw + dw * (kw - 1) + 1 - l)]
+
+    def run(self, ctx, inputs, have, box, shapes):
+        import torch.nn.functional as F
+
+        need = self.input_boxes(box)[0]
+        inner = clip_box(need, shapes[0])
+        x = sub_tensor(inputs[0], have[0], inner)
+        pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
+        if any(pad):
+            x = F.pad(x, pad)
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def describe(self):
+        (kh, kw), t = self.kernel, self.padding
+        return f"conv {kh}x{kw} s{self.stride[0]} d{self.dilation[0]} pad{t}"
+
+
+@dataclass
+class Resample(Op):
+    """Nearest-neighbour upsampling by an integer factor (diffusers Upsample2D, TAESD nn.Upsample)."""
+
+    scale: int = 2
+    kind = "resample"
+
+    def out_shape(self, shapes):
+        return shapes[0][0] * self.scale, shapes[0][1] * self.scale
+
+    def input_boxes(self, box):
+        y0, y1, x0, x1 = box
+        s = self.scale
+        return [(y0 // s, (y1 - 1) // s + 1, x0 // s, (x1 - 1) // s + 1)]
+
+    def run(self, ctx, inputs, have, box, shapes):
+        import torch.nn.functional as F
+
+        need = self.input_boxes(box)[0]
+        x = sub_tensor(inputs[0], have[0], need)
+        x = F.interpolate(x, scale_factor=float(self.scale), mode="nearest")
+        s = self.scale
+        return sub_tensor(x, (need[0] * s, need[1] * s, need[2] * s, need[3] * s), box)
+
+    def describe(self):
+        return f"upsample x{self.scale} nearest"
+
+
+@dataclass
+class Pointwise(Op):
+    """A per-position function (activation, affine rescale, TAESD clamp, channel-mixing 1x1 linear)."""
+
+    fn: Callable | None = None
+    label: str = ""
+    channels: int | None = None
+    kind = "pointwise"
+
+    def out_channels(self, channels):
+        return channels[0] if self.channels is None else self.channels
+
+    def run(self, ctx, inputs, have, box, shapes):
+        return self.fn(sub_tensor(inputs[0], have[0], box))
+
+    def describe(self):
+        return self.label or "pointwise"
+
+
+@dataclass
+class Add(Op):
+    """Residual sum (a + b) / scale."""
+
+    scale: float = 1.0
+    kind = "add"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        y = sub_tensor(inputs[0], have[0], box) + sub_tensor(inputs[1], have[1], box)
+        return y if self.scale == 1.0 else y / self.scale
+
+    def describe(self):
+        return "add" if self.scale == 1.0 else f"add /{self.scale:g}"
+
+
+@dataclass
+class GroupNorm(Op):
+    """GroupNorm: a sync op, its statistics are per (batch, group) over the whole spatial domain."""
+
+    groups: int = 32
+    eps: float = 1e-6
+    weight: Any = None
+    bias: Any = None
+    sync = True
+    kind = "group_norm"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        x = sub_tensor(inputs[0], have[0], box)
+        stats = ctx.group_stats(self, x, box, shapes[0])
+        if stats is None:
+            import torch.nn.functional as F
+
+            return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias)
+
+    def describe(self):
+        return f"group_norm G={self.groups}"
+
+
+@dataclass
+class AttentionCore(Op):
+    """diffusers Attention after its GroupNorm: q, k, v projections, softmax attention, out proj, residual.
+
+    src = (normed, residual). Global by default: every query attends to every spatial token.
+    """
+
+    heads: int = 1
+    to_q: Any = None
+    to_k: Any = None
+    to_v: Any = None
+    to_out: Any = None
+    residual: bool = True
+    rescale: float = 1.0
+    sync = True
+    kind = "attention"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        n = sub_tensor(inputs[0], have[0], box)
+        kv = ctx.attention_kv(self, n, box)
+        y = self.attend(n, *kv, chunk=ctx.query_chunk)
+        if self.residual:
+            y = y + sub_tensor(inputs[1], have[1], box)
+        return y / self.rescale if self.rescale != 1.0 else y
+
+    def keys_values(self, n):
+        """(B, heads, N, d) keys and values of the tokens of n (B, C, h, w)."""
+        t = n.flatten(2).transpose(1, 2)
+        return self._heads(self.to_k(t)), self._heads(self.to_v(t))
+
+    def _heads(self, t):
+        b, n, c = t.shape
+        return t.view(b, n, self.heads, c // self.heads).transpose(1, 2)
+
+    def attend(self, n, k, v, chunk: int = 4096):
+        """Queries of n (B, C, h, w) attend to k, v in query chunks; returns to_out(attn) as (B, C, h, w)."""
+        import torch
+        import torch.nn.functional as F
+
+        b, c, h, w = n.shape
+        q = self._heads(self.to_q(n.flatten(2).transpose(1, 2)))
+        outs = [F.scaled_dot_product_attention(q[:, :, i : i + chunk], k, v)
+                for i in range(0, q.shape[2], chunk)]
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        o = o.transpose(1, 2).reshape(b, h * w, -1).to(q.dtype)
+        return self.to_out[1](self.to_out[0](o)).transpose(1, 2).reshape(b, -1, h, w)
+
+    def describe(self):
+        return f"attention heads={self.heads}"
+
+
+def apply_group_norm(x, stats, groups, eps, weight, bias):
+    """GroupNorm with given per-(batch, group) mean and variance (float64), computed in float32."""
+    import torch
+
+    mean, var = stats
+    b, c = x.shape[:2]
+    dtype = x.dtype
+    rstd = (var + eps).rsqrt().to(torch.float32)
+    mean = mean.to(torch.float32).view(b, groups, 1, 1, 1)
+    y = x.float().view(b, groups, c // groups, *x.shape[2:]) - mean
+    y = (y * rstd.view(b, groups, 1, 1, 1)).view_as(x)
+    if weight is not None:
+        y = y * weight.float().view(1, c, 1, 1) + bias.float().view(1, c, 1, 1)
+    return y.to(dtype)
+
+
+@dataclass
+class RunContext:
+    """How sync ops behave during a run: GroupNorm statistics and attention keys/values."""
+
+    stats: dict[int, Any] = field(default_factory=dict)  # id(op) -> (mean, var) to apply; absent -> native
+    kv: dict[int, Any] = field(default_factory=dict)  # id(op) -> (k, v); absent -> keys of the box itself
+    query_chunk: int = 4096
+
+    def group_stats(self, op, x, box, shape):
+        """The statistics to apply for a GroupNorm op, or None for torch's own over x."""
+        return self.stats.get(id(op))
+
+    def attention_kv(self, op, n, box):
+        """Keys and values the queries of box attend to."""
+        kv = self.kv.get(id(op))
+        return kv if kv is not None else op.keys_values(n)
+
+
+@dataclass
+class Program:
+    """A lowered module: ops in execution order over named values, from `inputs[0]` to `output`."""
+
+    ops: list[Op]
+    input: str
+    output: str
+    in_channels: int
+    name: str = ""
+
+    def shapes(self, hw: tuple[int, int]) -> dict[str, tuple[int, int]]:
+        """Spatial shape of every value for an input of spatial shape hw."""
+        out = {self.input: tuple(hw)}
+        for op in self.ops:
+            out[op.dst] = op.out_shape([out[s] for s in op.src])
+        return out
+
+    def channels(self) -> dict[str, int]:
+        """Channel count of every value."""
+        out = {self.input: self.in_channels}
+        for op in self.ops:
+            out[op.dst] = op.out_channels([out[s] for s in op.src])
+        return out
+
+    def run(self, x, ctx: RunContext | None = None):
+        """Untiled interpreter: every op on the whole image (the lowering's reference run)."""
+        ctx = ctx or RunContext()
+        shapes = self.shapes(tuple(x.shape[-2:]))
+        vals = {self.input: x}
+        last = last_use(self.ops, [self.output])
+        for i, op in enumerate(self.ops):
+            full = (0, shapes[op.dst][0], 0, shapes[op.dst][1])
+            ins = [vals[s] for s in op.src]
+            have = [(0, shapes[s][0], 0, shapes[s][1]) for s in op.src]
+            vals[op.dst] = op.run(ctx, ins, have, full, [shapes[s] for s in op.src])
+            for s in op.src:
+                if last.get(s) == i:
+                    del vals[s]
+        return vals[self.output]
+
+
+def last_use(ops: list[Op], keep: list[str]) -> dict[str, int]:
+    """Index of the last op reading each value (values in `keep` are never freed)."""
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for s in op.src:
+            last[s] = i
+    for k in keep:
+        last.pop(k, None)
+    return last
+
+
+@dataclass
+class Segment:
+    """A run of ops between sync points: reads `inputs` (staged), produces `outputs` (staged)."""
+
+    ops: list[Op]
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    kind: str = "local"  # "local" | "attention" (one global attention op)
+
+
+def split_segments(program: Program, is_global: Callable[[Op], bool] | None = None) -> list[Segment]:
+    """Cut the program before every sync op whose input is produced in the current segment.
+
+    `is_global(op)` says which ops are barriers (default: every sync op); a global attention op forms
+    a segment of its own.
+    """
+    is_global = is_global or (lambda op: op.sync)
+    segments: list[Segment] = []
+    cur: list[Op] = []
+    made: set[str] = set()
+
+    def close():
+        nonlocal cur, made
+        if cur:
+            segments.append(Segment(ops=cur))
+        cur, made = [], set()
+
+    for op in program.ops:
+        if not is_global(op):
+            cur.append(op)
+        elif op.kind == "attention":
+            close()
+            segments.append(Segment(ops=[op], kind="attention"))
+        else:
+            if any(s in made for s in op.src):
+                close()
+            cur.append(op)
+        made.add(op.dst)
+    close()
+    _link(segments, program)
+    return segments
+
+
+def _link(segments: list[Segment], program: Program) -> None:
+    """Fill each segment's staged inputs and outputs from value producers and consumers."""
+    producer = {program.input: -1}
+    for i, seg in enumerate(segments):
+        for op in seg.ops:
+            producer[op.dst] = i
+    for i, seg in enumerate(segments):
+        for op in seg.ops:
+            for s in op.src:
+                p = producer[s]
+                if p != i:
+                    if s not in seg.inputs:
+                        seg.inputs.append(s)
+                    if p >= 0 and s not in segments[p].outputs:
+                        segments[p].outputs.append(s)
+    last = segments[producer[program.output]] if producer[program.output] >= 0 else None
+    if last is not None and program.output not in last.outputs:
+        last.outputs.append(program.output)
+
+
+def back_propagate(ops: list[Op], wants: dict[str, Box], shapes: dict | None = None) -> dict[str, Box]:
+    """Box of every value needed to produce the wanted boxes (clipped to the image when shapes given)."""
+    need: dict[str, Box] = dict(wants)
+    for op in reversed(ops):
+        box = need.get(op.dst)
+        if box is None:
+            continue
+        for s, b in zip(op.src, op.input_boxes(box), strict=True):
+            if shapes is not None:
+                b = clip_box(b, shapes[s])
+            need[s] = union_box(need.get(s), b)
+    return need
