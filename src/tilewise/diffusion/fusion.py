@@ -1,0 +1,439 @@
+"""TiledDenoiser: predict on latent tiles, fuse into one prediction, let the pipeline's scheduler step it.
+
+Methods (one signature, variant options after it):
+- "multidiffusion": uniform average over overlapping windows (Bar-Tal et al. 2023, MultiDiffusion eq. 5).
+- "mixture": Gaussian tile weights centred at ((h-1)/2, (w-1)/2), variance `var` in units of the tile side
+  (Jiménez 2023, Mixture of Diffusers).
+- "spot": SpotDiffusion (Frolov et al. 2024): non-overlapping windows whose partition is shifted every
+  call by an offset drawn from (seed, timestep). No wrap-around: the shifted partition's cut edge cells
+  are computed on a full tile placed inside the image and only their own cells are kept.
+- "halo": each tile is computed on its core plus `halo` latent pixels and only the core is kept; exact
+  for denoisers whose receptive field radius is <= halo (conv-only models), an approximation for UNets
+  with attention or GroupNorm.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..blending import Accumulator, weight_window
+from ..geometry import Box, TileGrid, box_slices
+from .regions import Region, region_weights
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("multidiffusion", "mixture", "spot", "halo")
+MICRO_CONDITIONING = ("tile", "pipeline")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One UNet call's spatial unit: the box it reads and the box of the output it contributes to."""
+
+    index: int
+    read: Box
+    out: Box
+
+    @property
+    def crop(self) -> tuple[slice, slice]:
+        """Slices cutting `out` from a prediction computed on `read`."""
+        ry, rx = self.read[0], self.read[2]
+        y0, y1, x0, x1 = self.out
+        return slice(y0 - ry, y1 - ry), slice(x0 - rx, x1 - rx)
+
+
+def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    raise ValueError(f"{name} must be an int or an (h, w) pair of ints, got {value!r}")
+
+
+def downsampling_factor(unet: torch.nn.Module) -> int:
+    """2 ** (number of downsampling blocks) for a diffusers UNet; 1 for a model without block_out_channels."""
+    config = getattr(unet, "config", None)
+    blocks = getattr(config, "block_out_channels", None) if config is not None else None
+    return 2 ** (len(blocks) - 1) if blocks else 1
+
+
+def spot_offset(seed: int, timestep: torch.Tensor | float, tile: tuple[int, int]) -> tuple[int, int]:
+    """SpotDiffusion shift (dy, dx) in [0, tile): a pure function of the seed and the timestep value."""
+    t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
+    rng = random.Random(f"tilewise-spot:{seed}:{round(t * 1000)}")
+    return rng.randrange(tile[0]), rng.randrange(tile[1])
+
+
+def _shifted_axis(length: int, tile: int, shift: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """SpotDiffusion partition of one axis: (window, core) pairs, cores cut at shift + k * tile."""
+    if length <= tile:
+        return [((0, length), (0, length))]
+    bounds = sorted({0, length, *range(shift, length, tile)})
+    pairs = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        start = min(a, length - tile) if b - a < tile and a > 0 else a
+        pairs.append(((start, start + tile), (a, b)))
+    return pairs
+
+
+def _grow_aligned(read: Box, shape: tuple[int, int], align: int) -> Box:
+    """Grow a read box inside the image until its sides are multiples of `align` (when the image allows)."""
+    out = list(read)
+    for axis, n in enumerate(shape):
+        lo, hi = out[2 * axis], out[2 * axis + 1]
+        need = -(hi - lo) % align
+        grow_hi = min(need, n - hi)
+        lo, hi = max(0, lo - (need - grow_hi)), hi + grow_hi
+        out[2 * axis], out[2 * axis + 1] = lo, hi
+    return out[0], out[1], out[2], out[3]
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _take_rows(value: Any, rows: torch.Tensor, n_rows: int, repeats: int) -> Any:
+    """Per-row conditioning (leading dim == batch) restricted to `rows` and repeated for `repeats` tiles."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim >= 1 and value.shape[0] == n_rows:
+            part = value.index_select(0, rows.to(value.device))
+            return part.repeat(repeats, *([1] * (part.ndim - 1)))
+        return value
+    if isinstance(value, dict):
+        return {k: _take_rows(v, rows, n_rows, repeats) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_take_rows(v, rows, n_rows, repeats) for v in value)
+    return value
+
+
+class TiledDenoiser(torch.nn.Module):
+    """Tiled diffusion wrapper: same call signature and return type as the wrapped diffusers denoiser.
+
+    `tile_size`, `overlap`, `halo` are in latent pixels; tiles are `tile_size` windows (the whole side when
+    the latent is smaller), whose size must be a multiple of the UNet's downsampling factor. `batch_size`
+    tiles are run in one call, each with the whole CFG batch. `micro_conditioning="tile"` (SDXL) shifts
+    the crop top-left of `time_ids` by the tile's offset in pixels (latent offset x `vae_scale_factor`) and
+    keeps the pipeline's original and target size (by default the whole image); "pipeline" passes the
+    pipeline's `time_ids` unchanged; a callable `f(time_ids, box_px, image_size_px) -> time_ids` overrides.
+    `cfg`: whether the batch is [unconditional, conditional] halves ("auto": the two halves of the
+    sample are identical); only regions need to know it, the unconditional half keeps its embeddings.
+    """
+
+    def __init__(
+        self,
+        unet: torch.nn.Module,
+        tile_size: int | Sequence[int] = 64,
+        overlap: int | Sequence[int] = 16,
+        method: str = "multidiffusion",
+        batch_size: int = 1,
+        regions: Sequence[Region] | None = None,
+        *,
+        var: float = 0.01,
+        halo: int | Sequence[int] | None = None,
+        seed: int = 0,
+        micro_conditioning: str | Callable = "tile",
+        vae_scale_factor: int = 8,
+        cfg: bool | str = "auto",
+        order: str = "row",
+        align: int | None = None,
+        progress: bool = False,
+    ) -> None:
+        super().__init__()
+        self.unet = unet
+        self.method = method
+        self.tile_size = _pair(tile_size, "tile_size")
+        self.overlap = _pair(overlap, "overlap")
+        self.halo = None if halo is None else _pair(halo, "halo")
+        self.batch_size, self.var, self.seed, self.order = batch_size, var, seed, order
+        self.micro_conditioning, self.vae_scale_factor, self.cfg = micro_conditioning, vae_scale_factor, cfg
+        self.align = downsampling_factor(unet) if align is None else align
+        self.regions = list(regions or [])
+        self.progress = progress
+        self.progress_bar = None  # an external tqdm-like object updated per tile (used by `upscale`)
+        self._validate()
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}
+        self._logged: set[tuple[int, int]] = set()
+
+    # ---- attribute pass-through: config, dtype, device, add_embedding, in_channels, ... -----------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            unet = self.__dict__["_modules"].get("unet")
+            if unet is None:
+                raise
+            return getattr(unet, name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The wrapped model's dtype."""
+        return self.unet.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The wrapped model's device."""
+        return self.unet.device
+
+    # ---- validation ------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        th, tw = self.tile_size
+        if th <= 0 or tw <= 0:
+            raise ValueError(f"tile_size must be positive, got {self.tile_size}")
+        for t, o, axis in ((th, self.overlap[0], "height"), (tw, self.overlap[1], "width")):
+            if self.method in ("multidiffusion", "mixture") and not 0 <= o < t:
+                raise ValueError(f"overlap {o} must satisfy 0 <= overlap < tile_size {t} along {axis}")
+            if t % self.align:
+                lo, hi = t // self.align * self.align, -(-t // self.align) * self.align
+                raise ValueError(f"tile_size {t} along {axis} is not a multiple of the UNet's downsampling "
+                                 f"factor {self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if self.method == "halo" and self.halo is None:
+            raise ValueError("method='halo' needs halo=<latent pixels>, the denoiser's receptive radius")
+        if self.halo is not None and min(self.halo) < 0:
+            raise ValueError(f"halo must be >= 0, got {self.halo}")
+        if not (callable(self.micro_conditioning) or self.micro_conditioning in MICRO_CONDITIONING):
+            raise ValueError(f"micro_conditioning must be one of {MICRO_CONDITIONING} or a callable, "
+                             f"got {self.micro_conditioning!r}")
+        if self.cfg not in (True, False, "auto"):
+            raise ValueError(f"cfg must be True, False or 'auto', got {self.cfg!r}")
+        if self.method == "mixture" and not self.var > 0:
+            raise ValueError(f"var (Gaussian variance in tile-side units) must be > 0, got {self.var}")
+
+    def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
+        if sample.ndim != 4:
+            raise ValueError(f"sample must be a (batch, channels, height, width) latent, got "
+                             f"{tuple(sample.shape)}")
+        H, W = sample.shape[-2:]
+        if H < self.align or W < self.align:
+            raise ValueError(f"latent {H}x{W} is smaller than the UNet's downsampling factor {self.align}; "
+                             f"height and width must be >= {self.align} latent pixels")
+        if (H < self.tile_size[0] or W < self.tile_size[1]) and (H, W) not in self._logged:
+            self._logged.add((H, W))
+            logger.info("tile %s is larger than the %dx%d latent along some side: that side is one tile",
+                        self.tile_size, H, W)
+        return H, W
+
+    # ---- plan: which boxes are read and where their predictions go --------------------------------------
+    def plan(self, height: int, width: int, timestep: torch.Tensor | float = 0) -> list[Piece]:
+        """The pieces of one call on a height x width latent (spot: shifted by the timestep's offset)."""
+        tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
+        if self.method == "spot":
+            dy, dx = spot_offset(self.seed, timestep, self.tile_size)
+            ys, xs = _shifted_axis(height, tile[0], dy), _shifted_axis(width, tile[1], dx)
+            return [Piece(i, (wy[0], wy[1], wx[0], wx[1]), (cy[0], cy[1], cx[0], cx[1]))
+                    for i, ((wy, cy), (wx, cx)) in enumerate((y, x) for y in ys for x in xs)]
+        # a side the tile does not fit is one window, and has no overlap
+        overlap = tuple(0 if self.method == "halo" or t >= n else o
+                        for t, o, n in zip(self.tile_size, self.overlap, (height, width), strict=True))
+        halo = self.halo if self.method == "halo" else 0
+        grid = TileGrid(height, width, tile, overlap=overlap, halo=halo or 0, order=self.order)
+        if self.method == "halo":
+            return [Piece(t.index, _grow_aligned(t.read, (height, width), self.align), t.core) for t in grid]
+        return [Piece(t.index, t.window, t.window) for t in grid]
+
+    def _window(self, piece: Piece, device: torch.device) -> torch.Tensor:
+        y0, y1, x0, x1 = piece.out
+        shape = (y1 - y0, x1 - x0)
+        kind = "gaussian" if self.method == "mixture" else "uniform"
+        if (kind, shape) not in self._weights:
+            self._weights[(kind, shape)] = weight_window(kind, shape, var=self.var)
+        return self._weights[(kind, shape)].to(device)
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor | float | int,
+        encoder_hidden_states: torch.Tensor | None = None,
+        class_labels: torch.Tensor | None = None,
+        timestep_cond: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+        down_block_additional_residuals: tuple[torch.Tensor] | None = None,
+        mid_block_additional_residual: torch.Tensor | None = None,
+        down_intrablock_additional_residuals: tuple[torch.Tensor] | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ):
+        """Predict on every tile (batched), fuse into one prediction for the whole latent."""
+        if any(r is not None for r in (down_block_additional_residuals, mid_block_additional_residual,
+                                       down_intrablock_additional_residuals)):
+            raise NotImplementedError("ControlNet / adapter residuals are spatial and are not tiled yet; "
+                                      "run them untiled or tile the control image per tile")
+        H, W = self._check_latent(sample)
+        cond = {"encoder_hidden_states": encoder_hidden_states, "class_labels": class_labels,
+                "timestep_cond": timestep_cond, "attention_mask": attention_mask,
+                "cross_attention_kwargs": cross_attention_kwargs, "added_cond_kwargs": added_cond_kwargs,
+                "encoder_attention_mask": encoder_attention_mask}
+        cond = {k: v for k, v in cond.items() if v is not None}
+        pieces = self.plan(H, W, timestep)
+        fused = self._fuse(sample, timestep, cond, pieces)
+        if not return_dict:
+            return (fused,)
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+        return UNet2DConditionOutput(sample=fused)
+
+    def _fuse(self, sample: torch.Tensor, timestep: Any, cond: dict, pieces: list[Piece]) -> torch.Tensor:
+        """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated batch by batch."""
+        B = sample.shape[0]
+        runs = self._runs(sample, cond)
+        acc: Accumulator | None = None
+        bar = self._bar(len(pieces))
+        for chunk in _batches(pieces, self.batch_size):
+            outs = self._run_chunk(sample, timestep, cond, chunk, runs)
+            for p in chunk:
+                pred = self._combine(p, outs, runs, B, sample.device)
+                if len(pieces) == 1 and p.out == (0, *sample.shape[-2:-1], 0, sample.shape[-1]):
+                    # one tile covering the latent: the fused prediction is the tile's (no w * y / w rounding)
+                    if bar is not None:
+                        bar.update(1)
+                    return pred[(..., *p.crop)].to(sample.dtype)
+                if acc is None:
+                    acc = Accumulator((B, pred.shape[1], *sample.shape[-2:]), device=sample.device)
+                w = self._window(p, sample.device)
+                acc.add(pred[(..., *p.crop)], p.out, w)
+            if bar is not None:
+                bar.update(len(chunk))
+        if bar is not None and bar is not self.progress_bar:
+            bar.close()
+        return acc.result().to(sample.dtype)
+
+    def _bar(self, total: int):
+        if self.progress_bar is not None:
+            return self.progress_bar
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="tiles", leave=False)
+
+    # ---- conditioning runs: the pipeline prompt and each region -----------------------------------------
+    def _runs(self, sample: torch.Tensor, cond: dict) -> dict:
+        """Row sets: all rows, the unconditional half and the conditional half (regions only)."""
+        B = sample.shape[0]
+        rows = torch.arange(B)
+        if not self.regions:
+            return {"all": rows, "uncond": rows[:0], "cond": rows, "weights": None}
+        cfg = self.cfg
+        if cfg == "auto":
+            cfg = B % 2 == 0 and torch.equal(sample[: B // 2], sample[B // 2 :])
+        if cfg and B % 2:
+            raise ValueError(f"cfg=True needs an even batch [uncond, cond], got batch {B}")
+        half = B // 2 if cfg else 0
+        key = tuple(sample.shape[-2:])
+        if key not in self._weights:
+            self._weights[key] = region_weights(self.regions, *key, self.vae_scale_factor)
+        return {"all": rows, "uncond": rows[:half], "cond": rows[half:], "weights": self._weights[key]}
+
+    def _jobs(self, piece: Piece, runs: dict) -> list[tuple[int, str]]:
+        """(conditioning k, row set) runs a piece needs: k = 0 the pipeline prompt, k >= 1 region k - 1."""
+        if runs["weights"] is None:
+            return [(0, "all")]
+        a = runs["weights"][(slice(None), *box_slices(piece.read))]
+        active = [k for k in range(a.shape[0]) if bool((a[k] > 0).any())]
+        jobs = [(0, "all")] if 0 in active else ([(0, "uncond")] if len(runs["uncond"]) else [])
+        return jobs + [(k, "cond") for k in active if k > 0]
+
+    def _run_chunk(self, sample, timestep, cond, chunk, runs) -> dict:
+        """Run the model once per (conditioning, row set) on all pieces of the chunk that need it."""
+        groups: dict[tuple[int, str, tuple[int, int]], list[Piece]] = defaultdict(list)
+        for p in chunk:
+            shape = (p.read[1] - p.read[0], p.read[3] - p.read[2])  # halo reads differ in size at the edges
+            for k, rows_name in self._jobs(p, runs):
+                groups[(k, rows_name, shape)].append(p)
+        outs = {}
+        for (k, rows_name, _), ps in groups.items():
+            rows = runs[rows_name]
+            y = self._call(sample, timestep, cond, ps, k, rows)
+            for p, part in zip(ps, y.split(len(rows)), strict=True):
+                outs[(p.index, k, rows_name)] = part
+        return outs
+
+    def _call(self, sample, timestep, cond, ps: list[Piece], k: int, rows: torch.Tensor) -> torch.Tensor:
+        """One model call on the pieces `ps`, rows `rows`, with conditioning k."""
+        B = sample.shape[0]
+        part = sample.index_select(0, rows.to(sample.device))
+        x = torch.cat([part[(..., *box_slices(p.read))] for p in ps])
+        kwargs = {name: _take_rows(v, rows, B, len(ps)) for name, v in cond.items()}
+        t = _take_rows(timestep, rows, B, len(ps))
+        if k > 0:
+            self._apply_region(kwargs, self.regions[k - 1], len(rows) * len(ps))
+        self._apply_micro_conditioning(kwargs, ps, len(rows), sample.shape[-2:])
+        out = self.unet(x, t, return_dict=False, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+    def _apply_region(self, kwargs: dict, region: Region, n: int) -> None:
+        """Replace the (conditional) prompt embeddings by the region's, per row."""
+        ref = kwargs.get("encoder_hidden_states")
+        emb = region.prompt_embeds if ref is None else region.prompt_embeds.to(ref.device, ref.dtype)
+        kwargs["encoder_hidden_states"] = _expand_rows(emb, n, "prompt_embeds")
+        if region.pooled_prompt_embeds is not None:
+            added = dict(kwargs.get("added_cond_kwargs") or {})
+            pooled = region.pooled_prompt_embeds
+            if "text_embeds" in added:
+                pooled = pooled.to(added["text_embeds"].device, added["text_embeds"].dtype)
+            added["text_embeds"] = _expand_rows(pooled, n, "pooled_prompt_embeds")
+            kwargs["added_cond_kwargs"] = added
+
+    def _apply_micro_conditioning(self, kwargs: dict, ps: list[Piece], n_rows: int, hw) -> None:
+        """SDXL: per-tile `time_ids` (original size, crop top-left, target size) for what the tile is."""
+        added = kwargs.get("added_cond_kwargs")
+        if not added or "time_ids" not in added or self.micro_conditioning == "pipeline":
+            return
+        ids = added["time_ids"]
+        if ids.ndim != 2 or ids.shape[-1] != 6:
+            return
+        s = self.vae_scale_factor
+        image_px = (hw[0] * s, hw[1] * s)
+        parts = []
+        for i, p in enumerate(ps):
+            rows = ids[i * n_rows : (i + 1) * n_rows]
+            box_px = tuple(c * s for c in p.read)
+            if callable(self.micro_conditioning):
+                parts.append(self.micro_conditioning(rows, box_px, image_px))
+            else:
+                offset = torch.tensor([0, 0, box_px[0], box_px[2], 0, 0]).to(rows)
+                parts.append(rows + offset)
+        kwargs["added_cond_kwargs"] = {**added, "time_ids": torch.cat(parts)}
+
+    def _combine(self, p: Piece, outs: dict, runs: dict, B: int, device) -> torch.Tensor:
+        """The piece's prediction: unconditional rows from the prompt, conditional rows blended by region."""
+        if runs["weights"] is None:
+            return outs[(p.index, 0, "all")]
+        a = runs["weights"][(slice(None), *box_slices(p.read))].to(device)
+        first = next(v for (i, _, _), v in outs.items() if i == p.index)
+        pred = first.new_zeros((B, *first.shape[1:]))
+        n_unc = len(runs["uncond"])
+        if (p.index, 0, "all") in outs:
+            pred[:n_unc] = outs[(p.index, 0, "all")][:n_unc]
+        elif n_unc:
+            pred[:n_unc] = outs[(p.index, 0, "uncond")]
+        for (i, k, rows_name), v in outs.items():
+            if i != p.index or (k == 0 and rows_name == "uncond"):
+                continue
+            v_cond = v[n_unc:] if rows_name == "all" else v
+            pred[n_unc:] += a[k].to(v.dtype) * v_cond
+        return pred
+
+
+def _expand_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    if t.shape[0] == n:
+        return t
+    if t.shape[0] == 1:
+        return t.expand(n, *t.shape[1:])
+    if n % t.shape[0] == 0:
+        return t.repeat(n // t.shape[0], *([1] * (t.ndim - 1)))
+    raise ValueError(f"Region.{name} has batch {t.shape[0]}; expected 1 or a divisor of {n} rows")
