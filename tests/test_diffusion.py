@@ -245,6 +245,19 @@ def test_halo_method_is_exact_for_a_local_denoiser(tile):
     assert err <= 1e-5
 
 
+def test_halo_probe_measures_the_radius_and_rejects_global_models():
+    model = ConvDenoiser(layers=3, kernel=3)
+    x = torch.randn(1, 4, 30, 26, generator=gen(3))
+    td = TiledDenoiser(model, tile_size=8, method="halo", halo="probe")
+    with torch.no_grad():
+        assert (td(x, 7).sample - model(x, 7).sample).abs().max() <= 1e-5
+    assert td.halo == (3, 3)
+    unet = tiny_unet()  # attention and GroupNorm: every output depends on every input
+    with pytest.raises(ValueError, match="not local"):
+        TiledDenoiser(unet, tile_size=8, method="halo", halo="probe")(
+            torch.randn(1, 4, 16, 16), 3, encoder_hidden_states=embeds()[0])
+
+
 def test_halo_too_small_is_not_exact():
     # the oracle can fail: with halo 1 < radius 3, interior tile borders differ from the untiled model
     model = ConvDenoiser(layers=3, kernel=3)

@@ -137,7 +137,7 @@ class TiledDenoiser(torch.nn.Module):
         regions: Sequence[Region] | None = None,
         *,
         var: float = 0.01,
-        halo: int | Sequence[int] | None = None,
+        halo: int | Sequence[int] | str | None = None,
         seed: int = 0,
         micro_conditioning: str | Callable = "tile",
         vae_scale_factor: int = 8,
@@ -151,7 +151,7 @@ class TiledDenoiser(torch.nn.Module):
         self.method = method
         self.tile_size = _pair(tile_size, "tile_size")
         self.overlap = _pair(overlap, "overlap")
-        self.halo = None if halo is None else _pair(halo, "halo")
+        self.halo = halo if halo is None or halo == "probe" else _pair(halo, "halo")
         self.batch_size, self.var, self.seed, self.order = batch_size, var, seed, order
         self.micro_conditioning, self.vae_scale_factor, self.cfg = micro_conditioning, vae_scale_factor, cfg
         self.align = downsampling_factor(unet) if align is None else align
@@ -199,8 +199,8 @@ class TiledDenoiser(torch.nn.Module):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.method == "halo" and self.halo is None:
-            raise ValueError("method='halo' needs halo=<latent pixels>, the denoiser's receptive radius")
-        if self.halo is not None and min(self.halo) < 0:
+            raise ValueError("method='halo' needs halo=<latent pixels> (receptive-field radius) or 'probe'")
+        if self.halo not in (None, "probe") and min(self.halo) < 0:
             raise ValueError(f"halo must be >= 0, got {self.halo}")
         if not (callable(self.micro_conditioning) or self.micro_conditioning in MICRO_CONDITIONING):
             raise ValueError(f"micro_conditioning must be one of {MICRO_CONDITIONING} or a callable, "
@@ -227,6 +227,8 @@ class TiledDenoiser(torch.nn.Module):
     # ---- plan: which boxes are read and where their predictions go --------------------------------------
     def plan(self, height: int, width: int, timestep: torch.Tensor | float = 0) -> list[Piece]:
         """The pieces of one call on a height x width latent (spot: shifted by the timestep's offset)."""
+        if self.method == "halo" and self.halo == "probe":
+            raise ValueError("halo='probe' is measured on the first call; plan() needs a numeric halo")
         tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
         if self.method == "spot":
             dy, dx = spot_offset(self.seed, timestep, self.tile_size)
@@ -241,6 +243,33 @@ class TiledDenoiser(torch.nn.Module):
         if self.method == "halo":
             return [Piece(t.index, _grow_aligned(t.read, (height, width), self.align), t.core) for t in grid]
         return [Piece(t.index, t.window, t.window) for t in grid]
+
+    def count(self, height: int, width: int) -> int:
+        """Tiles per call on a height x width latent (spot: at offset 0; a shifted partition may add one)."""
+        if self.method == "halo" and self.halo == "probe":
+            tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
+            return len(TileGrid(height, width, tile))
+        return len(self.plan(height, width))
+
+    def _probe_halo(self, sample: torch.Tensor, timestep: Any, cond: dict) -> tuple[int, int]:
+        """halo='probe': the receptive-field radius measured by perturbing one latent pixel (first call)."""
+        from ..locality import probe_receptive_field
+
+        B = sample.shape[0]
+        row = torch.zeros(1, dtype=torch.long)
+        kwargs = {k: _take_rows(v, row, B, 1) for k, v in cond.items()}
+        t = _take_rows(timestep, row, B, 1)
+
+        def model(x: torch.Tensor) -> torch.Tensor:
+            out = self.unet(x, t, return_dict=False, **kwargs)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        result = probe_receptive_field(model, sample[:1])
+        if result.radius is None:
+            raise ValueError(f"halo='probe': {result}; the denoiser is not local, so method='halo' cannot be "
+                             "exact; give halo=<latent pixels> explicitly or use 'multidiffusion'/'mixture'")
+        logger.info("halo='probe': measured receptive-field radius %d latent px", result.radius)
+        return result.radius, result.radius
 
     def _window(self, piece: Piece, device: torch.device) -> torch.Tensor:
         y0, y1, x0, x1 = piece.out
@@ -278,6 +307,8 @@ class TiledDenoiser(torch.nn.Module):
                 "cross_attention_kwargs": cross_attention_kwargs, "added_cond_kwargs": added_cond_kwargs,
                 "encoder_attention_mask": encoder_attention_mask}
         cond = {k: v for k, v in cond.items() if v is not None}
+        if self.method == "halo" and self.halo == "probe":
+            self.halo = self._probe_halo(sample, timestep, cond)
         pieces = self.plan(H, W, timestep)
         fused = self._fuse(sample, timestep, cond, pieces)
         if not return_dict:

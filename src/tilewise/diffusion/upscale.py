@@ -137,7 +137,7 @@ def upscale(
     i2i.set_progress_bar_config(disable=True)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
-    pieces = len(denoiser.plan(x.shape[-2] // s, x.shape[-1] // s))
+    pieces = denoiser.count(x.shape[-2] // s, x.shape[-1] // s)
     from tqdm.auto import tqdm
 
     with tqdm(total=steps * pieces, desc="upscale (steps x tiles)", disable=disable) as bar:
