@@ -1,0 +1,366 @@
+"""TiledVAE: exact (or fast, named-approximate) tiled decode and encode of diffusers VAEs.
+
+A wrapper, never a patch: it holds the VAE, lowers its encoder and decoder (with quant convs) into tile
+programs once, and offers `decode` / `encode` with the signatures and return types of
+`AutoencoderKL.decode` / `.encode` (and AutoencoderTiny's), so `pipe.vae = TiledVAE(pipe.vae)` works.
+Every other attribute (config, dtype, device, scaling/shift factors, ...) reads through to the VAE.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .executor import STAGINGS, Executor, estimate_stats, map_box
+from .locality.lowering import chain, lower, lower_conv
+from .locality.program import Program, back_propagate, box_empty
+
+logger = logging.getLogger(__name__)
+
+MODES = ("exact", "fast")
+ATTENTIONS = ("global", "tile")
+
+
+@dataclass
+class Stage:
+    """One staged full-size value of a plan."""
+
+    value: str
+    producer: str
+    shape: tuple[int, ...]
+    bytes: int
+    where: str
+
+
+@dataclass
+class Plan:
+    """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak."""
+
+    kind: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    tile_size: int
+    grid: tuple[int, int]
+    mode: str
+    attention: str
+    staging: str
+    segments: int
+    halo_overhead: float  # extra conv work from halos, as a fraction of the untiled conv work
+    stages: list[Stage] = field(default_factory=list)
+    staged_peak: int = 0  # most staged bytes alive at once
+    working: int = 0  # per-tile working set estimate (largest segment)
+    attention_bytes: int = 0  # keys and values of a global attention
+    output_bytes: int = 0
+    peak: int = 0  # estimated peak on the device (staged on the device + working + output)
+
+    def __str__(self) -> str:
+        from .memory import format_bytes as fb
+
+        rows = [
+            f"TiledVAE {self.kind} plan: {self.input_shape} -> {self.output_shape}, mode={self.mode}, "
+            f"attention={self.attention}",
+            f"  tiles: {self.grid[0]}x{self.grid[1]} of {self.tile_size} latent px, "
+            f"{self.segments} segments, "
+            f"halo overhead {100 * self.halo_overhead:.1f}% extra conv work",
+            f"  staging: {self.staging}, {len(self.stages)} staged values, at most {fb(self.staged_peak)} "
+            f"alive at once",
+        ]
+        for s in self.stages[:6]:
+            rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
+        if len(self.stages) > 6:
+            rows.append(f"    ... {len(self.stages) - 6} more")
+        rows.append(f"  per-tile working set ~{fb(self.working)}, attention K/V {fb(self.attention_bytes)}, "
+                    f"output buffer {fb(self.output_bytes)}")
+        rows.append(f"  estimated device peak {fb(self.peak)}")
+        return "\n".join(rows)
+
+
+class TiledVAE:
+    """Wrap an AutoencoderKL / AutoencoderTiny: tile-by-tile decode and encode, exact by default."""
+
+    def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
+                 memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
+                 progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
+                 stage_dir: str | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if staging not in ("auto", *STAGINGS):
+            raise ValueError(f"staging must be 'auto' or one of {STAGINGS}, got {staging!r}")
+        if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+            raise ValueError(f"tile_size must be a positive int (latent pixels), got {tile_size!r}")
+        if query_chunk < 1:
+            raise ValueError(f"query_chunk must be >= 1, got {query_chunk!r}")
+        self.__dict__["vae"] = vae
+        self.tile_size, self.mode, self.attention = tile_size, mode, attention
+        self.memory_budget = None
+        if memory_budget is not None:
+            from .memory import parse_bytes
+
+            self.memory_budget = parse_bytes(memory_budget)
+        self.staging, self.retry_on_oom, self.progress = staging, retry_on_oom, progress
+        self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
+        self._programs: dict[str, Program] = {}
+
+    # -- pass-through -------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["vae"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
+                                             "retry_on_oom", "progress", "color_fix", "query_chunk",
+                                             "stage_dir", "_programs"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.vae, name, value)
+
+    def __repr__(self) -> str:
+        return (f"TiledVAE({type(self.vae).__name__}, tile_size={self.tile_size}, mode={self.mode!r}, "
+                f"attention={self.attention!r}, staging={self.staging!r})")
+
+    def to(self, *args, **kwargs) -> TiledVAE:
+        """Move the wrapped VAE (parameters keep their identity, so the programs follow)."""
+        self.vae.to(*args, **kwargs)
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.vae(*args, **kwargs)
+
+    # -- programs -----------------------------------------------------------------------------------
+
+    @property
+    def is_tiny(self) -> bool:
+        return type(self.vae).__name__ == "AutoencoderTiny"
+
+    def program(self, kind: str) -> Program:
+        """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
+        if kind not in self._programs:
+            if kind == "decode":
+                p = lower(self.vae.decoder)
+                pq = getattr(self.vae, "post_quant_conv", None)
+                self._programs[kind] = chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
+            elif kind == "encode":
+                p = lower(self.vae.encoder)
+                q = getattr(self.vae, "quant_conv", None)
+                self._programs[kind] = chain(p, lower_conv(q, "quant_conv")) if q is not None else p
+            else:
+                raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+        return self._programs[kind]
+
+    def _factor(self, kind: str) -> int:
+        """Image pixels per latent pixel."""
+        p = self.program(kind)
+        shapes = p.shapes((64, 64))
+        ratio = shapes[p.output][0] / 64
+        return round(ratio) if kind == "decode" else round(1 / ratio)
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def _check(self, t, kind: str) -> None:
+        import torch
+
+        p = self.program(kind)
+        what = "latent z" if kind == "decode" else "image x"
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what} must be a (B, C, H, W) tensor, got {shape}")
+        if t.shape[1] != p.in_channels:
+            raise ValueError(f"{what} has {t.shape[1]} channels, the VAE {kind}r expects {p.in_channels} "
+                             f"(shape {tuple(t.shape)})")
+        if min(t.shape) == 0:
+            raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
+        if kind == "encode":
+            f = self._factor("encode")
+            h, w = t.shape[-2:]
+            if h % f or w % f:
+                raise ValueError(f"image height and width must be multiples of {f} for encode, got {h}x{w}; "
+                                 f"pad or crop to {h - h % f or f}x{w - w % f or f}")
+        if torch.is_grad_enabled() and t.requires_grad:
+            raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
+                               "would break backward(); use the wrapped VAE directly to train")
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def decode(self, z, return_dict: bool = True, generator=None):
+        """Decode latents tile by tile; returns DecoderOutput(sample=...) like AutoencoderKL.decode."""
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        self._check(z, "decode")
+        sample = self._run("decode", z)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def encode(self, x, return_dict: bool = True):
+        """Encode images tile by tile; returns AutoencoderKLOutput(latent_dist=...) (or the Tiny output)."""
+        self._check(x, "encode")
+        h = self._run("encode", x)
+        if self.is_tiny:
+            from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+
+            return AutoencoderTinyOutput(latents=h) if return_dict else (h,)
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        posterior = DiagonalGaussianDistribution(h)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def decode_to(self, z, sink) -> None:
+        """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image."""
+        self._check(z, "decode")
+        if z.shape[0] != 1:
+            raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
+        f = self._factor("decode")
+        want = (z.shape[-2] * f, z.shape[-1] * f)
+        if (sink.height, sink.width) != want:
+            raise ValueError(f"sink is {sink.height}x{sink.width} but the decoded image is "
+                             f"{want[0]}x{want[1]}")
+
+        def emit(box, value):
+            sink.write(box[0], box[2], value[0].float())
+
+        self._run("decode", z, emit=emit)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def _run(self, kind: str, t, emit=None):
+        """Run the program, halving the tile on out-of-memory when retry_on_oom is set."""
+        import torch
+
+        tile, staging = self._choose(kind, tuple(t.shape))
+        while True:
+            try:
+                with torch.no_grad():
+                    return self._run_once(kind, t, tile, staging, emit)
+            except torch.OutOfMemoryError:
+                if not self.retry_on_oom or tile <= 1:
+                    raise
+                logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d", kind, tile,
+                               tile // 2)
+                tile //= 2
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    def _executor(self, kind: str, t, tile: int, staging: str) -> Executor:
+        p = self.program(kind)
+        ref = p.input if kind == "decode" else p.output
+        fixed = {}
+        if self.mode == "fast":
+            ops = self._fixed_ops(p, kind)
+            if ops:
+                fixed = estimate_stats(p, t, ref, tile, ops)
+        return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
+                        fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
+                        stage_dir=self.stage_dir)
+
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit):
+        p = self.program(kind)
+        shapes = p.shapes(tuple(t.shape[-2:]))
+        ref = p.input if kind == "decode" else p.output
+        if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
+            return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
+        return self._executor(kind, t, tile, staging).run(t, emit=emit)
+
+    def _fixed_ops(self, p: Program, kind: str) -> set[int]:
+        """GroupNorms whose statistics fast mode estimates (color_fix: only before the first downsampling)."""
+        ops = set()
+        for op in p.ops:
+            if kind == "encode" and self.color_fix and op.kind == "conv" and op.stride[0] > 1:
+                break
+            if op.kind == "group_norm":
+                ops.add(id(op))
+        return ops
+
+    # -- planning -----------------------------------------------------------------------------------
+
+    def _choose(self, kind: str, shape: tuple[int, ...]) -> tuple[int, str]:
+        """Tile size and staging: as given, or the largest tile and nearest staging within the budget."""
+        device = self._device()
+        default = "device" if device.type != "cpu" or self.staging == "auto" else self.staging
+        if self.memory_budget is None:
+            return self.tile_size, (default if self.staging == "auto" else self.staging)
+        stagings = STAGINGS if self.staging == "auto" else (self.staging,)
+        tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(self.tile_size, 4)]
+        for tile in tiles:
+            for st in stagings:
+                if self.plan(shape, kind=kind, tile_size=tile, staging=st).peak <= self.memory_budget:
+                    return tile, st
+        best = self.plan(shape, kind=kind, tile_size=tiles[-1], staging=stagings[-1])
+        from .memory import format_bytes
+
+        raise ValueError(f"no plan fits memory_budget={format_bytes(self.memory_budget)}: the smallest "
+                         f"(tile {tiles[-1]}, staging {stagings[-1]}) needs ~{format_bytes(best.peak)}; "
+                         f"raise the budget or use mode='fast'")
+
+    def _device(self):
+        import torch
+
+        try:
+            return torch.device(self.vae.device)
+        except AttributeError:
+            return next(self.vae.parameters()).device
+
+    def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
+             staging: str | None = None) -> Plan:
+        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak."""
+        import torch
+
+        if tile_size is None and staging is None and self.memory_budget is not None:
+            tile_size, staging = self._choose(kind, tuple(shape))
+        tile = tile_size or self.tile_size
+        device = self._device()
+        st = staging or (self.staging if self.staging != "auto" else "device")
+        p = self.program(kind)
+        b = int(shape[0])
+        shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
+        ref = p.input if kind == "decode" else p.output
+        ex = Executor(p, tile, ref, attention=self.attention, staging=st, device=device,
+                      fixed_stats={id(op): None for op in p.ops if id(op) in self._fixed_ops(p, kind)}
+                      if self.mode == "fast" else {})
+        segs = ex.segments()
+        item = torch.empty((), dtype=self.vae.dtype).element_size()
+
+        def nbytes(v):
+            return b * chans[v] * shapes[v][0] * shapes[v][1] * item
+
+        producer = {op.dst: op.name for op in p.ops}
+        stages, alive, peak_staged = [], {}, 0
+        last = ex._last_reader(segs)
+        grid = ex._grid(shapes)
+        extra, full, working, attn = 0, 0, 0, 0
+        for i, seg in enumerate(segs):
+            for v in seg.outputs:
+                if v != p.output:
+                    stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), st))
+                    alive[v] = nbytes(v)
+            peak_staged = max(peak_staged, sum(alive.values()))
+            if seg.kind == "attention":
+                attn = max(attn, 2 * nbytes(seg.ops[0].src[0]))
+            e, f, wk = self._segment_cost(seg, grid, shapes, chans, ref, b * item)
+            extra, full, working = extra + e, full + f, max(working, wk)
+            for v in [v for v, j in last.items() if j == i]:
+                alive.pop(v, None)
+        out_b = nbytes(p.output)
+        on_device = peak_staged if (st == "device" or (st == "host" and device.type == "cpu")) else 0
+        q = min(self.query_chunk, tile * tile) * max((shapes[v][0] * shapes[v][1] for v in shapes), default=0)
+        attn_work = q * 4 if attn else 0
+        peak = on_device + working + attn + attn_work + out_b
+        return Plan(kind, tuple(shape), (b, chans[p.output], *shapes[p.output]), tile,
+                    (grid.rows, grid.cols), self.mode, self.attention, st, len(segs),
+                    extra / full if full else 0.0, stages, peak_staged, working, attn, out_b, peak)
+
+    def _segment_cost(self, seg, grid, shapes, chans, ref, unit: int) -> tuple[int, int, int]:
+        """(extra conv work, untiled conv work, largest per-tile working bytes) of one segment."""
+        convs = [op for op in seg.ops if op.kind == "conv"]
+        cost = {id(op): op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] for op in convs}
+        full = sum(cost[id(op)] * shapes[op.dst][0] * shapes[op.dst][1] for op in convs)
+        done, working = 0, 0
+        for tile in grid:
+            cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
+            cores = {v: c for v, c in cores.items() if not box_empty(c)}
+            need = back_propagate(seg.ops, cores, shapes)
+            area = {v: (bx[1] - bx[0]) * (bx[3] - bx[2]) for v, bx in need.items()}
+            done += sum(cost[id(op)] * area.get(op.dst, 0) for op in convs)
+            sizes = sorted((area[v] * chans[v] * unit for v in area), reverse=True)
+            working = max(working, sum(sizes[:3]))
+        return done - full, full, working
