@@ -156,3 +156,12 @@ def test_save_heatmap_png(tmp_path):
     with pytest.raises(ValueError, match=r"\(2, 3, 4\)"):
         save_heatmap_png(np.zeros((2, 3, 4)), tmp_path / "bad.png")
     assert os.listdir(tmp_path) == ["heat.png"]
+
+
+def test_import_metrics_and_patterns_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, tilewise.metrics, tilewise.patterns; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

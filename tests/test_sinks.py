@@ -441,3 +441,12 @@ def test_big_image_16k_band_by_band_bounded_memory(tmp_path):
                                300 * MiB)
     print(f"16k PNG: peak {png.peak_bytes / MiB:.0f} MiB, {png.wall_s:.1f} s; "
           f"TIFF: peak {tif.peak_bytes / MiB:.0f} MiB, {tif.wall_s:.1f} s")
+
+
+def test_tiff_writer_errors_surface_with_their_type(tmp_path):
+    image = coordinate_pattern((0, 32, 0, 32), 3, "uint8")
+    with pytest.raises(ValueError, match="(?i)bogus"), TIFFSink(tmp_path / "e.tif", 32, 32, 3,
+                                                                compression="bogus") as sink:
+        sink.write(0, 0, image[:16])
+        sink.write(16, 0, image[16:])
+    assert os.listdir(tmp_path) == []

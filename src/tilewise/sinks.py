@@ -635,8 +635,10 @@ class TIFFSink(Sink):
             self._error = err
 
     def _check_writer(self) -> None:
+        """Re-raise, in the caller's thread, whatever stopped the writer thread (its type unchanged)."""
         if self._error is not None and not isinstance(self._error, _Aborted):
-            raise RuntimeError(f"TIFF writer for {self.path} failed: {self._error!r}") from self._error
+            logger.error("TIFF writer for %s failed: %r", self.path, self._error)
+            raise self._error
 
     def _send(self, band: Any) -> None:
         while True:
