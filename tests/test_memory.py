@@ -171,3 +171,18 @@ def test_import_memory_does_not_import_torch():
     code = "import sys, tilewise.memory; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_measure_peak_cuda_sees_200mib_allocation():
+    import torch
+
+    def allocate():
+        a = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+        return int(a.numel())
+
+    keep = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # in use before: not counted
+    n, peak = measure_peak(allocate, device="cuda")
+    assert n == 200 * MiB
+    assert 200 * MiB <= peak <= 202 * MiB, peak
+    del keep

@@ -450,3 +450,13 @@ def test_tiff_writer_errors_surface_with_their_type(tmp_path):
         sink.write(0, 0, image[:16])
         sink.write(16, 0, image[16:])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensor_sink_on_cuda_takes_cpu_and_cuda_blocks():
+    x = torch.rand(3, 9, 10, generator=torch.Generator().manual_seed(0))
+    sink = TensorSink(None, 9, 10, 3, "float32", device="cuda")
+    with sink:
+        sink.write(0, 0, x[:, :5].cuda())
+        sink.write(5, 0, x[:, 5:].permute(1, 2, 0).numpy())
+    assert sink.result().device.type == "cuda" and torch.equal(sink.result().cpu(), x)
