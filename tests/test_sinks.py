@@ -460,3 +460,12 @@ def test_tensor_sink_on_cuda_takes_cpu_and_cuda_blocks():
         sink.write(0, 0, x[:, :5].cuda())
         sink.write(5, 0, x[:, 5:].permute(1, 2, 0).numpy())
     assert sink.result().device.type == "cuda" and torch.equal(sink.result().cpu(), x)
+
+
+def test_integer_torch_blocks_need_the_sink_dtype(tmp_path):
+    pixels = torch.arange(2 * 3 * 4, dtype=torch.uint8).reshape(2, 3, 4)  # (C, h, w) pixel values
+    with PNGSink(tmp_path / "i.png", 3, 4, 2) as sink:
+        sink.write(0, 0, pixels)
+    assert np.array_equal(read_png(tmp_path / "i.png"), pixels.permute(1, 2, 0).numpy())
+    with pytest.raises(ValueError, match="torch.int64"), TensorSink(None, 3, 4, 2, "uint8") as sink:
+        sink.write(0, 0, pixels.long())

@@ -301,14 +301,23 @@ class Sink:
     def _pixels(self, block: Any) -> np.ndarray:
         """(h, w, C) numpy pixels in the sink's dtype from a numpy block or a torch image."""
         if _is_torch(block):
-            chw = _channels_first_3d(block.detach(), f"{type(self).__name__}.write")
-            self._check_channels(chw.shape[0], tuple(block.shape))
-            if chw.is_floating_point() and self.dtype in INT_BITS:
-                chw = _quantize_torch(chw, INT_BITS[self.dtype], self.value_range)
-            elif self.dtype in INT_BITS and str(chw.dtype) != f"torch.{self.dtype}":
-                raise ValueError(f"integer tensor of dtype {chw.dtype} cannot go into a {self.dtype} sink "
-                                 f"without rescaling; pass floats in value_range={self.value_range}")
+            chw = self._torch_chw(block)
             return np.ascontiguousarray(chw.cpu().numpy().transpose(1, 2, 0), dtype=self.dtype)
+        return self._numpy_hwc(block, self.dtype)
+
+    def _torch_chw(self, block: Any) -> Any:
+        """(C, h, w) tensor of a torch image; floats quantized from value_range for an integer sink."""
+        chw = _channels_first_3d(block.detach(), f"{type(self).__name__}.write")
+        self._check_channels(chw.shape[0], tuple(block.shape))
+        if chw.is_floating_point() and self.dtype in INT_BITS:
+            return _quantize_torch(chw, INT_BITS[self.dtype], self.value_range)
+        if self.dtype in INT_BITS and str(chw.dtype) != f"torch.{self.dtype}":
+            raise ValueError(f"integer tensor of dtype {chw.dtype} cannot go into a {self.dtype} sink "
+                             f"without rescaling; pass floats in value_range={self.value_range}")
+        return chw
+
+    def _numpy_hwc(self, block: Any, dtype: str) -> np.ndarray:
+        """(h, w, C) pixels of a numpy block: same dtype for integer sinks, any number cast for floats."""
         block = np.asarray(block)
         if block.ndim == 2:
             block = block[:, :, None]
@@ -316,13 +325,13 @@ class Sink:
             raise ValueError(f"numpy blocks are (h, w, C) pixels (or (h, w) for one channel), got shape "
                              f"{block.shape}")
         self._check_channels(block.shape[2], block.shape)
-        if self.dtype in INT_BITS and block.dtype != self.dtype:
-            raise ValueError(f"numpy block has dtype {block.dtype} but the sink stores {self.dtype} pixels; "
-                             f"convert float images with to_hwc_uint(x, bits={INT_BITS[self.dtype]}, "
+        if dtype in INT_BITS and block.dtype != dtype:
+            raise ValueError(f"numpy block has dtype {block.dtype} but the sink stores {dtype} pixels; "
+                             f"convert float images with to_hwc_uint(x, bits={INT_BITS[dtype]}, "
                              f"value_range=...) or pass a torch tensor")
-        if self.dtype not in INT_BITS and not (np.issubdtype(block.dtype, np.number)):
+        if dtype not in INT_BITS and not np.issubdtype(block.dtype, np.number):
             raise ValueError(f"numpy block of dtype {block.dtype} cannot go into a {self.dtype} sink")
-        return block.astype(self.dtype, copy=False)
+        return block.astype(dtype, copy=False)
 
     def _check_channels(self, c: int, shape: tuple[int, ...]) -> None:
         if c != self.channels:
@@ -414,25 +423,14 @@ class TensorSink(_BoxCoverageSink):
         import torch
 
         if _is_torch(block):
-            chw = _channels_first_3d(block.detach(), "TensorSink.write")
-            self._check_channels(chw.shape[0], tuple(block.shape))
-            if chw.is_floating_point() and self.dtype in INT_BITS:
-                chw = _quantize_torch(chw, INT_BITS[self.dtype], self.value_range)
-        else:
-            # numpy pixels: the base class checks layout and dtype (bfloat16 goes through float32)
-            pixels = Sink._pixels(self, block) if self.dtype != "bfloat16" else self._float_pixels(block)
+            chw = self._torch_chw(block)
+        else:  # numpy has no bfloat16: such blocks go through float32
+            pixels = self._numpy_hwc(block, "float32" if self.dtype == "bfloat16" else self.dtype)
             chw = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
         self._check_box(y0, x0, chw.shape[1:])
         h, w = chw.shape[1:]
         self.tensor[:, y0:y0 + h, x0:x0 + w] = chw.to(self.tensor.device, self._torch_dtype)
         self._boxes.append((int(y0), int(y0 + h), int(x0), int(x0 + w)))
-
-    def _float_pixels(self, block: Any) -> np.ndarray:
-        with_float32, self.dtype = self.dtype, "float32"
-        try:
-            return Sink._pixels(self, block)
-        finally:
-            self.dtype = with_float32
 
     def result(self) -> Any:
         """The (C, H, W) tensor; closes the sink first (which checks every pixel was written)."""
