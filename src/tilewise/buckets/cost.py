@@ -50,6 +50,11 @@ class BucketTiming:
         return max(self.times) - min(self.times)
 
     @property
+    def minimum(self) -> float:
+        """Fastest call, seconds (the least disturbed estimate on a shared, noisy machine)."""
+        return min(self.times)
+
+    @property
     def per_request(self) -> float:
         """Median seconds per request (per call / batch_size)."""
         return self.median / self.batch_size
@@ -64,9 +69,16 @@ class BucketProfile:
     dtype: str
     device: str
 
-    def costs(self) -> dict[Size, float]:
-        """bucket -> median seconds per request (the input choose_buckets and BucketPlanner(costs=) take)."""
-        return {t.bucket: t.per_request for t in self.timings}
+    def costs(self, statistic: str = "median") -> dict[Size, float]:
+        """bucket -> seconds per request, by the median (default) or the minimum over repeats.
+
+        This is the input choose_buckets and BucketPlanner(costs=) take.
+        """
+        if statistic not in ("median", "min"):
+            raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
+        return {
+            t.bucket: (t.median if statistic == "median" else t.minimum) / t.batch_size for t in self.timings
+        }
 
     def fit(self, degree: int) -> tuple[list[float], float]:
         """Least-squares polynomial fit of median seconds per call vs tokens: (coefficients c0.., RMS)."""
@@ -123,7 +135,7 @@ def plot_costs(profile: BucketProfile, path: str | os.PathLike) -> Path:
             xs, np.polyval(c[::-1], xs) * 1e3, style, label=f"degree {degree} fit (RMS {rms * 1e3:.2f} ms)"
         )
     ax.set_xlabel("latent tokens per request (H/f x W/f)")
-    ax.set_ylabel(f"ms per call (batch {profile.timings[0].shape[0]})")
+    ax.set_ylabel(f"ms per call (N={profile.timings[0].shape[0]} incl. CFG)")
     ax.set_title(f"bucket cost, guidance={profile.guidance}, {profile.dtype}, {profile.device}")
     ax.legend(fontsize=8)
     fig.tight_layout()
