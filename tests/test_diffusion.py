@@ -472,7 +472,6 @@ def test_regions_in_a_pipeline_and_bad_regions():
                output_type="latent", generator=gen()).images
     assert out.shape == (1, 4, 12, 16) and torch.isfinite(out).all()
     pipe.unet.regions = [Region(box=(64, 0, 200, 64), prompt_embeds=pe)]
-    pipe.unet._weights.clear()
     with pytest.raises(ValueError, match=r"\(64, 0, 200, 64\).*128x96"):
         pipe(prompt_embeds=pe, negative_prompt_embeds=ne, height=96, width=128, num_inference_steps=1,
              output_type="latent")
@@ -546,3 +545,65 @@ def test_upscale_pil_roundtrip_and_determinism():
     assert (torch.tensor(list(a.getdata())) - torch.tensor(list(b.getdata()))).abs().max() <= 1
     with pytest.raises(ValueError, match="strength"):
         upscale(pipe, img, strength=0, prompt_embeds=pe)
+
+
+def test_upscale_sdxl_img2img_and_progress_over_steps_and_tiles():
+    pipe = sdxl_pipe()
+    pe, ne = embeds()
+    g = torch.Generator().manual_seed(3)
+    pp, npp = torch.randn(1, D, generator=g), torch.randn(1, D, generator=g)
+    out = upscale(pipe, torch.rand(3, 9, 14, generator=gen(2)), scale=2, strength=0.5, tile_size=2, overlap=0,
+                  num_inference_steps=4, prompt_embeds=pe, negative_prompt_embeds=ne, pooled_prompt_embeds=pp,
+                  negative_pooled_prompt_embeds=npp, disable=True)
+    assert out.shape == (1, 3, 18, 28) and torch.isfinite(out).all()
+
+
+# ---- coverage, progress, public names ----
+class _Holey(TiledDenoiser):
+    """A plan that drops one tile: the fused prediction must refuse, not return zeros."""
+
+    def plan(self, height, width, timestep=0):
+        return super().plan(height, width, timestep)[:-1]
+
+
+def test_uncovered_latent_pixels_raise():
+    td = _Holey(ConvDenoiser(layers=1, kernel=1), tile_size=8, overlap=2)
+    with pytest.raises(ValueError, match="zero total weight"):
+        td(torch.randn(1, 4, 16, 16), 1)
+
+
+def test_progress_counts_every_tile_of_every_call():
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    td = TiledDenoiser(ConvDenoiser(layers=1, kernel=1), tile_size=8, overlap=2, batch_size=3)
+    td.progress_bar = Bar()
+    x = torch.randn(2, 4, 14, 30)
+    for t in (3, 2):
+        td(x, t)
+    assert td.progress_bar.n == 2 * len(td.plan(14, 30)) == 2 * 2 * 5
+
+
+def test_public_names_resolve_lazily():
+    import tilewise as tw
+
+    assert tw.TiledDenoiser is TiledDenoiser and tw.Region is Region and tw.upscale is upscale
+
+
+def test_region_pooled_embeds_replace_text_embeds_in_conditional_rows_only():
+    spy = Spy()
+    pooled = torch.full((1, D), 7.0)
+    region = Region(box=(0, 0, 64, 64), prompt_embeds=torch.ones(1, 5, D), pooled_prompt_embeds=pooled)
+    td = TiledDenoiser(spy, tile_size=8, overlap=0, regions=[region], cfg=True)
+    _sdxl_call(td, H=8, W=16)
+    # left tile (inside the region): the unconditional row with the pipeline's embeds + the region's row;
+    # right tile (outside): both rows with the pipeline's embeds
+    got = sorted((c["shape"][0], float(c["added"]["text_embeds"].mean())) for c in spy.calls)
+    assert got == [(1, 0.0), (1, 7.0), (2, 0.0)]
+    spy.calls.clear()
+    td.regions = [Region(box=(0, 0, 128, 64), prompt_embeds=torch.ones(1, 5, D))]  # covers everything
+    _sdxl_call(td, H=8, W=16)
+    assert sorted(c["shape"][0] for c in spy.calls) == [1, 1, 1, 1]  # uncond row + region row per tile

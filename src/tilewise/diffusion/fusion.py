@@ -155,7 +155,8 @@ class TiledDenoiser(torch.nn.Module):
         self.batch_size, self.var, self.seed, self.order = batch_size, var, seed, order
         self.micro_conditioning, self.vae_scale_factor, self.cfg = micro_conditioning, vae_scale_factor, cfg
         self.align = downsampling_factor(unet) if align is None else align
-        self.regions = list(regions or [])
+        self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self.regions = regions
         self.progress = progress
         self.progress_bar = None  # an external tqdm-like object updated per tile (used by `upscale`)
         self._validate()
@@ -181,6 +182,21 @@ class TiledDenoiser(torch.nn.Module):
     def device(self) -> torch.device:
         """The wrapped model's device."""
         return self.unet.device
+
+    @property
+    def regions(self) -> list[Region]:
+        """Regional prompts; setting them clears the cached per-pixel region weights."""
+        return self._regions
+
+    @regions.setter
+    def regions(self, regions: Sequence[Region] | None) -> None:
+        regions = list(regions or [])
+        bad = [r for r in regions if not isinstance(r, Region)]
+        if bad:
+            names = [type(r).__name__ for r in bad]
+            raise ValueError(f"regions must be tilewise.Region objects, got {names}")
+        self._regions = regions
+        self._region_cache.clear()
 
     # ---- validation ------------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -319,28 +335,29 @@ class TiledDenoiser(torch.nn.Module):
 
     def _fuse(self, sample: torch.Tensor, timestep: Any, cond: dict, pieces: list[Piece]) -> torch.Tensor:
         """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated batch by batch."""
-        B = sample.shape[0]
+        B, (H, W) = sample.shape[0], sample.shape[-2:]
         runs = self._runs(sample, cond)
+        # one tile covering the latent: the fused prediction is the tile's own (no w * y / w rounding)
+        whole = len(pieces) == 1 and pieces[0].out == (0, H, 0, W)
         acc: Accumulator | None = None
         bar = self._bar(len(pieces))
         for chunk in _batches(pieces, self.batch_size):
             outs = self._run_chunk(sample, timestep, cond, chunk, runs)
             for p in chunk:
-                pred = self._combine(p, outs, runs, B, sample.device)
-                if len(pieces) == 1 and p.out == (0, *sample.shape[-2:-1], 0, sample.shape[-1]):
-                    # one tile covering the latent: the fused prediction is the tile's (no w * y / w rounding)
-                    if bar is not None:
-                        bar.update(1)
-                    return pred[(..., *p.crop)].to(sample.dtype)
+                pred = self._combine(p, outs, runs, B, sample.device)[(..., *p.crop)]
+                if whole:
+                    fused = pred
+                    continue
                 if acc is None:
-                    acc = Accumulator((B, pred.shape[1], *sample.shape[-2:]), device=sample.device)
-                w = self._window(p, sample.device)
-                acc.add(pred[(..., *p.crop)], p.out, w)
+                    acc = Accumulator((B, pred.shape[1], H, W), device=sample.device)
+                acc.add(pred, p.out, self._window(p, sample.device))
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None and bar is not self.progress_bar:
             bar.close()
-        return acc.result().to(sample.dtype)
+        if not whole:
+            fused = acc.result()  # raises ValueError naming any latent pixel no tile covers
+        return fused.to(sample.dtype)
 
     def _bar(self, total: int):
         if self.progress_bar is not None:
@@ -364,10 +381,10 @@ class TiledDenoiser(torch.nn.Module):
         if cfg and B % 2:
             raise ValueError(f"cfg=True needs an even batch [uncond, cond], got batch {B}")
         half = B // 2 if cfg else 0
-        key = tuple(sample.shape[-2:])
-        if key not in self._weights:
-            self._weights[key] = region_weights(self.regions, *key, self.vae_scale_factor)
-        return {"all": rows, "uncond": rows[:half], "cond": rows[half:], "weights": self._weights[key]}
+        key = (int(sample.shape[-2]), int(sample.shape[-1]))
+        if key not in self._region_cache:
+            self._region_cache[key] = region_weights(self.regions, *key, self.vae_scale_factor)
+        return {"all": rows, "uncond": rows[:half], "cond": rows[half:], "weights": self._region_cache[key]}
 
     def _jobs(self, piece: Piece, runs: dict) -> list[tuple[int, str]]:
         """(conditioning k, row set) runs a piece needs: k = 0 the pipeline prompt, k >= 1 region k - 1."""
