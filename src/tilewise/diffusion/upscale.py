@@ -43,7 +43,7 @@ def lanczos_resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     for b in range(x.shape[0]):
         for c in range(x.shape[1]):
             img = Image.fromarray(x[b, c].numpy().astype(np.float32), mode="F")
-            out[b, c] = torch.from_numpy(np.asarray(img.resize((w, h), Image.LANCZOS), dtype=np.float32))
+            out[b, c] = torch.from_numpy(np.array(img.resize((w, h), Image.LANCZOS), dtype=np.float32))
     return out.clamp(0, 1)
 
 
@@ -70,7 +70,8 @@ def _img2img(pipe: Any) -> Any:
     return AutoPipelineForImage2Image.from_pipe(pipe)
 
 
-def _vae(vae: Any, vae_tile_size: int | None) -> Any:
+def _vae(vae: Any, vae_tile_size: int | None, disable: bool) -> Any:
+    """TiledVAE (exact) when `vae_tile_size` is given and tilewise.vae is available, else the plain VAE."""
     if vae_tile_size is None:
         return vae
     if importlib.util.find_spec("tilewise.vae") is None:
@@ -79,7 +80,7 @@ def _vae(vae: Any, vae_tile_size: int | None) -> Any:
         return vae
     from ..vae import TiledVAE
 
-    return TiledVAE(vae, tile_size=vae_tile_size)
+    return TiledVAE(vae, tile_size=vae_tile_size, progress=not disable)
 
 
 @torch.no_grad()
@@ -133,7 +134,7 @@ def upscale(
     denoiser = TiledDenoiser(unet, tile_size=tile_size, overlap=overlap, method=method, batch_size=batch_size,
                              seed=seed, vae_scale_factor=s, **(denoiser_kwargs or {}))
     i2i.unet = denoiser
-    i2i.vae = _vae(pipe.vae, vae_tile_size)
+    i2i.vae = _vae(pipe.vae, vae_tile_size, disable)
     i2i.set_progress_bar_config(disable=True)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
