@@ -619,3 +619,18 @@ def test_upscale_with_tiled_vae_matches_the_plain_vae():
     kw = dict(scale=2, strength=0.5, tile_size=4, overlap=2, num_inference_steps=2, prompt_embeds=pe,
               negative_prompt_embeds=ne, disable=True)
     assert (upscale(pipe, img, **kw) - upscale(pipe, img, vae_tile_size=2, **kw)).abs().max() <= 1e-4
+
+
+def test_cfg_auto_detection_without_guidance_applies_regions_to_every_row():
+    model = ConvDenoiser(layers=1, kernel=1)
+    re = torch.randn(1, 5, D, generator=gen(41))
+    x = torch.randn(2, 4, 8, 8, generator=gen(42))  # two different latents: not a CFG batch
+    ehs = torch.cat(embeds())
+    td = TiledDenoiser(model, tile_size=4, overlap=0, regions=[Region(box=(0, 0, 64, 64), prompt_embeds=re)])
+    with torch.no_grad():
+        out = td(x, 9, encoder_hidden_states=ehs).sample
+        ref = model(x, 9, encoder_hidden_states=re.expand(2, -1, -1)).sample
+    assert (out - ref).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="even batch"):
+        TiledDenoiser(model, tile_size=4, overlap=0, cfg=True, regions=td.regions)(
+            torch.randn(3, 4, 8, 8), 9, encoder_hidden_states=torch.cat([ehs, ehs[:1]]))
