@@ -261,6 +261,31 @@ def test_auto_picks_cheapest_admissible_policy():
         p.assign(100, 40, "auto", max_pad_fraction=0.01, max_aspect_error=0.01)
 
 
+@given(w=SIDES, h=SIDES, max_pf=st.sampled_from([0.1, 0.3, 0.6]), max_ae=st.sampled_from([0.05, 0.3, 2.0]))
+def test_auto_equals_enumeration(w, h, max_pf, max_ae):
+    """auto's cost equals the minimum over every admissible (policy, bucket) option, enumerated here."""
+    g = torch.Generator().manual_seed(w * 1000 + h)
+    costs = {b: float(torch.rand((), generator=g)) for b in BUCKETS}
+    p = BucketPlanner(buckets=BUCKETS, step=32, max_aspect=3, costs=costs)
+    options = [
+        (costs[b], 0) for b in BUCKETS if b[0] >= w and b[1] >= h and 1 - w * h / (b[0] * b[1]) <= max_pf
+    ]
+    ar = w / h
+    nearest = min(
+        BUCKETS, key=lambda b: (max(b[0] / b[1] / ar, ar * b[1] / b[0]), abs(np.log(b[0] * b[1] / (w * h))))
+    )
+    if max(nearest[0] / nearest[1] / ar, ar * nearest[1] / nearest[0]) - 1 <= max_ae:
+        options.append((costs[nearest], 1))
+    if not options:
+        with pytest.raises(ValueError, match="policy='auto' found no assignment"):
+            p.assign(w, h, "auto", max_pad_fraction=max_pf, max_aspect_error=max_ae)
+        return
+    a = p.assign(w, h, "auto", max_pad_fraction=max_pf, max_aspect_error=max_ae)
+    best = min(options)
+    assert (costs[a.bucket], {"pad": 0, "resize": 1}[a.policy]) == best
+    assert a.pad_fraction <= max_pf if a.policy == "pad" else a.aspect_error <= max_ae
+
+
 @pytest.mark.parametrize(
     "args,kwargs,words",
     [
