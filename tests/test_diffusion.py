@@ -634,3 +634,30 @@ def test_cfg_auto_detection_without_guidance_applies_regions_to_every_row():
     with pytest.raises(ValueError, match="even batch"):
         TiledDenoiser(model, tile_size=4, overlap=0, cfg=True, regions=td.regions)(
             torch.randn(3, 4, 8, 8), 9, encoder_hidden_states=torch.cat([ehs, ehs[:1]]))
+
+
+# ---- plans: properties over random sizes (pure geometry, no model calls) ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ALIGN2 = tiny_unet()  # downsampling factor 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(2, 70), w=st.integers(2, 70), tile=st.sampled_from([2, 4, 6, 8, 16]),
+       ov=st.integers(0, 15), halo=st.integers(0, 5), t=st.integers(0, 999),
+       method=st.sampled_from(["multidiffusion", "mixture", "spot", "halo"]))
+def test_plans_cover_the_latent_with_aligned_reads(h, w, tile, ov, halo, t, method):
+    ov = min(ov, tile - 1)
+    td = TiledDenoiser(_ALIGN2, tile_size=tile, overlap=ov, method=method, halo=halo)
+    count = torch.zeros(h, w, dtype=torch.int64)
+    for p in td.plan(h, w, t):
+        y0, y1, x0, x1 = p.read
+        assert 0 <= y0 <= p.out[0] < p.out[1] <= y1 <= h and 0 <= x0 <= p.out[2] < p.out[3] <= x1 <= w
+        for side, n in ((y1 - y0, h), (x1 - x0, w)):
+            assert side % 2 == 0 or side == n  # UNet-aligned unless the whole (odd) side is one read
+        count[box_slices(p.out)] += 1
+    assert bool((count > 0).all())
+    if method in ("spot", "halo"):
+        assert bool((count == 1).all())  # cores partition the latent
+
