@@ -499,6 +499,10 @@ def test_bad_inputs_raise_value_errors_naming_values():
         TiledDenoiser(unet, tile_size=8, overlap=0, method="halo")
     with pytest.raises(ValueError, match="batch_size"):
         TiledDenoiser(unet, tile_size=8, overlap=0, batch_size=0)
+    with pytest.raises(ValueError, match="not already tiled.*TiledDenoiser"):
+        TiledDenoiser(TiledDenoiser(unet, tile_size=8, overlap=2))
+    with pytest.raises(ValueError, match="denoiser nn.Module.*function"):
+        TiledDenoiser(lambda x: x)
     td = TiledDenoiser(unet, tile_size=8, overlap=2)
     with pytest.raises(ValueError, match="latent 1x9 is smaller than the UNet's downsampling factor 2"):
         td(torch.zeros(1, 4, 1, 9), 1, encoder_hidden_states=torch.zeros(1, 5, D))

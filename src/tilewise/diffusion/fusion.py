@@ -147,6 +147,9 @@ class TiledDenoiser(torch.nn.Module):
         progress: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
+            kind = type(unet).__name__
+            raise ValueError(f"unet must be a denoiser nn.Module (not already tiled), got {kind}")
         self.unet = unet
         self.method = method
         self.tile_size = _pair(tile_size, "tile_size")
