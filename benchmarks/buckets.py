@@ -90,22 +90,25 @@ def assign_all(planner: BucketPlanner, reqs, recipe: str):
     return out
 
 
-def execute(plan, step, guidance: float, rounds: int, statistic: str) -> float:
-    """Run one CFG step per batch at its real shape `rounds` times; sum over batches of the median/min."""
+def execute(plans, step, guidance: float, rounds: int, statistic: str) -> list[float]:
+    """Run one CFG step per batch of every plan, rounds interleaved across plans (so background load hits
+    all plans alike); per plan, the sum over batches of the per-batch median/min."""
     cfg = 2 if guidance > 1 else 1
     pick = min if statistic == "min" else statistics.median
-    total = 0.0
     g = torch.Generator().manual_seed(2)
+    inputs = [
+        [torch.randn(len(b) * cfg, 4, b.bucket[1] // 8, b.bucket[0] // 8, generator=g) for b in p]
+        for p in plans
+    ]
+    times = [[[] for _ in p] for p in plans]
     with torch.inference_mode():
-        for b in plan:
-            x = torch.randn(len(b) * cfg, 4, b.bucket[1] // 8, b.bucket[0] // 8, generator=g)
-            times = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                step(x)
-                times.append(time.perf_counter() - t0)
-            total += pick(times)
-    return total
+        for _ in range(rounds):
+            for p_i, xs in enumerate(inputs):
+                for b_i, x in enumerate(xs):
+                    t0 = time.perf_counter()
+                    step(x)
+                    times[p_i][b_i].append(time.perf_counter() - t0)
+    return [sum(pick(t) for t in per_plan) for per_plan in times]
 
 
 def main() -> None:
@@ -156,17 +159,20 @@ def main() -> None:
         assigned = assign_all(planner, reqs, recipe)
         plan = batch_by_bucket(assigned, planner, args.batch_size, guidance=args.guidance)
         predicted = sum(costs[a.bucket] for a in assigned)
-        measured = execute(plan, step, args.guidance, args.repeats, args.statistic)
         resized = sum(a.policy == "resize" for a in assigned)
-        rows.append((name, predicted, measured, plan, resized, len({a.bucket for a in assigned})))
+        rows.append([name, predicted, None, plan, resized, len({a.bucket for a in assigned})])
+    for row, measured in zip(
+        rows, execute([r[3] for r in rows], step, args.guidance, args.repeats, args.statistic), strict=True
+    ):
+        row[2] = measured
     report(args, prof, t_prof, rows, choice, reqs, cands)
     if args.png:
-        prof.plot(args.png)
+        prof.plot(args.png, args.statistic)
 
 
 def report(args, prof, t_prof, rows, choice, reqs, cands) -> None:
     """Print (and optionally write) the markdown results."""
-    (c1, r1), (c2, r2) = prof.fit(1), prof.fit(2)
+    (c1, r1), (c2, r2) = prof.fit(1, args.statistic), prof.fit(2, args.statistic)
     ext = sum(max(w, h) / min(w, h) >= 3 for w, h in reqs)
     lines = [
         "## Resolution buckets: fixed kohya grid vs buckets chosen by measured cost",
@@ -183,11 +189,12 @@ def report(args, prof, t_prof, rows, choice, reqs, cands) -> None:
         f"Costs are the {args.statistic} over "
         f"{args.repeats} timed calls. 'predicted' sums the profiled per-request costs that also drove the "
         "choice (optimistic for the chosen set: it picks buckets that happened to time fast); 'measured' "
-        "re-times every batch of the plan, short batches included, independently of the profile.",
+        "re-times every batch of every plan, short batches included, independently of the profile, with "
+        "the rounds interleaved across strategies.",
         "",
         f"Requests: {len(reqs)} (seed {args.seed}), {ext} with aspect >= 3:1. "
         f"Profiled {len(cands)} candidate buckets x {args.repeats} repeats in {t_prof:.0f} s. "
-        "Cost fit vs latent tokens x: linear "
+        f"Least-squares fit of the per-call {args.statistic} vs latent tokens x: linear "
         f"{c1[0] * 1e3:.2f} + {c1[1] * 1e3:.4f} x ms (RMS {r1 * 1e3:.2f} ms); quadratic {c2[0] * 1e3:.2f} + "
         f"{c2[1] * 1e3:.4f} x + {c2[2] * 1e6:.3f}e-3 x^2 ms (RMS {r2 * 1e3:.2f} ms).",
         "",

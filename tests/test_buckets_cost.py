@@ -233,12 +233,17 @@ def test_fits_recover_closed_form():
     """Least-squares fits recover exact polynomial costs: y = a + b x (linear) and a + b x + c x^2."""
 
     def profile(f):
-        ts = [BucketTiming((8 * n, 8), (1, 4, 1, n), 1, (f(n),) * 3) for n in (1, 3, 4, 7, 12)]
+        ts = [
+            BucketTiming((8 * n, 8), (1, 4, 1, n), 1, (f(n) + 2e-3, f(n), f(n) + 1e-3))
+            for n in (1, 3, 4, 7, 12)
+        ]
         return BucketProfile(ts, 1.0, "float32", "cpu")
 
-    c, rms = profile(lambda x: 2e-3 + 5e-4 * x + 3e-5 * x * x).fit(2)
+    c, rms = profile(lambda x: 2e-3 + 5e-4 * x + 3e-5 * x * x).fit(2, "min")
     assert c == pytest.approx([2e-3, 5e-4, 3e-5], rel=1e-8) and rms < 1e-12
-    c, rms = profile(lambda x: 1e-3 + 2e-4 * x).fit(1)
+    c, rms = profile(lambda x: 2e-3 + 5e-4 * x + 3e-5 * x * x).fit(2)  # the median is 1 ms above the min
+    assert c == pytest.approx([3e-3, 5e-4, 3e-5], rel=1e-8) and rms < 1e-12
+    c, rms = profile(lambda x: 1e-3 + 2e-4 * x).fit(1, "min")
     assert c == pytest.approx([1e-3, 2e-4], rel=1e-8) and rms < 1e-12
     with pytest.raises(ValueError, match="degree-2 fit needs at least 3 buckets, got 2"):
         BucketProfile(profile(lambda x: x).timings[:2], 1.0, "float32", "cpu").fit(2)

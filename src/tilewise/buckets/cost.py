@@ -74,15 +74,19 @@ class BucketProfile:
 
         This is the input choose_buckets and BucketPlanner(costs=) take.
         """
-        if statistic not in ("median", "min"):
-            raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
         return {
-            t.bucket: (t.median if statistic == "median" else t.minimum) / t.batch_size for t in self.timings
+            t.bucket: c / t.batch_size for t, c in zip(self.timings, self._per_call(statistic), strict=True)
         }
 
-    def fit(self, degree: int) -> tuple[list[float], float]:
-        """Least-squares polynomial fit of median seconds per call vs tokens: (coefficients c0.., RMS)."""
-        return _polyfit([t.tokens for t in self.timings], [t.median for t in self.timings], degree)
+    def fit(self, degree: int, statistic: str = "median") -> tuple[list[float], float]:
+        """Least-squares polynomial fit of seconds per call (median or min) vs tokens: (c0.., RMS)."""
+        return _polyfit([t.tokens for t in self.timings], self._per_call(statistic), degree)
+
+    def _per_call(self, statistic: str) -> list[float]:
+        """Seconds per call of each timing by the median or the minimum over repeats."""
+        if statistic not in ("median", "min"):
+            raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
+        return [t.median if statistic == "median" else t.minimum for t in self.timings]
 
     def table(self) -> str:
         """Markdown table: bucket, tokens, input shape, median and spread (ms), ms per request."""
@@ -97,9 +101,9 @@ class BucketProfile:
             )
         return "\n".join(rows)
 
-    def plot(self, path: str | os.PathLike) -> Path:
+    def plot(self, path: str | os.PathLike, statistic: str = "median") -> Path:
         """Write a PNG of measured cost vs token count with linear and quadratic least-squares fits."""
-        return plot_costs(self, path)
+        return plot_costs(self, path, statistic)
 
 
 def _polyfit(x: Sequence[float], y: Sequence[float], degree: int) -> tuple[list[float], float]:
@@ -114,7 +118,7 @@ def _polyfit(x: Sequence[float], y: Sequence[float], degree: int) -> tuple[list[
     return [float(v) for v in c], rms
 
 
-def plot_costs(profile: BucketProfile, path: str | os.PathLike) -> Path:
+def plot_costs(profile: BucketProfile, path: str | os.PathLike, statistic: str = "median") -> Path:
     """Scatter of median cost (with min-max bars) vs tokens, plus linear and quadratic fits, to a PNG."""
     import matplotlib
 
@@ -123,14 +127,14 @@ def plot_costs(profile: BucketProfile, path: str | os.PathLike) -> Path:
     import numpy as np
 
     x = np.array([t.tokens for t in profile.timings], dtype=float)
-    y = np.array([t.median for t in profile.timings]) * 1e3
+    y = np.array(profile._per_call(statistic)) * 1e3
     lo = y - np.array([min(t.times) for t in profile.timings]) * 1e3
     hi = np.array([max(t.times) for t in profile.timings]) * 1e3 - y
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.errorbar(x, y, yerr=[lo, hi], fmt="o", ms=4, label="measured (median, min-max)")
+    ax.errorbar(x, y, yerr=[lo, hi], fmt="o", ms=4, label=f"measured ({statistic}, bars min-max)")
     xs = np.linspace(0, x.max() * 1.05, 200)
     for degree, style in ((1, "--"), (2, "-")):
-        c, rms = profile.fit(degree)
+        c, rms = profile.fit(degree, statistic)
         ax.plot(
             xs, np.polyval(c[::-1], xs) * 1e3, style, label=f"degree {degree} fit (RMS {rms * 1e3:.2f} ms)"
         )
