@@ -15,18 +15,21 @@ SIDE = st.integers(1, 8).map(lambda n: n * 16)
 BUCKET = st.tuples(SIDE, SIDE)
 
 
-def brute_total(reqs, costs, chosen, policy, ae=0.1, area=0.25):
-    """Oracle: sum over requests of the cheapest feasible chosen bucket's cost (inf if none)."""
-    total = 0.0
+def brute_total(reqs, costs, chosen, policy, B=1, ae=0.1, area=0.25):
+    """Oracle: each request to its cheapest feasible chosen bucket; a bucket with n requests costs
+    ceil(n / B) full batches of B requests (inf if some request has no feasible bucket)."""
+    n = dict.fromkeys(chosen, 0)
     for r in reqs:
-        options = [costs[b] for b in chosen if feasible(r, b, policy, ae, area)]
-        total += min(options) if options else math.inf
-    return total
+        options = [b for b in chosen if feasible(r, b, policy, ae, area)]
+        if not options:
+            return math.inf
+        n[min(options, key=lambda b: costs[b])] += 1
+    return sum(math.ceil(m / B) * B * costs[b] for b, m in n.items())
 
 
-def brute_best(reqs, costs, k, policy):
+def brute_best(reqs, costs, k, policy, B=1):
     """Oracle: the minimum total over every k-subset of the candidates."""
-    return min(brute_total(reqs, costs, c, policy) for c in itertools.combinations(sorted(costs), k))
+    return min(brute_total(reqs, costs, c, policy, B) for c in itertools.combinations(sorted(costs), k))
 
 
 cases = st.fixed_dictionaries(
@@ -36,6 +39,7 @@ cases = st.fixed_dictionaries(
             st.tuples(st.integers(0, 6), st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=12
         ),
         "k": st.integers(1, 4),
+        "batch": st.integers(1, 3),
         "policy": st.sampled_from(["pad", "resize"]),
         "seed": st.integers(0, 10**6),
     }
@@ -54,23 +58,23 @@ def setup(case):
         ]
     else:  # near-exact aspect and area of some candidate (feasible under resize)
         reqs = [(cands[i % len(cands)][0] + dw % 2, cands[i % len(cands)][1]) for i, dw, _ in case["shrink"]]
-    return costs, reqs, min(case["k"], len(costs))
+    return costs, reqs, min(case["k"], len(costs)), case["batch"]
 
 
 @given(case=cases)
 def test_exhaustive_choice_equals_brute_force(case):
     """method='exhaustive' (and 'auto' on small sets) attains the brute-force minimum total cost."""
-    costs, reqs, k = setup(case)
-    best = brute_best(reqs, costs, k, case["policy"])
+    costs, reqs, k, B = setup(case)
+    best = brute_best(reqs, costs, k, case["policy"], B)
     if not math.isfinite(best):
         with pytest.raises(ValueError):
-            choose_buckets(reqs, costs, k, case["policy"], method="exhaustive")
+            choose_buckets(reqs, costs, k, case["policy"], method="exhaustive", batch_size=B)
         return
     for method in ("exhaustive", "auto"):
-        ch = choose_buckets(reqs, costs, k, case["policy"], method=method)
+        ch = choose_buckets(reqs, costs, k, case["policy"], method=method, batch_size=B)
         assert ch.exact and len(ch.buckets) == k
         assert ch.total_cost == pytest.approx(best, rel=1e-12)
-        assert brute_total(reqs, costs, ch.buckets, case["policy"]) == pytest.approx(best, rel=1e-12)
+        assert brute_total(reqs, costs, ch.buckets, case["policy"], B) == pytest.approx(best, rel=1e-12)
         check_assignment(ch, reqs, costs, case["policy"])
 
 
@@ -82,16 +86,17 @@ def check_assignment(ch, reqs, costs, policy):
         assert costs[b] == min(costs[c] for c in ch.buckets if feasible(r, c, policy, 0.1, 0.25))
     rows = ch.rows()
     assert sum(row["requests"] for row in rows) == len(reqs)
+    assert all(row["batches"] == math.ceil(row["requests"] / ch.batch_size) for row in rows)
     assert sum(row["total_cost"] for row in rows) == pytest.approx(ch.total_cost, rel=1e-12)
 
 
 @given(case=cases)
 def test_greedy_is_swap_optimal_and_bounded_by_brute_force(case):
     """method='greedy' never beats the optimum and no single swap improves its result."""
-    costs, reqs, k = setup(case)
-    best = brute_best(reqs, costs, k, case["policy"])
+    costs, reqs, k, B = setup(case)
+    best = brute_best(reqs, costs, k, case["policy"], B)
     try:
-        ch = choose_buckets(reqs, costs, k, case["policy"], method="greedy")
+        ch = choose_buckets(reqs, costs, k, case["policy"], method="greedy", batch_size=B)
     except ValueError:
         assert not math.isfinite(best)
         return
@@ -99,8 +104,8 @@ def test_greedy_is_swap_optimal_and_bounded_by_brute_force(case):
     if k == 1:
         assert ch.total_cost == pytest.approx(best, rel=1e-12)
     for out, new in itertools.product(ch.buckets, set(costs) - set(ch.buckets)):
-        trial = [b for b in ch.buckets if b != out] + [new]
-        assert brute_total(reqs, costs, trial, case["policy"]) >= ch.total_cost - 1e-12
+        trial = sorted([b for b in ch.buckets if b != out] + [new])
+        assert brute_total(reqs, costs, trial, case["policy"], B) >= ch.total_cost - 1e-12
     check_assignment(ch, reqs, costs, case["policy"])
 
 
@@ -116,6 +121,17 @@ def test_faster_bucket_despite_more_padding_reports_both():
     assert "padded tokens" in table and "64x128" in table and "4.00" in table
     p = ch.planner(step=64)
     assert p.buckets == [(64, 128)] and p.assign(64, 64).bucket == (64, 128)
+
+
+def test_short_batches_are_paid_in_full():
+    """batch_size=2: one request each in two buckets costs two full batches; consolidating costs one."""
+    costs = {(64, 64): 1.0, (128, 64): 1.2, (128, 128): 5.0}
+    reqs = [(60, 60), (120, 60)]
+    ch1 = choose_buckets(reqs, costs, 2, "pad")
+    assert ch1.buckets == [(64, 64), (128, 64)] and ch1.total_cost == pytest.approx(2.2)
+    ch2 = choose_buckets(reqs, costs, 2, "pad", batch_size=2)
+    assert ch2.buckets == [(128, 64), (128, 128)] and ch2.total_cost == pytest.approx(2.4)
+    assert [r["batches"] for r in ch2.rows()] == [1, 0]
 
 
 @pytest.mark.parametrize(

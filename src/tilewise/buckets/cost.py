@@ -240,6 +240,7 @@ class BucketChoice:
     counts: dict[Size, int]  # request (w, h) -> how many times it occurs
     costs: dict[Size, float] = field(repr=False)
     latent_factor: int = 8
+    batch_size: int = 1  # short batches are charged as full ones
 
     def rows(self) -> list[dict[str, Any]]:
         """Per chosen bucket: requests, tokens, padded tokens, padding fraction, cost per request, total."""
@@ -258,7 +259,8 @@ class BucketChoice:
                     "padded_tokens": tokens - content,
                     "padding_fraction": (tokens - content) / tokens if tokens else 0.0,
                     "cost_per_request": self.costs[b],
-                    "total_cost": n * self.costs[b],
+                    "batches": math.ceil(n / self.batch_size),
+                    "total_cost": math.ceil(n / self.batch_size) * self.batch_size * self.costs[b],
                 }
             )
         return out
@@ -273,18 +275,21 @@ class BucketChoice:
     def table(self) -> str:
         """Markdown: logical work (tokens, padded tokens) beside measured cost, per bucket and in total."""
         lines = [
-            "| bucket (w x h) | requests | tokens | padded tokens | padding | ms/request | total ms |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| bucket (w x h) | requests | batches | tokens | padded tokens | padding | ms/request "
+            "| total ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in self.rows():
             b = r["bucket"]
             lines.append(
-                f"| {b[0]}x{b[1]} | {r['requests']} | {r['tokens']:.0f} | {r['padded_tokens']:.0f} | "
+                f"| {b[0]}x{b[1]} | {r['requests']} | {r['batches']} | {r['tokens']:.0f} | "
+                f"{r['padded_tokens']:.0f} | "
                 f"{r['padding_fraction']:.1%} | {r['cost_per_request'] * 1e3:.2f} | "
                 f"{r['total_cost'] * 1e3:.1f} |"
             )
         lines.append(
-            f"| **total** | {sum(self.counts.values())} | | | {self.padding_fraction:.1%} | | "
+            f"| **total** | {sum(self.counts.values())} | {sum(r['batches'] for r in self.rows())} | | | "
+            f"{self.padding_fraction:.1%} | | "
             f"{self.total_cost * 1e3:.1f} |"
         )
         return "\n".join(lines)
@@ -315,12 +320,17 @@ def choose_buckets(
     max_area_error: float = 0.25,
     method: str = "auto",
     max_combinations: int = 200_000,
+    batch_size: int = 1,
     latent_factor: int = 8,
 ) -> BucketChoice:
     """Pick k of the costed buckets minimising sum over requests of the cheapest feasible bucket's cost.
 
     Objective (a k-median / facility-location problem): total = sum_r count_r * min_{b in S, feasible}
-    cost_b. ``method="exhaustive"`` enumerates all C(n, k) sets (exact); ``"greedy"`` adds the bucket that
+    cost_b, costs being seconds per request at full batches. With ``batch_size`` > 1 a bucket serving
+    n requests is charged ceil(n / batch_size) full batches, so short batches are paid in full (requests
+    still go to their cheapest feasible bucket).
+
+    ``method="exhaustive"`` enumerates all C(n, k) sets (exact); ``"greedy"`` adds the bucket that
     lowers the total most, then applies single-swap local search until no swap improves (not guaranteed
     optimal; the result is 1-swap optimal); ``"auto"`` is exhaustive when C(n, k) <= max_combinations.
     Feasibility: ``pad`` needs the bucket to cover the request; ``resize`` needs aspect error <=
@@ -351,10 +361,12 @@ def choose_buckets(
     )
     _check_coverage(reqs, M, policy)
     w = np.array([counts[r] for r in reqs], dtype=np.float64)
+    c = np.array([costs[b] for b in cands])
+    B = _positive_int("batch_size", batch_size)
     exhaustive = method == "exhaustive" or (method == "auto" and math.comb(len(cands), k) <= max_combinations)
-    chosen = _exhaustive(M, w, k) if exhaustive else _greedy_swap(M, w, k)
-    total = _total(M, w, chosen)
-    if not math.isfinite(total):
+    chosen = _exhaustive(M, c, w, k, B) if exhaustive else _greedy_swap(M, c, w, k, B)
+    unserved, total = (float(v[0]) for v in _set_costs(M, c, w, np.array([chosen]), B))
+    if unserved > 0:
         raise ValueError(f"no set of k={k} buckets serves every request under policy='{policy}'; raise k")
     sub = M[:, chosen]
     assignment = {r: cands[chosen[int(np.argmin(sub[i]))]] for i, r in enumerate(reqs)}
@@ -369,6 +381,7 @@ def choose_buckets(
         counts,
         costs,
         latent_factor,
+        B,
     )
 
 
@@ -394,39 +407,51 @@ def _check_coverage(reqs: list[Size], M: Any, policy: str) -> None:
         raise ValueError(f"no candidate bucket can take requests {orphans[:10]} under policy='{policy}'")
 
 
-def _total(M: Any, w: Any, chosen: Sequence[int]) -> float:
-    """Objective: sum_r w_r * min_{j in chosen} M[r, j]."""
-    return float(w @ M[:, list(chosen)].min(axis=1))
+def _set_costs(M: Any, c: Any, w: Any, block: Any, B: int) -> tuple[Any, Any]:
+    """For each k-subset (rows of block): unserved weight, and sum_b ceil(n_b / B) * B * c_b.
+
+    Each request goes to its cheapest feasible bucket in the subset (first on ties); n_b counts them.
+    With B = 1 this is sum_r w_r * min_{b in S} M[r, b]; with B > 1 short batches are paid in full.
+    """
+    import numpy as np
+
+    sub = M[:, block]  # (requests, subsets, k)
+    m = sub.min(axis=2)
+    served = np.isfinite(m)
+    unserved = ((~served) * w[:, None]).sum(axis=0)
+    onehot = (sub.argmin(axis=2)[..., None] == np.arange(block.shape[1])) & served[..., None]
+    n = (onehot * w[:, None, None]).sum(axis=0)  # (subsets, k): requests per chosen bucket
+    return unserved, (np.ceil(n / B) * B * c[block]).sum(axis=1)
 
 
-def _exhaustive(M: Any, w: Any, k: int) -> list[int]:
+def _exhaustive(M: Any, c: Any, w: Any, k: int, B: int) -> list[int]:
     """Exact: evaluate every k-subset of columns in vectorised chunks; first minimum in lexical order."""
     import itertools
 
     import numpy as np
 
     best, best_cost = None, math.inf
-    chunk = max(1, 2_000_000 // (M.shape[0] * k))  # bounds the (requests, chunk, k) gather to ~16 MB
+    chunk = max(1, 1_000_000 // (M.shape[0] * k))  # bounds the (requests, chunk, k) arrays to ~8 MB each
     combos = itertools.combinations(range(M.shape[1]), k)
     while True:
         block = np.array(list(itertools.islice(combos, chunk)), dtype=np.int64)
         if block.size == 0:
             break
-        tot = M[:, block].min(axis=2).T @ w
+        unserved, cost = _set_costs(M, c, w, block, B)
+        tot = np.where(unserved > 0, np.inf, cost)
         i = int(np.argmin(tot))
         if tot[i] < best_cost:
             best, best_cost = block[i].tolist(), float(tot[i])
     return best if best is not None else list(range(k))
 
 
-def _greedy_swap(M: Any, w: Any, k: int) -> list[int]:
+def _greedy_swap(M: Any, c: Any, w: Any, k: int, B: int) -> list[int]:
     """Greedy forward selection on (unserved weight, cost), then first-improvement single swaps."""
     import numpy as np
 
     def key(cols: list[int]) -> tuple[float, float]:
-        m = M[:, cols].min(axis=1)
-        served = np.isfinite(m)
-        return float(w[~served].sum()), float(w[served] @ m[served])
+        unserved, cost = _set_costs(M, c, w, np.array([cols]), B)
+        return float(unserved[0]), float(cost[0])
 
     chosen: list[int] = []
     for _ in range(k):
