@@ -361,21 +361,23 @@ def _crop_starts(n: int, c: int, k: int) -> list[int]:
     return sorted({min(max(0, round((i + 0.5) * n / k - c / 2)), n - c) for i in range(k)})
 
 
-def estimate_stats(program: Program, x, ref: str, tile: int, fixed: set[int], sample: float = 0.25):
+def estimate_stats(program: Program, x, ref: str, crop: int, fixed: set[int], sample: float = 0.25,
+                   min_per_axis: int = 2):
     """Fast-mode GroupNorm statistics from stratified crops of the real input, pooled over crop interiors.
 
-    Crops of one tile are cut at stratified positions covering about `sample` of the area, run as one
-    batch in which every GroupNorm uses statistics pooled over all crops, excluding a quarter-crop
-    margin on sides that are not the image border (where the crop's zero padding distorts values).
+    Crops of `crop` reference pixels are cut at stratified positions (at least `min_per_axis` per axis
+    where they fit) covering about `sample` of the area, run as one batch in which every GroupNorm
+    uses statistics pooled over all crops, excluding a quarter-crop margin on sides that are not the
+    image border (where the crop's zero padding distorts values).
     Returns id(op) -> (mean, var) for the GroupNorm ops in `fixed`.
     """
     import torch
 
     shapes = program.shapes(tuple(x.shape[-2:]))
     rh, rw = shapes[ref]
-    ch, cw = min(rh, tile), min(rw, tile)
-    ky = max(1, round(rh / ch * sample**0.5))
-    kx = max(1, round(rw / cw * sample**0.5))
+    ch, cw = min(rh, crop), min(rw, crop)
+    ky = max(min(min_per_axis, -(-rh // ch)), round(rh / ch * sample**0.5), 1)
+    kx = max(min(min_per_axis, -(-rw // cw)), round(rw / cw * sample**0.5), 1)
     boxes = [(y, y + ch, x0, x0 + cw) for y in _crop_starts(rh, ch, ky) for x0 in _crop_starts(rw, cw, kx)]
     my, mx = ch // 4, cw // 4
     interiors = [(0 if b[0] == 0 else my, ch - (0 if b[1] == rh else my),

@@ -82,7 +82,7 @@ class TiledVAE:
     def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
-                 stage_dir: str | None = None):
+                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float = 0.25):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention not in ATTENTIONS:
@@ -102,6 +102,7 @@ class TiledVAE:
             self.memory_budget = parse_bytes(memory_budget)
         self.staging, self.retry_on_oom, self.progress = staging, retry_on_oom, progress
         self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
+        self.fast_crop, self.fast_sample = fast_crop, fast_sample
         self._programs: dict[str, Program] = {}
 
     # -- pass-through -------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class TiledVAE:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
                                              "retry_on_oom", "progress", "color_fix", "query_chunk",
-                                             "stage_dir", "_programs"):
+                                             "stage_dir", "_programs", "fast_crop", "fast_sample"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.vae, name, value)
@@ -248,7 +249,7 @@ class TiledVAE:
         if self.mode == "fast":
             ops = self._fixed_ops(p, kind)
             if ops:
-                fixed = estimate_stats(p, t, ref, tile, ops)
+                fixed = estimate_stats(p, t, ref, self.fast_crop or tile, ops, self.fast_sample)
         return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
                         fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
                         stage_dir=self.stage_dir)
