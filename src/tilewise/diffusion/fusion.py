@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..blending import Accumulator, weight_window
+from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, resolve_group, shard
 from ..geometry import Box, TileGrid, box_slices
 from .regions import Region, region_weights
 
@@ -125,6 +126,11 @@ class TiledDenoiser(torch.nn.Module):
     pipeline's `time_ids` unchanged; a callable `f(time_ids, box_px, image_size_px) -> time_ids` overrides.
     `cfg`: whether the batch is [unconditional, conditional] halves ("auto": the two halves of the
     sample are identical); only regions need to know it, the unconditional half keeps its embeddings.
+    `process_group` ("default" = the initialised default group, or a torch.distributed ProcessGroup):
+    every rank plans the same tiles, runs its shard (`tilewise.distributed.shard`, balanced by read area),
+    and the weighted value and weight buffers (float64) are summed over the ranks before normalising, so
+    every rank returns the same prediction, equal to the single-process one; ranks must get the same
+    inputs (same seed: the pipeline draws noise from one global generator).
     """
 
     def __init__(
@@ -145,6 +151,7 @@ class TiledDenoiser(torch.nn.Module):
         order: str = "row",
         align: int | None = None,
         progress: bool = False,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
@@ -162,6 +169,8 @@ class TiledDenoiser(torch.nn.Module):
         self.regions = regions
         self.progress = progress
         self.progress_bar = None  # an external tqdm-like object updated per tile (used by `upscale`)
+        # None: single process; "default" or a ProcessGroup: this rank runs its shard of the tiles
+        self.process_group = process_group
         self._validate()
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
         self._logged: set[tuple[int, int]] = set()
@@ -228,6 +237,9 @@ class TiledDenoiser(torch.nn.Module):
             raise ValueError(f"cfg must be True, False or 'auto', got {self.cfg!r}")
         if self.method == "mixture" and not self.var > 0:
             raise ValueError(f"var (Gaussian variance in tile-side units) must be > 0, got {self.var}")
+        if isinstance(self.process_group, str) and self.process_group != "default":
+            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
+                             f"got {self.process_group!r}")
 
     def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
         if sample.ndim != 4:
@@ -337,12 +349,16 @@ class TiledDenoiser(torch.nn.Module):
         return UNet2DConditionOutput(sample=fused)
 
     def _fuse(self, sample: torch.Tensor, timestep: Any, cond: dict, pieces: list[Piece]) -> torch.Tensor:
-        """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated batch by batch."""
+        """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated per batch (and over ranks)."""
         B, (H, W) = sample.shape[0], sample.shape[-2:]
         runs = self._runs(sample, cond)
+        group = resolve_group(self.process_group)
+        if group is not None:
+            pieces = self._shard(pieces, runs, group)
         # one tile covering the latent: the fused prediction is the tile's own (no w * y / w rounding)
-        whole = len(pieces) == 1 and pieces[0].out == (0, H, 0, W)
+        whole = group is None and len(pieces) == 1 and pieces[0].out == (0, H, 0, W)
         acc: Accumulator | None = None
+        dtype = torch.float32 if group is None else torch.float64
         bar = self._bar(len(pieces))
         for chunk in _batches(pieces, self.batch_size):
             outs = self._run_chunk(sample, timestep, cond, chunk, runs)
@@ -352,15 +368,37 @@ class TiledDenoiser(torch.nn.Module):
                     fused = pred
                     continue
                 if acc is None:
-                    acc = Accumulator((B, pred.shape[1], H, W), device=sample.device)
+                    acc = Accumulator((B, pred.shape[1], H, W), device=sample.device, dtype=dtype)
                 acc.add(pred, p.out, self._window(p, sample.device))
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None and bar is not self.progress_bar:
             bar.close()
+        if group is not None:
+            acc = self._all_reduce(acc, group, (B, H, W), sample.device)
         if not whole:
             fused = acc.result()  # raises ValueError naming any latent pixel no tile covers
         return fused.to(sample.dtype)
+
+    def _shard(self, pieces: list[Piece], runs: dict, group: Any) -> list[Piece]:
+        """This rank's pieces: LPT over (read area x conditioning runs), keyed by the boxes, not the order."""
+        rank, world = rank_world(group)
+
+        def cost(p: Piece) -> float:
+            return (p.read[1] - p.read[0]) * (p.read[3] - p.read[2]) * len(self._jobs(p, runs))
+
+        return shard(pieces, rank, world, key=lambda p: (p.read, p.out), cost=cost)
+
+    def _all_reduce(self, acc: Accumulator | None, group: Any, bhw: tuple[int, int, int],
+                    device: torch.device) -> Accumulator:
+        """Sum the ranks' value and weight buffers (one float64 all-reduce); an empty shard adds zeros."""
+        has = 0 if acc is None else acc.shape[1]
+        channels = all_reduce_max(has, group)  # collective on every rank, whether its shard is empty or not
+        if acc is None:
+            B, H, W = bhw
+            acc = Accumulator((B, channels, H, W), device=device, dtype=torch.float64)
+        all_reduce_accumulator(acc, group)
+        return acc
 
     def _bar(self, total: int):
         if self.progress_bar is not None:
