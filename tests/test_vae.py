@@ -54,6 +54,15 @@ def test_tiny_autoencoder_exact():
         assert (tv.encode(x).latents - vae.encode(x).latents).abs().max() <= 1e-4
 
 
+def test_forward_runs_encode_and_decode_tiled():
+    for vae in (kl_vae("sd3"), tiny_vae()):
+        x = _white((1, 3, 48, 40), 4).clamp(-1, 1)
+        with torch.no_grad():
+            ref = vae(x).sample
+        out = tw.TiledVAE(vae, tile_size=2, progress=False)(x).sample
+        assert (out - ref).abs().max() <= 1e-4
+
+
 def test_return_types_and_pass_through_without_patching():
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
     from diffusers.models.autoencoders.vae import DecoderOutput

@@ -50,7 +50,7 @@ class Plan:
     stages: list[Stage] = field(default_factory=list)
     staged_peak: int = 0  # most staged bytes alive at once
     working: int = 0  # per-tile working set estimate (largest segment)
-    attention_bytes: int = 0  # keys and values of a global attention
+    attention_bytes: int = 0  # keys and values of a global attention, plus one query chunk's scores
     output_bytes: int = 0
     peak: int = 0  # estimated peak on the device (staged on the device + working + output)
 
@@ -70,8 +70,8 @@ class Plan:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
         if len(self.stages) > 6:
             rows.append(f"    ... {len(self.stages) - 6} more")
-        rows.append(f"  per-tile working set ~{fb(self.working)}, attention K/V {fb(self.attention_bytes)}, "
-                    f"output buffer {fb(self.output_bytes)}")
+        rows.append(f"  per-tile working set ~{fb(self.working)}, attention K/V + scores "
+                    f"{fb(self.attention_bytes)}, output buffer {fb(self.output_bytes)}")
         rows.append(f"  estimated device peak {fb(self.peak)}")
         return "\n".join(rows)
 
@@ -127,8 +127,21 @@ class TiledVAE:
         self.vae.to(*args, **kwargs)
         return self
 
-    def __call__(self, *args, **kwargs):
-        return self.vae(*args, **kwargs)
+    def __call__(self, sample, *args, **kwargs):
+        return self.forward(sample, *args, **kwargs)
+
+    def forward(self, sample, sample_posterior: bool = False, return_dict: bool = True, generator=None):
+        """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths."""
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        if self.is_tiny:  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
+            enc = self.encode(sample).latents
+            z = self.vae.unscale_latents(self.vae.scale_latents(enc).mul_(255).round_().byte() / 255.0)
+        else:
+            posterior = self.encode(sample).latent_dist
+            z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
+        dec = self.decode(z).sample
+        return DecoderOutput(sample=dec) if return_dict else (dec,)
 
     # -- programs -----------------------------------------------------------------------------------
 
@@ -336,16 +349,18 @@ class TiledVAE:
                     alive[v] = nbytes(v)
             peak_staged = max(peak_staged, sum(alive.values()))
             if seg.kind == "attention":
-                attn = max(attn, 2 * nbytes(seg.ops[0].src[0]))
+                op, src = seg.ops[0], seg.ops[0].src[0]
+                tokens = shapes[src][0] * shapes[src][1]
+                per_tile = -(-tokens // len(grid))
+                scores = b * op.heads * min(self.query_chunk, per_tile) * tokens * 4
+                attn = max(attn, 2 * nbytes(src) + scores)
             e, f, wk = self._segment_cost(seg, grid, shapes, chans, ref, b * item)
             extra, full, working = extra + e, full + f, max(working, wk)
             for v in [v for v, j in last.items() if j == i]:
                 alive.pop(v, None)
         out_b = nbytes(p.output)
         on_device = peak_staged if (st == "device" or (st == "host" and device.type == "cpu")) else 0
-        q = min(self.query_chunk, tile * tile) * max((shapes[v][0] * shapes[v][1] for v in shapes), default=0)
-        attn_work = q * 4 if attn else 0
-        peak = on_device + working + attn + attn_work + out_b
+        peak = on_device + working + attn + out_b
         return Plan(kind, tuple(shape), (b, chans[p.output], *shapes[p.output]), tile,
                     (grid.rows, grid.cols), self.mode, self.attention, st, len(segs),
                     extra / full if full else 0.0, stages, peak_staged, working, attn, out_b, peak)
