@@ -168,7 +168,14 @@ def test_profiler_shapes_calls_and_cfg():
         warmup=2,
         disable=True,
     )
-    assert seen == [((6, 4, 4, 8), torch.bfloat16)] * 6 + [((6, 4, 6, 2), torch.bfloat16)] * 6
+    a, b = ((6, 4, 4, 8), torch.bfloat16), ((6, 4, 6, 2), torch.bfloat16)
+    assert seen == [a, a, b, b] + [a, b] * 4  # warm-up per shape, then rounds interleaved over shapes
+    seen.clear()
+    profile_buckets(
+        lambda x: seen.append(x.shape), [(64, 32), (16, 48)], repeats=3, warmup=1, order="blocked"
+    )
+    assert seen == [(1, 4, 4, 8), (1, 4, 6, 2)] + [(1, 4, 4, 8)] * 3 + [(1, 4, 6, 2)] * 3
+    seen.clear()
     t = prof.timings[0]
     assert len(t.times) == 4 and t.tokens == 32 and t.batch_size == 3
     assert t.per_request == pytest.approx(t.median / 3) and t.spread >= 0
@@ -192,6 +199,7 @@ def test_profiler_shapes_calls_and_cfg():
         ({"buckets": [(64, 64)], "repeats": 0}, ["repeats", "0"]),
         ({"buckets": [(64, 64)], "warmup": -1}, ["warmup", "-1"]),
         ({"buckets": [(64, 64)], "batch_size": 0}, ["batch_size", "0"]),
+        ({"buckets": [(64, 64)], "order": "random"}, ["'random'", "interleaved"]),
     ],
 )
 def test_profiler_bad_input(kwargs, words):

@@ -174,13 +174,15 @@ def profile_buckets(
     latent_factor: int = 8,
     channels: int = 4,
     seed: int = 0,
+    order: str = "interleaved",
     disable: bool | None = None,
 ) -> BucketProfile:
     """Time fn(latents) at each bucket's shape after warm-up; CFG (guidance > 1) doubles the batch.
 
     ``fn`` gets one tensor (N, channels, H/f, W/f) of seeded normal noise and runs one model step,
     e.g. ``lambda x: unet(x, t, encoder_hidden_states=emb.expand(len(x), -1, -1))``. Runs under
-    ``torch.inference_mode()``; device work is synchronized before each clock read.
+    ``torch.inference_mode()``; device work is synchronized before each clock read. ``order``:
+    "interleaved" (default) times every shape once per round, "blocked" all repeats of a shape in a row.
     """
     import torch
     from tqdm.auto import tqdm
@@ -196,34 +198,42 @@ def profile_buckets(
     batch_size, repeats = _positive_int("batch_size", batch_size), _positive_int("repeats", repeats)
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup!r}")
+    if order not in ("interleaved", "blocked"):
+        raise ValueError(f"order must be 'interleaved' or 'blocked', got {order!r}")
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dev = torch.device(device)
     n = batch_size * (2 if guidance > 1 else 1)
     gen = torch.Generator().manual_seed(seed)
-    timings = []
+    shapes = [(n, channels, b[1] // latent_factor, b[0] // latent_factor) for b in buckets]
+    times: list[list[float]] = [[] for _ in buckets]
+    # interleaved: repeat r times every shape before repeat r + 1, so slow drift or other jobs' load
+    # spreads over all buckets alike; blocked: all repeats of one shape back to back
+    rounds = (
+        [list(range(len(buckets)))] * repeats
+        if order == "interleaved"
+        else [[i] * repeats for i in range(len(buckets))]
+    )
     with torch.inference_mode():
-        for b in tqdm(buckets, desc="profile buckets", disable=disable):
-            shape = (n, channels, b[1] // latent_factor, b[0] // latent_factor)
-            x = torch.randn(shape, generator=gen).to(device=dev, dtype=dt)
-            timings.append(BucketTiming(b, shape, batch_size, _time_calls(fn, x, dev, repeats, warmup)))
-            logger.debug("bucket %s: median %.3f ms", b, timings[-1].median * 1e3)
+        xs = [torch.randn(shape, generator=gen).to(device=dev, dtype=dt) for shape in shapes]
+        for x in tqdm(xs, desc="warm up buckets", disable=disable):
+            for _ in range(warmup):
+                fn(x)
+        for row in tqdm(rounds, desc="profile buckets", disable=disable):
+            for i in row:
+                times[i].append(_time_call(fn, xs[i], dev))
+    timings = [
+        BucketTiming(b, s, batch_size, tuple(t)) for b, s, t in zip(buckets, shapes, times, strict=True)
+    ]
     return BucketProfile(timings, float(guidance), str(dt).removeprefix("torch."), str(dev))
 
 
-def _time_calls(
-    fn: Callable[[Any], Any], x: Any, device: Any, repeats: int, warmup: int
-) -> tuple[float, ...]:
-    """Run fn(x) warmup times untimed, then `repeats` timed calls, each bracketed by device syncs."""
-    for _ in range(warmup):
-        fn(x)
+def _time_call(fn: Callable[[Any], Any], x: Any, device: Any) -> float:
+    """Seconds for one fn(x), bracketed by device synchronizations."""
     _synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(x)
-        _synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return tuple(times)
+    t0 = time.perf_counter()
+    fn(x)
+    _synchronize(device)
+    return time.perf_counter() - t0
 
 
 # ---- choice -------------------------------------------------------------------------------------
