@@ -226,5 +226,6 @@ class Assignment:
             f"the top, {bottom} at the bottom, {left} columns at the left, {right} at the right, filled "
             f"with {self.fill}. `mask` marks them at latent resolution (1/{f}: fraction of each latent cell "
             "that is padding) so a loss or an inpainting-style step can ignore or overwrite them; no "
-            "positional coordinates are added, and restore() crops the content box back out exactly."
+            "positional coordinates are added. restore() crops the content box back out"
+            + (" exactly." if self.resized == self.request else " and resamples it to the request size.")
         )
