@@ -95,6 +95,30 @@ def test_torchrun_command_and_env_check(monkeypatch):
         td.init_from_env()
 
 
+def test_exchange_plan_sends_each_needed_pixel_once_from_its_owner():
+    owned = [[(0, 2, 0, 4)], [(2, 4, 0, 4)], []]
+    needed = [[(0, 3, 0, 4), (1, 3, 0, 4)], [(1, 4, 0, 2)], [(0, 4, 0, 4)]]
+    assert td.exchange_plan(owned, needed) == [
+        (1, 0, (2, 3, 0, 4)), (0, 1, (1, 2, 0, 2)), (0, 2, (0, 2, 0, 4)), (1, 2, (2, 4, 0, 4))]
+
+
+_rect = st.tuples(st.integers(0, 7), st.integers(1, 4), st.integers(0, 7), st.integers(1, 4)).map(
+    lambda t: (t[0], t[0] + t[1], t[2], t[2] + t[3]))
+
+
+@given(rects=st.lists(_rect, max_size=6))
+def test_disjoint_union_covers_each_pixel_exactly_once(rects):
+    def mask(boxes, count=False):
+        m = torch.zeros(12, 12, dtype=torch.int64)
+        for y0, y1, x0, x1 in boxes:
+            m[y0:y1, x0:x1] += 1
+        return m if count else m > 0
+
+    parts = td._disjoint_union(rects)
+    assert torch.equal(mask(parts), mask(rects))
+    assert int(mask(parts, count=True).max()) <= 1
+
+
 def test_merge_moments_is_exact_for_far_apart_shard_means():
     g = torch.Generator().manual_seed(3)
     data = [torch.randn(2, 3, n, generator=g, dtype=torch.float64) * (1 + k) + 1000 * k
@@ -146,8 +170,29 @@ def _transport(rank: int, world: int) -> dict:
     out["moments"] = (n, mean, m2)
     out["bcast"] = td.broadcast(torch.full((3,), float(rank)), group, src=world - 1)
     out["obj"] = td.broadcast({"r": rank, "s": "x" * rank}, group, src=world - 1)
+    full = _field()
+    x = torch.full_like(full, float("nan"))
+    owned, needed = _boxes(rank, world)
+    for b in owned:
+        x[..., b[0]:b[1], b[2]:b[3]] = full[..., b[0]:b[1], b[2]:b[3]]
+    out["received"] = td.exchange_boxes(x, owned, needed, group)
+    out["exchanged"] = x
     td.barrier(group, timeout=60)
     return out
+
+
+def _field() -> torch.Tensor:
+    """A (1, 2, 9, 10) closed-form image: every pixel a distinct value."""
+    y, x = torch.meshgrid(torch.arange(9.0), torch.arange(10.0), indexing="ij")
+    return torch.stack([100 * y + x, -(100 * y + x) - 0.5])[None]
+
+
+def _boxes(rank: int, world: int) -> tuple[list, list]:
+    """Row band of 3 rows owned by each rank (split in two boxes); it needs 2 halo rows, rank 0 everything."""
+    y0, y1 = 3 * rank, 3 * rank + 3
+    owned = [(y0, y1, 0, 4), (y0, y1, 4, 10)]
+    needed = [(max(0, y0 - 2), min(9, y1 + 2), 0, 10)] + ([(0, 9, 0, 10)] if rank == 0 else [])
+    return owned, needed
 
 
 def _fail_on_rank_one(rank: int, world: int) -> None:
@@ -190,6 +235,14 @@ def test_collectives_match_closed_forms_on_three_ranks():
         assert torch.allclose(m2 / n, full.var(-1, unbiased=False), rtol=1e-12, atol=1e-10)
         assert torch.equal(out["bcast"], torch.full((3,), 2.0))
         assert out["obj"] == {"r": 2, "s": "xx"}
+        owned, needed = _boxes(r, world)
+        mask = torch.zeros(9, 10, dtype=torch.bool)
+        for b in needed:
+            mask[b[0]:b[1], b[2]:b[3]] = True
+        assert torch.equal(out["exchanged"][..., mask], _field()[..., mask])  # halos / the gather arrived
+        assert out["exchanged"][..., ~mask].isnan().all()  # nothing else was sent
+        own = sum((b[1] - b[0]) * (b[3] - b[2]) for b in owned)
+        assert out["received"] == 2 * (int(mask.sum()) - own)  # each needed pixel once, 2 channels
 
 
 # ---- failures stop every rank, fast ------------------------------------------------------------------

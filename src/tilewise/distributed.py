@@ -5,7 +5,9 @@ with one collective: the value and weight buffers of a blending accumulator are 
 all-reduce (`all_reduce_accumulator`, float64 by default, so the sum hardly depends on how the tiles were
 split); exact GroupNorm moments are merged with Chan et al.'s pairwise update in rank order
 (`all_merge_moments`); variable-length pieces (attention keys/values) are concatenated in rank order
-(`all_gather_cat`). Collectives run on CPU tensors for gloo and on the current CUDA device for NCCL.
+(`all_gather_cat`); the halo rows a rank's next tiles read are fetched from the ranks that computed
+them, each pixel once (`exchange_boxes`, also the gather of an output to rank 0). Collectives run on CPU
+tensors for gloo and on the current CUDA device for NCCL.
 
 Multi-GPU (NCCL), one process per GPU, launched by PyTorch's own launcher:
 
@@ -14,14 +16,15 @@ Multi-GPU (NCCL), one process per GPU, launched by PyTorch's own launcher:
 Each rank calls `init_from_env()` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set by torchrun; NCCL
 when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its denoiser with
 `TiledDenoiser(..., process_group="default")`; every rank then holds the same latents, and rank 0 alone
-writes the output. `tilewise ... --nproc N` is that line made for you: the CLI re-executes itself as
-`torchrun_command(argv, N)` (`python -m torch.distributed.run --standalone --nproc-per-node N -m
-tilewise.cli ...` without `--nproc`), so a single machine needs no launcher of its own; several machines
-use torchrun's `--nnodes/--rdzv-endpoint` directly.
+writes the output. `tilewise ... --nproc N` will be that line made for you: the CLI re-executes itself
+as `torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
+--nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed, so one machine needs no launcher of its
+own; several machines use torchrun's `--nnodes/--rdzv-endpoint` directly. torchrun stops every worker
+when one exits with an error and prints that worker's traceback.
 
 Failure: `init_process_group` gets a timeout, so a collective that a dead or diverged rank never joins
-raises instead of hanging; `spawn` (tests, benchmarks, `--nproc` without torchrun) stops every rank
-as soon as one raises and re-raises in the parent as `RankError` with that rank's traceback.
+raises instead of hanging; `spawn` (tests, benchmarks) stops every rank as soon as one raises and
+re-raises in the parent as `RankError` with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any, TypeVar
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open, as tilewise.geometry
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "fork", "forkserver")
 DEFAULT_TIMEOUT = 300.0  # seconds a collective waits for the other ranks
@@ -275,6 +279,103 @@ def all_merge_moments(count: float, mean: Any, m2: Any, group: Any) -> tuple[flo
     return n, mu.to(mean.device), M2.to(mean.device)
 
 
+def _intersect(a: Box, b: Box) -> Box | None:
+    y0, y1, x0, x1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (y0, y1, x0, x1) if y0 < y1 and x0 < x1 else None
+
+
+def exchange_plan(owned: Sequence[Sequence[Box]],
+                  needed: Sequence[Sequence[Box]]) -> list[tuple[int, int, Box]]:
+    """(src, dst, box) transfers that bring every needed pixel once from the rank that owns it.
+
+    `owned[r]`: the boxes whose pixels rank r holds (disjoint across ranks: tile cores); `needed[r]`: the
+    boxes rank r must read (cores plus halos; they may overlap). Deterministic, the same on every rank.
+    """
+    plan = []
+    for dst, boxes in enumerate(needed):
+        for src, mine in enumerate(owned):
+            if src == dst:
+                continue
+            for ob in mine:
+                cuts = [c for c in (_intersect(ob, nb) for nb in boxes) if c is not None]
+                plan += [(src, dst, c) for c in _disjoint_union(cuts)]
+    return plan
+
+
+def _disjoint_union(rects: Sequence[Box]) -> list[Box]:
+    """Disjoint boxes covering the union of `rects` (coordinate compression, row runs merged downwards)."""
+    if len(rects) <= 1:
+        return list(rects)
+    ys = sorted({v for r in rects for v in r[:2]})
+    xs = sorted({v for r in rects for v in r[2:]})
+    out: list[list[int]] = []
+    open_runs: dict[tuple[int, int], list[int]] = {}
+    for y0, y1 in zip(ys, ys[1:], strict=False):
+        cover = [any(r[0] <= y0 and y1 <= r[1] and r[2] <= x0 and x1 <= r[3] for r in rects)
+                 for x0, x1 in zip(xs, xs[1:], strict=False)]
+        runs, i = [], 0
+        while i < len(cover):
+            if cover[i]:
+                j = i
+                while j + 1 < len(cover) and cover[j + 1]:
+                    j += 1
+                runs.append((xs[i], xs[j + 1]))
+                i = j + 1
+            else:
+                i += 1
+        nxt = {}
+        for run in runs:
+            box = open_runs.get(run)
+            if box is not None and box[1] == y0:
+                box[1] = y1  # the same run continues: extend the box downwards
+            else:
+                box = [y0, y1, run[0], run[1]]
+                out.append(box)
+            nxt[run] = box
+        open_runs = nxt
+    return [(b[0], b[1], b[2], b[3]) for b in out]
+
+
+def exchange_boxes(tensor: Any, owned: Sequence[Box], needed: Sequence[Box], group: Any) -> int:
+    """Fill the `needed` boxes of a full-size (..., H, W) tensor, in place, from the ranks owning them.
+
+    Halo exchange between tile-parallel segments (and, with needed = [whole image] on rank 0 only, the
+    gather of an output): box lists are all-gathered, then each intersection goes point to point, in
+    the same order on every rank. Returns the number of elements this rank received.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if group is None:
+        return 0
+    rank, world = rank_world(group)
+    lists: list[Any] = [None] * world
+    dist.all_gather_object(lists, ([tuple(b) for b in owned], [tuple(b) for b in needed]), group=group)
+    plan = exchange_plan([o for o, _ in lists], [n for _, n in lists])
+    device = _comm_device(group, tensor.device)
+    received, pending = 0, []
+    for tag, (src, dst, box) in enumerate(plan):
+        sl = (..., slice(box[0], box[1]), slice(box[2], box[3]))
+        if src == rank:
+            buf = tensor[sl].contiguous().to(device)
+            pending.append((dist.isend(buf, dst=_global(group, dst), group=group, tag=tag), buf, None))
+        elif dst == rank:
+            buf = torch.empty(tensor[sl].shape, dtype=tensor.dtype, device=device)
+            pending.append((dist.irecv(buf, src=_global(group, src), group=group, tag=tag), buf, sl))
+    for work, buf, sl in pending:
+        work.wait()
+        if sl is not None:  # a receive (sends keep their buffer alive until here)
+            tensor[sl] = buf.to(tensor.device)
+            received += buf.numel()
+    return received
+
+
+def _global(group: Any, rank: int) -> int:
+    import torch.distributed as dist
+
+    return rank if group is dist.group.WORLD else dist.get_global_rank(group, rank)
+
+
 def broadcast(value: Any, group: Any, src: int = 0) -> Any:
     """Rank `src`'s tensor (in place, returned) or picklable object, on every rank."""
     import torch
@@ -282,7 +383,7 @@ def broadcast(value: Any, group: Any, src: int = 0) -> Any:
 
     if group is None:
         return value
-    src_global = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
+    src_global = _global(group, src)
     if isinstance(value, torch.Tensor):
         device = _comm_device(group, value.device)
         buf = value.to(device)
