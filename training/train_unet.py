@@ -65,9 +65,9 @@ def random_prompt(name: str, rng) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2500)
+    ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--bank", type=int, default=2000, help="number of pre-encoded crops")
+    ap.add_argument("--bank", type=int, default=1600, help="number of pre-encoded crops")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--uncond", type=float, default=0.1, help="classifier-free dropout probability")
     ap.add_argument("--seed", type=int, default=0)
