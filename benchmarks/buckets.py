@@ -187,7 +187,7 @@ def report(args, prof, t_prof, rows, choice, reqs, cands) -> None:
         f"(grid area 256^2, step 16, sides 64..512); tiny seeded UNet2DConditionModel; one CFG step "
         f"(guidance {args.guidance}) per batch of {args.batch_size}; fp32. "
         f"Costs are the {args.statistic} over "
-        f"{args.repeats} timed calls, rounds interleaved over all shapes. "
+        f"{args.repeats} timed calls in a row per shape after one warm-up call. "
         f"'predicted' sums the profiled costs that also drove the choice, "
         "a short batch charged as a full one (optimistic for the chosen set: it picks buckets that happened "
         "to time fast); 'measured' "

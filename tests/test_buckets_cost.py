@@ -166,14 +166,13 @@ def test_profiler_shapes_calls_and_cfg():
         dtype="bfloat16",
         repeats=4,
         warmup=2,
+        order="interleaved",
         disable=True,
     )
     a, b = ((6, 4, 4, 8), torch.bfloat16), ((6, 4, 6, 2), torch.bfloat16)
     assert seen == [a, a, b, b] + [a, b] * 4  # warm-up per shape, then rounds interleaved over shapes
     seen.clear()
-    profile_buckets(
-        lambda x: seen.append(x.shape), [(64, 32), (16, 48)], repeats=3, warmup=1, order="blocked"
-    )
+    profile_buckets(lambda x: seen.append(x.shape), [(64, 32), (16, 48)], repeats=3, warmup=1)
     assert seen == [(1, 4, 4, 8), (1, 4, 6, 2)] + [(1, 4, 4, 8)] * 3 + [(1, 4, 6, 2)] * 3
     seen.clear()
     t = prof.timings[0]
