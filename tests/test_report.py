@@ -156,3 +156,13 @@ def test_decade_ticks_and_log_plot_validation():
         line_plot({"s": [(0.0, 1.0)]}, "x", "y", log=True)
     with pytest.raises(ValueError, match="at least one point"):
         line_plot({"s": []}, "x", "y")
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    heavy = "('torch', 'diffusers', 'matplotlib')"
+    code = f"import sys, tilewise.report; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
