@@ -128,7 +128,7 @@ def main() -> None:
         "text_encoder_params": sum(p.numel() for p in encoder.parameters()),
         "final_loss_mean_last5_logs": sum(tail) / len(tail), "log": log,
     }
-    save_json(metrics, RUNS_DIR / "unet_metrics.json")
+    save_json(metrics, (RUNS_DIR if out == MODELS_DIR else out) / "unet_metrics.json")
     logger.info("done: %.0f s, final loss %.4f", train_s, metrics["final_loss_mean_last5_logs"])
 
 

@@ -107,7 +107,7 @@ def main() -> None:
         "heldout_crops": int(crops.shape[0]), "heldout_psnr_db": round(evaluate(shipped, crops), 3),
         "train_fraction_columns": 0.8, "log": log,
     }
-    save_json(metrics, RUNS_DIR / "vae_metrics.json")
+    save_json(metrics, (RUNS_DIR if out == MODELS_DIR else out) / "vae_metrics.json")
     logger.info("held-out PSNR %.2f dB, scaling_factor %.4f, %.0f s", metrics["heldout_psnr_db"],
                 config["scaling_factor"], train_s)
 
