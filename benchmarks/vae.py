@@ -61,7 +61,8 @@ def worker(args) -> None:
     x = make_input(args.task, args.pattern, args.size).to(args.device, getattr(torch, args.dtype))
     v = args.variant
     if v == "diffusers":
-        vae.enable_tiling()  # SD default: 256 px sample tiles, 32 latent tiles, 25% overlap blend
+        vae.enable_tiling()  # 256 px sample tiles, 32 latent tiles, 25% overlap blend
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 8 * args.tile, args.tile
     if v.startswith("exact") or v == "fast":
         import tilewise as tw
 

@@ -47,6 +47,25 @@ def map_box(box: Box, ref: tuple[int, int], shape: tuple[int, int]) -> Box:
     return y0 * shape[0] // ref[0], y1 * shape[0] // ref[0], x0 * shape[1] // ref[1], x1 * shape[1] // ref[1]
 
 
+def _trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc malloc_trim): tile-sized buffers otherwise stay resident."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 class GroupStats:
     """Exact per-(batch, group) mean and variance merged over disjoint tiles (Chan et al. 1979)."""
 
@@ -61,12 +80,15 @@ class GroupStats:
         import torch
 
         b = x.shape[0]
-        xd = x.detach().to(torch.float64).reshape(b, self.groups, -1)
-        nb = xd.shape[-1]
+        xg = x.detach().reshape(b, self.groups, -1)
+        nb = xg.shape[-1]
         if nb == 0:
             return
-        mb = xd.mean(-1)
-        m2b = (xd - mb.unsqueeze(-1)).square().sum(-1)
+        if xg.dtype != torch.float64:
+            xg = xg.float()
+        vb, mb = torch.var_mean(xg, dim=-1, correction=0)  # per-tile centred moments, no big temporaries
+        mb = mb.to(torch.float64)
+        m2b = vb.to(torch.float64) * nb
         if self.mean is None:
             self.n, self.mean, self.m2 = nb, mb, m2b
             return
@@ -177,6 +199,7 @@ class Executor:
     progress: bool = True
     check_finite: bool = True
     stage_dir: str | None = None
+    conv_workspace: int = 32 << 20  # convs on bigger tiles run in row bands (bounds CPU im2col buffers)
 
     def is_global(self, op: Op) -> bool:
         """Barrier ops: GroupNorms without fixed statistics, and attention when global."""
@@ -197,7 +220,8 @@ class Executor:
         shapes = self.program.shapes(tuple(x.shape[-2:]))
         chans = self.program.channels()
         segs = self.segments()
-        ctx = ExecContext(stats=dict(self.fixed_stats), query_chunk=self.query_chunk)
+        ctx = ExecContext(stats=dict(self.fixed_stats), query_chunk=self.query_chunk,
+                          conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
         stage = Staging(self.staging, self.device, self.stage_dir)
         out = None
@@ -288,6 +312,8 @@ class Executor:
 
     def _run_segment(self, seg, stage, shapes, ctx, trackers, out, emit, bar) -> None:
         """Every tile of the grid: read the needed regions, run the ops, write the cores."""
+        import torch
+
         ref = shapes[self.ref]
         last = last_use(seg.ops, seg.outputs)
         for tile in self._grid(shapes):
@@ -299,6 +325,8 @@ class Executor:
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
             if stage.where == "disk":
                 stage.release_pages()
+            if stage.where != "device" or torch.device(self.device).type == "cpu":
+                _trim_heap()
             bar.update(1)
 
     def _run_tile(self, seg, stage, shapes, ctx, cores, last) -> dict[str, Any]:

@@ -108,11 +108,24 @@ class Conv(Op):
                  x0 * sw - l, (x1 - 1) * sw + dw * (kw - 1) + 1 - l)]
 
     def run(self, ctx, inputs, have, box, shapes):
+        rows = box[1] - box[0]
+        per_row = (box[3] - box[2]) * self.weight.shape[1] * self.kernel[0] * self.kernel[1] * 4
+        band = max(1, ctx.conv_workspace // max(per_row, 1)) if ctx.conv_workspace else rows
+        if band >= rows:
+            return self._run_box(inputs[0], have[0], box, shapes[0])
+        import torch
+
+        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike
+        parts = [self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
+                 for y in range(box[0], box[1], band)]
+        return torch.cat(parts, dim=-2)
+
+    def _run_box(self, x, have, box, shape):
         import torch.nn.functional as F
 
         need = self.input_boxes(box)[0]
-        inner = clip_box(need, shapes[0])
-        x = sub_tensor(inputs[0], have[0], inner)
+        inner = clip_box(need, shape)
+        x = sub_tensor(x, have, inner)
         pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
         if any(pad):
             x = F.pad(x, pad)
@@ -269,10 +282,12 @@ def apply_group_norm(x, stats, groups, eps, weight, bias):
     dtype = x.dtype
     rstd = (var + eps).rsqrt().to(torch.float32)
     mean = mean.to(torch.float32).view(b, groups, 1, 1, 1)
-    y = x.float().view(b, groups, c // groups, *x.shape[2:]) - mean
-    y = (y * rstd.view(b, groups, 1, 1, 1)).view_as(x)
+    y = x.float().reshape(b, groups, c // groups, *x.shape[2:]) - mean  # a new tensor: the rest is in place
+    y = y.mul_(rstd.view(b, groups, 1, 1, 1)).view(b, c, *x.shape[2:])
     if weight is not None:
-        y = y * weight.float().view(1, c, 1, 1) + bias.float().view(1, c, 1, 1)
+        y = y.mul_(weight.float().view(1, c, 1, 1))
+        if bias is not None:
+            y = y.add_(bias.float().view(1, c, 1, 1))
     return y.to(dtype)
 
 
@@ -283,6 +298,7 @@ class RunContext:
     stats: dict[int, Any] = field(default_factory=dict)  # id(op) -> (mean, var) to apply; absent -> native
     kv: dict[int, Any] = field(default_factory=dict)  # id(op) -> (k, v); absent -> keys of the box itself
     query_chunk: int = 4096
+    conv_workspace: int = 0  # bytes of im2col workspace one conv call may use (0: unbounded)
 
     def group_stats(self, op, x, box, shape):
         """The statistics to apply for a GroupNorm op, or None for torch's own over x."""
