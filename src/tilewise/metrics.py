@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_path
 from .patterns import core_boxes
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,6 @@ def save_heatmap_png(heatmap: Any, path: str | os.PathLike, *, grid_or_boxes: An
     """Render an (H, W) error map with a colorbar (and core boundaries if given) to a PNG, atomically."""
     from matplotlib.figure import Figure  # the object API: no pyplot state, no backend switch
 
-    from .sinks import temporary_path
-
     hm = np.asarray(heatmap, dtype=np.float64)
     if hm.ndim != 2:
         raise ValueError(f"heatmap must be (H, W), got shape {hm.shape}; see error_heatmap()")
@@ -184,13 +183,8 @@ def save_heatmap_png(heatmap: Any, path: str | os.PathLike, *, grid_or_boxes: An
     if grid_or_boxes is not None:
         _draw_boundaries(ax, core_boxes(grid_or_boxes))
     ax.set_title(title or f"max {hm.max():.3g}, mean {hm.mean():.3g}")
-    tmp = temporary_path(path)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
     return os.fspath(path)
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_path
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -334,15 +336,10 @@ def encode_file(
     dist = tv.encode(x).latent_dist
     sf, shift = latent_scale(vae)
     latents = ((dist.mean - shift) * sf).contiguous()
-    tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-    try:
+    with atomic_path(out) as tmp:
         save_file(
             {"latents": latents.cpu()},
             str(tmp),
             metadata={"scaling_factor": str(sf), "shift_factor": str(shift)},
         )
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return plan

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+from .atomic import atomic_path
 
 
 def _save(fig, path: str) -> None:
-    """Save a figure atomically: temporary name in the same folder, then rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    suffix = os.path.splitext(path)[1] or ".png"
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=folder)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=fig.dpi, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Save a figure atomically (temporary name in the same folder, then rename)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=fig.dpi, bbox_inches="tight")
 
 
 def draw_grid(grid, path: str | None = None, image=None, scale: float = 1.0):

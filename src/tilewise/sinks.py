@@ -37,13 +37,14 @@ import logging
 import os
 import queue
 import sys
-import tempfile
 import threading
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .atomic import publish, temporary_path
 
 logger = logging.getLogger(__name__)
 
@@ -121,25 +122,6 @@ def to_hwc_uint(x: Any, bits: int = 8, value_range: tuple[float, float] = (-1.0,
     else:
         q = _quantize_numpy(np.asarray(x), bits, lo_hi)
     return np.ascontiguousarray(q.transpose(1, 2, 0))
-
-
-def temporary_path(path: str | os.PathLike) -> str:
-    """A new, empty temporary file next to ``path`` (same directory, so os.replace is atomic)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    return tmp
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,8 +335,7 @@ class Sink:
                                  f"written; writes must cover the whole {self.height}x{self.width} image")
             self._finish()
             if self._tmp is not None:
-                os.chmod(self._tmp, 0o666 & ~_umask())
-                os.replace(self._tmp, self.path)
+                publish(self._tmp, self.path)
                 self._tmp = None
                 logger.debug("wrote %s", self.path)
         except BaseException:

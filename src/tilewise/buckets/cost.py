@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_path
 from .assign import Size, aspect_error
 from .planner import BucketPlanner, _check_size, _positive_int
 
@@ -144,10 +145,11 @@ def plot_costs(profile: BucketProfile, path: str | os.PathLike, statistic: str =
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return path
 
 

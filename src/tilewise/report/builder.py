@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_path
 from .instrument import instrument_html
 from .svg import fmt, line_plot
 
@@ -182,8 +183,7 @@ def build_report(run_dir: str | os.PathLike, out_html: str | os.PathLike | None 
         raise ValueError(f"run_dir must be an existing directory, got {str(run_dir)!r}")
     out = Path(out_html) if out_html is not None else run_dir / "report.html"
     html = build_html(run_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        Path(tmp).write_text(html, encoding="utf-8")
     logger.info("wrote report %s (%d bytes)", out, len(html))
     return out
