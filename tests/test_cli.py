@@ -144,6 +144,8 @@ def test_generate_with_regions_is_deterministic_and_atomic(model_dir, tmp_path):
     assert np.array_equal(a, b), "same seed, same image"
     html = (tmp_path / "run" / "report.html").read_text()
     assert "y = a" in html and "data:image/png;base64" in html and "plan" in html.lower()
+    costs = json.loads((tmp_path / "run" / "costs.json").read_text())
+    assert len(costs) >= 3 and all(c["seconds"] > 0 for c in costs)  # the real model's measured curve
     _no_temporaries(tmp_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from enum import Enum
@@ -202,7 +203,28 @@ def generate(
         f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
         TileGrid(height // f, width // f, tile, overlap=overlap).draw(str(run_dir / "tiles.png"), scale=f)
         _write_plan(run_dir, res.vae_plan)
+        _write_unet_costs(run_dir, loaded, guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
     _finish_report(run_dir)
+
+
+def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> None:
+    """Measure one UNet call at a few latent sizes (the real model's cost curve for the report)."""
+    from .buckets import profile_buckets
+    from .diffusion.fusion import downsampling_factor
+
+    unet = loaded.pipe.unet
+    emb = loaded.encode("", "")["prompt_embeds"]
+
+    def step(x):
+        return unet(x, 500, encoder_hidden_states=emb.expand(len(x), -1, -1)).sample
+
+    k = downsampling_factor(unet)
+    sides = sorted({max(k, -(-s // k) * k) for s in sizes})
+    buckets = [(s * f, s * f) for s in sides]
+    prof = profile_buckets(step, buckets, guidance=guidance, repeats=2, device=unet.device, latent_factor=f,
+                           channels=unet.config.in_channels, disable=True)
+    (run_dir / "costs.json").write_text(json.dumps(
+        [{"tokens": t.tokens, "seconds": t.median, "label": "UNet call"} for t in prof.timings], indent=2))
 
 
 @app.command()
@@ -578,6 +600,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run folder written wi
 
 def main() -> None:
     """Entry point: one clear line per error (traceback with --debug); Ctrl-C leaves no partial file."""
+    # diffusers imports transformers' image processors, which warn about torchvision on every start
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         app(standalone_mode=False)
     except KeyboardInterrupt:
