@@ -247,14 +247,16 @@ def _decode_out(tv, z, out: str | None, bits: int):
         return tv.decode(z).sample
     from .sinks import open_sink
 
-    with open_sink(out, z.shape[-2] * _factor(tv), z.shape[-1] * _factor(tv), 3, bits=bits) as sink:
+    f = vae_factor(tv.vae)
+    with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, 3, bits=bits) as sink:
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)
     return None
 
 
-def _factor(tv) -> int:
-    return int(2 ** (len(tv.vae.config.block_out_channels) - 1))
+def vae_factor(vae) -> int:
+    """Pixels per latent pixel of an AutoencoderKL-style VAE (8 for SD): 2 ** (blocks - 1)."""
+    return int(2 ** (len(vae.config.block_out_channels) - 1))
 
 
 def decode_file(
@@ -328,7 +330,7 @@ def encode_file(
     from .vae import TiledVAE
 
     vae = loaded.pipe.vae
-    x = load_image(image_path, _factor(TiledVAE(vae))).to(vae.device, vae.dtype)
+    x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = TiledVAE(
         vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging, progress=progress
     )
