@@ -417,3 +417,15 @@ def test_torchrun_launch_line_runs_ranks_that_agree_with_one_process(tmp_path):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert (res["rank"], res["world"]) == (r, 2)
         assert (res["out"] - one).abs().max() <= 1e-6
+
+
+def test_the_earliest_failure_is_reported_not_a_peer_that_failed_after_it(tmp_path):
+    # rank 1 fails first; rank 0 then fails in a collective ("connection closed by peer") and may reach
+    # the parent first: the parent must still name rank 1
+    (tmp_path / "rank0.failed").write_text("200.5\nRuntimeError: Connection closed by peer")
+    (tmp_path / "rank1.failed").write_text("100.25\nValueError: rank one broke")
+    (tmp_path / "rank0.pt").write_text("not a failure record")
+    assert td._first_failure(str(tmp_path)) == (1, "ValueError: rank one broke")
+    (tmp_path / "rank0.failed").unlink()
+    (tmp_path / "rank1.failed").unlink()
+    assert td._first_failure(str(tmp_path)) is None

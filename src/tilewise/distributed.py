@@ -454,6 +454,27 @@ def torchrun_command(argv: Sequence[str], nproc: int, module: str = "tilewise.cl
             "-m", module, *rest]
 
 
+def _write_failure(results: str, rank: int) -> None:
+    """Record when and how this rank failed (read by `_first_failure`)."""
+    import traceback
+
+    path = os.path.join(results, f"rank{rank}.failed")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+    os.replace(path + ".tmp", path)
+
+
+def _first_failure(results: str) -> tuple[int, str] | None:
+    """(rank, traceback) of the earliest recorded failure, or None."""
+    found = []
+    for name in os.listdir(results):
+        if name.endswith(".failed"):
+            with open(os.path.join(results, name)) as f:
+                stamp, _, trace = f.read().partition("\n")
+            found.append((float(stamp), int(name[len("rank"):-len(".failed")]), trace))
+    return min(found)[1:] if found else None
+
+
 def _worker(rank, fn, world, backend, init_method, timeout, threads, results, args) -> None:
     """One rank of `spawn`: join the group, run fn(rank, world, *args), store its result atomically."""
     import torch
@@ -465,7 +486,13 @@ def _worker(rank, fn, world, backend, init_method, timeout, threads, results, ar
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
-    result = fn(rank, world, *args)
+    try:
+        result = fn(rank, world, *args)
+    except BaseException:
+        # when one rank fails, its peers fail next in their collectives; the parent reports the rank
+        # that failed first (the cause), so each failure leaves its time and traceback here
+        _write_failure(results, rank)
+        raise
     path = os.path.join(results, f"rank{rank}.pt")
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -514,14 +541,14 @@ def spawn(
         worker_args = (fn, nprocs, backend, init_method, timeout, threads, results, tuple(args))
         ctx = mp.start_processes(_worker, args=worker_args, nprocs=nprocs, join=False,
                                  start_method=start_method)
-        _join(ctx, limit)
+        _join(ctx, limit, results)
         out = []
         for r in range(nprocs):
             out.append(torch.load(os.path.join(results, f"rank{r}.pt"), weights_only=True))
         return out
 
 
-def _join(ctx: Any, limit: float | None) -> None:
+def _join(ctx: Any, limit: float | None, results: str) -> None:
     """Join all ranks; the first failure kills the rest and is re-raised with its rank and traceback."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
@@ -533,7 +560,9 @@ def _join(ctx: Any, limit: float | None) -> None:
                 _kill(ctx)
                 raise TimeoutError(f"spawn: ranks {alive} still running after limit={limit} s; all stopped")
     except ProcessRaisedException as e:
-        raise RankError(e.error_index, _trace(e.msg)) from None
+        _kill(ctx)
+        first = _first_failure(results)  # the cause, not a peer that failed in a collective after it
+        raise RankError(*(first or (e.error_index, _trace(e.msg)))) from None
     except ProcessExitedException as e:
         raise RankError(e.error_index, "", f"rank {e.error_index} died: {e.msg}") from None
     except BaseException:
