@@ -217,3 +217,27 @@ def test_pipeline_drop_in():
     out = pipe(generator=torch.Generator().manual_seed(0), **kw).images
     assert out.shape == ref.shape == (1, 3, 96, 80)
     assert (out - ref).abs().max() <= 1e-4
+
+
+def test_fast_decode_sampling_every_tile_is_exact():
+    # the sampled-tile estimator merges exact core statistics: with every tile sampled it is exact mode
+    vae = kl_vae("sd")
+    z = structured_latent(2, 4, 13, 11)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    tv = tw.TiledVAE(vae, tile_size=4, mode="fast", fast_sample=1.0, fast_low=0, progress=False)
+    assert (tv.decode(z).sample - ref).abs().max() <= 1e-4
+
+
+def test_fast_decode_tile_estimator_beats_crops():
+    vae = kl_vae("sd")
+    z = structured_latent(1, 4, 32, 32)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    err = {}
+    for est in ("crops", "tiles"):
+        out = tw.TiledVAE(vae, tile_size=8, mode="fast", fast_estimator=est, progress=False).decode(z).sample
+        err[est] = float((out - ref).abs().max())
+    # measured on this seeded narrow model (output std ~0.4): crops 3.40, tiles 0.69 (max abs)
+    assert err["tiles"] < err["crops"] / 3
+    assert 1e-4 < err["tiles"] < 1.0

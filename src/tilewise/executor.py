@@ -200,6 +200,10 @@ class Executor:
     check_finite: bool = True
     stage_dir: str | None = None
     conv_workspace: int = 32 << 20  # convs on bigger tiles run in row bands (bounds CPU im2col buffers)
+    done: dict[int, Any] = field(default_factory=dict)  # tile index -> its output core, computed already
+    probes: list[Box] = field(default_factory=list)  # reference-grid boxes whose own statistics are kept
+    probe_stats: dict[tuple[str, int], Any] = field(default_factory=dict)  # (value, groups) -> GroupStats
+    last_stats: dict[int, Any] = field(default_factory=dict)  # id(GroupNorm) -> (mean, var) of the last run
 
     def is_global(self, op: Op) -> bool:
         """Barrier ops: GroupNorms without fixed statistics, and attention when global."""
@@ -218,6 +222,7 @@ class Executor:
         import torch
 
         shapes = self.program.shapes(tuple(x.shape[-2:]))
+        self._shapes = shapes
         chans = self.program.channels()
         segs = self.segments()
         ctx = ExecContext(stats=dict(self.fixed_stats), query_chunk=self.query_chunk,
@@ -250,6 +255,7 @@ class Executor:
             bar.close()
         finally:
             stage.close()
+        self.last_stats = ctx.stats
         return out
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -319,7 +325,11 @@ class Executor:
         for tile in self._grid(shapes):
             cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
             cores = {v: b for v, b in cores.items() if not box_empty(b)}
-            if cores:
+            if cores and tile.index in self.done and list(cores) == [self.program.output]:
+                vals = {self.program.output: (self.done[tile.index], cores[self.program.output])}
+                for v, core in cores.items():
+                    self._store(v, core, vals, stage, trackers, out, emit, seg)
+            elif cores:
                 vals = self._run_tile(seg, stage, shapes, ctx, cores, last)
                 for v, core in cores.items():
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
@@ -355,6 +365,12 @@ class Executor:
                 "SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) or use an fp16-fixed VAE")
         for acc in trackers.get(v, {}).values():
             acc.add(c)
+        for pb in self.probes if v in trackers else ():
+            b = map_box(pb, self._shapes[self.ref], self._shapes[v])
+            b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
+            if not box_empty(b):
+                for g in trackers[v]:
+                    self.probe_stats.setdefault((v, g), GroupStats(g)).add(sub_tensor(t, have, b))
         if v == self.program.output:
             if emit is not None:
                 emit(core, c)
@@ -420,3 +436,66 @@ def estimate_stats(program: Program, x, ref: str, crop: int, fixed: set[int], sa
     logger.info("fast mode: statistics of %d GroupNorms from %d crops of %dx%d",
                 len(fixed), len(boxes), ch, cw)
     return {i: s for i, s in ctx.record.items() if i in fixed}
+
+
+def sample_tiles(grid, fraction: float) -> list:
+    """Stratified subset of a tile grid: about `fraction` of the rows times the columns, evenly spread."""
+    ky = max(1, min(grid.rows, round(grid.rows * fraction**0.5)))
+    kx = max(1, min(grid.cols, round(grid.cols * fraction**0.5)))
+    rows = {int((i + 0.5) * grid.rows / ky) for i in range(ky)}
+    cols = {int((i + 0.5) * grid.cols / kx) for i in range(kx)}
+    return [t for t in grid.tiles if t.row in rows and t.col in cols]
+
+
+def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], query_chunk: int = 4096,
+                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None):
+    """Fast-mode statistics from a sample of the real tiles, run layer-synchronously (no crop padding).
+
+    Each sampled tile runs on exactly the regions its core needs (back-propagated through the whole
+    program, zero padding only at the image border), so every value it computes is the one the tiled
+    run computes with the same statistics. All sampled tiles advance op by op together; at each
+    GroupNorm in `fixed` the statistics are merged (Chan) over the regions the sampled tiles hold, then
+    applied. Returns (id(op) -> (mean, var), tile index -> output core): the sampled tiles' outputs are
+    final, so the tiled pass skips them. Memory: the sampled tiles' working sets at once.
+    """
+    shapes = program.shapes(tuple(x.shape[-2:]))
+    out_v = program.output
+    needs = [back_propagate(program.ops, {out_v: map_box(t.core, shapes[ref], shapes[out_v])}, shapes)
+             for t in tiles]
+    vals = []
+    for need in needs:
+        y0, y1, x0, x1 = need[program.input]
+        vals.append({program.input: x[..., y0:y1, x0:x1]})
+    ctx = RunContext(query_chunk=query_chunk, conv_workspace=conv_workspace)
+    last = last_use(program.ops, [out_v])
+    for i, op in enumerate(program.ops):
+        if op.kind == "group_norm" and id(op) in fixed:
+            acc = GroupStats(op.groups)
+            for t, need, v in zip(tiles, needs, vals, strict=True):
+                core = map_box(t.core, shapes[ref], shapes[op.dst])
+                if op.dst in need and not box_empty(core):
+                    acc.add(sub_tensor(v[op.src[0]], need[op.src[0]], core))
+            ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
+        for need, v in zip(needs, vals, strict=True):
+            if op.dst not in need:
+                continue
+            ins = [v[s] for s in op.src]
+            v[op.dst] = op.run(ctx, ins, [need[s] for s in op.src], need[op.dst], [shapes[s] for s in op.src])
+            for s in op.src:
+                if last.get(s) == i:
+                    del v[s]
+    done = {t.index: v[out_v] for t, v in zip(tiles, vals, strict=True)}
+    logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles", len(fixed), len(tiles))
+    return {i: s for i, s in ctx.stats.items() if i in fixed}, done
+
+
+def _adjusted(sample, low):
+    """Difference / ratio estimator: sample statistics moved by (global - sample) of a cheap full pass.
+
+    low = ((mean, var) over the whole image, (mean, var) over the sampled regions) of the low-resolution
+    pass: mean = m_s + (M_low - m_low), var = v_s * V_low / v_low.
+    """
+    if low is None:
+        return sample
+    (mg, vg), (ms, vs) = low
+    return sample[0] + (mg - ms), sample[1] * vg / vs.clamp_min(1e-12)

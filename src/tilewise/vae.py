@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .executor import STAGINGS, Executor, estimate_stats, map_box
+from .executor import STAGINGS, Executor, estimate_stats, map_box, sample_tiles, sampled_tile_stats
 from .locality.lowering import chain, lower, lower_conv
 from .locality.program import Program, back_propagate, box_empty
 
@@ -82,7 +82,8 @@ class TiledVAE:
     def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
-                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float = 0.25):
+                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float = 0.25,
+                 fast_estimator: str = "tiles", fast_low: int = 2):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention not in ATTENTIONS:
@@ -102,7 +103,14 @@ class TiledVAE:
             self.memory_budget = parse_bytes(memory_budget)
         self.staging, self.retry_on_oom, self.progress = staging, retry_on_oom, progress
         self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
-        self.fast_crop, self.fast_sample = fast_crop, fast_sample
+        if fast_estimator not in ("tiles", "crops"):
+            raise ValueError(f"fast_estimator must be 'tiles' or 'crops', got {fast_estimator!r}")
+        if not 0 < fast_sample <= 1:
+            raise ValueError(f"fast_sample must be in (0, 1], got {fast_sample!r}")
+        self.fast_crop, self.fast_sample, self.fast_estimator = fast_crop, fast_sample, fast_estimator
+        if isinstance(fast_low, bool) or not isinstance(fast_low, int) or fast_low < 0:
+            raise ValueError(f"fast_low must be an int >= 0 (0: no low-resolution pass), got {fast_low!r}")
+        self.fast_low = fast_low
         self._programs: dict[str, Program] = {}
 
     # -- pass-through -------------------------------------------------------------------------------
@@ -113,7 +121,8 @@ class TiledVAE:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
                                              "retry_on_oom", "progress", "color_fix", "query_chunk",
-                                             "stage_dir", "_programs", "fast_crop", "fast_sample"):
+                                             "stage_dir", "_programs", "fast_crop", "fast_sample",
+                                             "fast_estimator", "fast_low"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.vae, name, value)
@@ -273,7 +282,74 @@ class TiledVAE:
         ref = p.input if kind == "decode" else p.output
         if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
             return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
+        if self.mode == "fast" and kind == "decode" and self.fast_estimator == "tiles":
+            split = self._low_res_split(p)
+            if split is not None:
+                return self._fast_decode(p, split, t, tile, staging, emit)
         return self._executor(kind, t, tile, staging).run(t, emit=emit)
+
+    def _low_res_split(self, p: Program) -> int | None:
+        """Index of the decoder's first upsampling op when everything before it is at latent resolution
+        and only its input crosses the cut (else None: fast mode falls back to the crop estimator)."""
+        k = next((i for i, op in enumerate(p.ops) if op.kind == "resample"), None)
+        if k is None or k == 0:
+            return None
+        made = {op.dst for op in p.ops[:k]} | {p.input}
+        crossing = {s for op in p.ops[k:] for s in op.src if s in made}
+        late = p.ops[k:]
+        if crossing != {p.ops[k].src[0]} or any(op.kind == "attention" for op in late):
+            return None
+        if not any(op.kind == "group_norm" for op in late):
+            return None
+        return k
+
+    def _fast_decode(self, p: Program, k: int, z, tile: int, staging: str, emit):
+        """Fast decode: latent-resolution part exact, high-resolution GroupNorms from sampled tiles.
+
+        1. The ops before the first upsampling (post_quant_conv, conv_in, mid block with attention, the
+           first up block's resnets) run in exact tiled mode; their output is latent-sized (e.g. 512 x
+           h x w) and stays staged (the only staging of fast mode).
+        2. A stratified `fast_sample` fraction of the tiles runs the high-resolution rest together, op by
+           op; every GroupNorm's statistics are merged over the regions those tiles hold (exact values
+           given the earlier estimates, no crop padding), and their outputs are kept.
+        3. The other tiles run end to end with those statistics.
+        """
+        from .geometry import TileGrid
+
+        head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
+                       name=p.name + "[low-res]")
+        h = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
+                     query_chunk=self.query_chunk, progress=self.progress,
+                     stage_dir=self.stage_dir).run(z)
+        tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
+                       in_channels=head.channels()[head.output], name=p.name + "[high-res]")
+        rh, rw = h.shape[-2:]
+        grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
+        fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
+        tiles = sample_tiles(grid, self.fast_sample)
+        adjust = None
+        if self.fast_low:
+            adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
+        stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk, adjust=adjust)
+        ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=z.device,
+                      fixed_stats=stats, query_chunk=self.query_chunk, progress=self.progress,
+                      stage_dir=self.stage_dir, done=done)
+        return ex.run(h, emit=emit)
+
+    def _low_pass_stats(self, tail: Program, h, tile: int, staging: str, cores: list) -> dict[int, Any]:
+        """Exact statistics of the high-resolution part run on h average-pooled by `fast_low`: over the
+        whole image and over the sampled tiles' cores (for the difference / ratio correction)."""
+        import torch.nn.functional as F
+
+        f = self.fast_low
+        small = F.avg_pool2d(h, f, ceil_mode=True)
+        full, low = tuple(h.shape[-2:]), tuple(small.shape[-2:])
+        ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=h.device,
+                      query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
+                      probes=[map_box(c, full, low) for c in cores])
+        ex.run(small)
+        return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
+                for op in tail.ops if op.kind == "group_norm"}
 
     def _fixed_ops(self, p: Program, kind: str) -> set[int]:
         """GroupNorms whose statistics fast mode estimates (color_fix: only before the first downsampling)."""
