@@ -337,19 +337,34 @@ class TiledVAE:
         return ex.run(h, emit=emit)
 
     def _low_pass_stats(self, tail: Program, h, tile: int, staging: str, cores: list) -> dict[int, Any]:
-        """Exact statistics of the high-resolution part run on h average-pooled by `fast_low`: over the
-        whole image and over the sampled tiles' cores (for the difference / ratio correction)."""
+        """Exact statistics of the high-resolution part run `fast_low` times smaller, over the whole image
+        and over the sampled tiles' cores (for the difference / ratio correction).
+
+        The reduction is taken out of the upsampling ops (nearest x2 becomes x1), so the low pass sees all
+        of h's latent-resolution content; what upsampling cannot absorb is average-pooled out of h.
+        """
+        import dataclasses
+        import math
+
         import torch.nn.functional as F
 
-        f = self.fast_low
-        small = F.avg_pool2d(h, f, ceil_mode=True)
-        full, low = tuple(h.shape[-2:]), tuple(small.shape[-2:])
-        ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=h.device,
+        left, ops = self.fast_low, []
+        for op in tail.ops:
+            if op.kind == "resample" and left > 1:
+                d = math.gcd(op.scale, left)
+                left //= d
+                op = dataclasses.replace(op, scale=op.scale // d)
+            ops.append(op)
+        low = Program(ops=ops, input=tail.input, output=tail.output, in_channels=tail.in_channels,
+                      name=tail.name + "[low pass]")
+        small = F.avg_pool2d(h, left, ceil_mode=True) if left > 1 else h
+        full, lo = tuple(h.shape[-2:]), tuple(small.shape[-2:])
+        ex = Executor(low, tile, low.input, attention=self.attention, staging=staging, device=h.device,
                       query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
-                      probes=[map_box(c, full, low) for c in cores])
+                      probes=[map_box(c, full, lo) for c in cores])
         ex.run(small)
         return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
-                for op in tail.ops if op.kind == "group_norm"}
+                for op in low.ops if op.kind == "group_norm"}
 
     def _fixed_ops(self, p: Program, kind: str) -> set[int]:
         """GroupNorms whose statistics fast mode estimates (color_fix: only before the first downsampling)."""
