@@ -129,10 +129,14 @@ class Staging:
         else:
             size = torch.empty((), dtype=dtype).element_size()
             path = os.path.join(self.dir.name, f"{name.replace('/', '_')}.bin")
+            # channels-last on disk: a tile's box is one contiguous run per row, so the pages a tile
+            # touches (resident until release_pages) hold its own data, not whole image rows per channel
+            last = (*shape[:-3], *shape[-2:], shape[-3]) if len(shape) >= 3 else shape
             arr = np.memmap(path, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[size],
-                            mode="w+", shape=shape)
+                            mode="w+", shape=last)
             self.maps[name] = arr
-            self.tensors[name] = torch.from_numpy(arr).view(dtype)
+            t = torch.from_numpy(arr).view(dtype)
+            self.tensors[name] = t.movedim(-1, -3) if len(shape) >= 3 else t
 
     def put(self, name: str, tensor) -> None:
         """Stage an existing full tensor (the program input) without copying."""
@@ -141,7 +145,10 @@ class Staging:
     def read(self, name: str, box: Box):
         """The box of a staged tensor, on the device."""
         y0, y1, x0, x1 = box
-        return self.tensors[name][..., y0:y1, x0:x1].to(self.device, non_blocking=True)
+        t = self.tensors[name][..., y0:y1, x0:x1]
+        if name in self.maps:
+            t = t.contiguous()  # a private copy in the usual layout: the mapped pages can be dropped
+        return t.to(self.device, non_blocking=True)
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
