@@ -130,7 +130,9 @@ def generate(
     method: Annotated[Method, typer.Option(help="tile fusion of the denoiser")] = Method.mixture,
     tile: Annotated[int, typer.Option(min=1, help="denoiser tile, latent px")] = 16,
     overlap: Annotated[int, typer.Option(min=0, help="denoiser tile overlap, latent px")] = 4,
-    batch_size: Annotated[int, typer.Option(min=1, help="tiles per UNet call")] = 8,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="tiles per UNet call (default 32 embedded, else 4)")
+    ] = None,
     steps: Annotated[int, typer.Option(min=1, max=1000)] = 20,
     guidance: Annotated[float, typer.Option(min=0.0, help="classifier-free guidance scale")] = 5.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,

@@ -156,7 +156,7 @@ def generate(
     method: str = "mixture",
     tile_size: int = 16,
     overlap: int = 4,
-    batch_size: int = 4,
+    batch_size: int | None = None,
     steps: int = 20,
     seed: int = 0,
     guidance: float = 5.0,
@@ -178,6 +178,8 @@ def generate(
         raise ValueError(
             f"width and height have to be positive multiples of {f} but are {width} and {height}"
         )
+    if batch_size is None:  # the embedded UNet is tiny: per-call overhead dominates, batch many tiles
+        batch_size = 32 if loaded.embedded else 4
     cond = loaded.encode(prompt, negative)
     tiled_regions = []
     for box, text in regions or []:
