@@ -7,6 +7,9 @@ exact per-(batch, group) statistics of every value a later GroupNorm normalises 
 tile cores (float64, Chan et al. pairwise update). A global attention op is a segment of its own: keys
 and values of all tokens first, then the queries of each tile in chunks. GroupNorms given fixed
 statistics (fast mode) are pointwise and cut nothing, so a run of them executes tile by tile end to end.
+Fast-mode statistics come from `sampled_tile_stats` (a stratified subset of the real tiles, run op by op
+together; their outputs are kept and the tiled pass skips them). Disk staging stores channels-last
+memmaps so the pages a tile touches are its own data.
 """
 
 from __future__ import annotations
