@@ -219,9 +219,10 @@ def report(args, prof, t_prof, rows, choice, reqs, cands) -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
+        from tilewise.atomic import atomic_path
+
+        with atomic_path(args.out) as tmp, open(tmp, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -134,10 +134,10 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
+        from tilewise.atomic import atomic_path
+
+        with atomic_path(args.out) as tmp, open(tmp, "w") as f:
             f.write(text + "\n")
-        os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":

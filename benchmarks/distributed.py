@@ -135,10 +135,10 @@ def main() -> None:
     text = report(args, results)
     print(text)
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
+        from tilewise.atomic import atomic_path
+
+        with atomic_path(args.out) as tmp, open(tmp, "w") as f:
             f.write(text + "\n")
-        os.replace(tmp, args.out)
 
 
 def report(args, results: dict) -> str:
