@@ -46,7 +46,8 @@ def scale_box(box: Box, factor: int | float) -> Box:
     return y0, y1, x0, x1
 
 
-def _pair(value: int | Sequence[int], name: str) -> Pair:
+def as_pair(value: int | Sequence[int], name: str) -> Pair:
+    """An int or an (h, w) pair of ints as (h, w); ValueError naming `name` otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int or an (h, w) pair, got {value!r}")
     if isinstance(value, int):
@@ -165,10 +166,10 @@ class TileGrid:
         order: str = "row",
     ) -> None:
         self.height, self.width = _validate_size(height, width)
-        self.tile_size = _pair(tile_size, "tile_size")
-        self.overlap = _pair(overlap, "overlap")
-        self.halo = _pair(halo, "halo")
-        self.align = _pair(align, "align")
+        self.tile_size = as_pair(tile_size, "tile_size")
+        self.overlap = as_pair(overlap, "overlap")
+        self.halo = as_pair(halo, "halo")
+        self.align = as_pair(align, "align")
         self.edge, self.pad_mode, self.order = edge, pad_mode, order
         self._validate()
         per_axis = [

@@ -25,7 +25,7 @@ import torch
 
 from ..blending import Accumulator, weight_window
 from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, resolve_group, shard
-from ..geometry import Box, TileGrid, box_slices
+from ..geometry import Box, TileGrid, as_pair, box_slices
 from .regions import Region, region_weights
 
 logger = logging.getLogger(__name__)
@@ -48,14 +48,6 @@ class Piece:
         ry, rx = self.read[0], self.read[2]
         y0, y1, x0, x1 = self.out
         return slice(y0 - ry, y1 - ry), slice(x0 - rx, x1 - rx)
-
-
-def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise ValueError(f"{name} must be an int or an (h, w) pair of ints, got {value!r}")
 
 
 def downsampling_factor(unet: torch.nn.Module) -> int:
@@ -159,9 +151,9 @@ class TiledDenoiser(torch.nn.Module):
             raise ValueError(f"unet must be a denoiser nn.Module (not already tiled), got {kind}")
         self.unet = unet
         self.method = method
-        self.tile_size = _pair(tile_size, "tile_size")
-        self.overlap = _pair(overlap, "overlap")
-        self.halo = halo if halo is None or halo == "probe" else _pair(halo, "halo")
+        self.tile_size = as_pair(tile_size, "tile_size")
+        self.overlap = as_pair(overlap, "overlap")
+        self.halo = halo if halo is None or halo == "probe" else as_pair(halo, "halo")
         self.batch_size, self.var, self.seed, self.order = batch_size, var, seed, order
         self.micro_conditioning, self.vae_scale_factor, self.cfg = micro_conditioning, vae_scale_factor, cfg
         self.align = downsampling_factor(unet) if align is None else align
