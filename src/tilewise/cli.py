@@ -60,7 +60,18 @@ class Policy(str, Enum):
 
 Model = Annotated[
     Path | None,
-    typer.Option(help="diffusers pipeline folder or .safetensors checkpoint (default: the embedded model)"),
+    typer.Option(
+        help="diffusers pipeline folder or .safetensors checkpoint (default: the embedded model), "
+        "e.g. --model sd15-folder or --model sd15.safetensors --config sd15-folder"
+    ),
+]
+Config = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="diffusers pipeline folder (model_index.json, configs, tokenizer) of the same architecture "
+        "as a single-file --model; needed offline, e.g. --model sd15.safetensors --config sd15-folder",
+    ),
 ]
 Device = Annotated[str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1")]
 DType = Annotated[
@@ -142,6 +153,7 @@ def generate(
         Mode, typer.Option(help="exact = equals the untiled decode; fast = estimated statistics")
     ] = Mode.exact,
     model: Model = None,
+    config: Config = None,
     device: Device = "cpu",
     dtype: DType = "float32",
     report: Report = None,
@@ -156,7 +168,7 @@ def generate(
     from .pipelines import load_pipeline, parse_region
 
     regions = [parse_region(r) for r in region or []]
-    loaded = load_pipeline(model, scheduler=scheduler.value, device=device, dtype=dtype)
+    loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
     t0 = time.perf_counter()
     res = run(
         loaded,
@@ -244,6 +256,7 @@ def upscale(
     seed: Annotated[int, typer.Option(min=0)] = 0,
     vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
     model: Model = None,
+    config: Config = None,
     device: Device = "cpu",
     dtype: DType = "float32",
     quiet: Quiet = False,
@@ -258,7 +271,7 @@ def upscale(
     from .pipelines import load_pipeline
     from .sinks import open_sink
 
-    loaded = load_pipeline(model, device=device, dtype=dtype)
+    loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
     with Image.open(image) as im:
         src = im.convert("RGB")
@@ -297,6 +310,7 @@ def decode(
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
     bits: Annotated[int, typer.Option(help="8 or 16 bits per channel")] = 8,
     model: Model = None,
+    config: Config = None,
     device: Device = "cpu",
     report: Report = None,
     quiet: Quiet = False,
@@ -307,7 +321,7 @@ def decode(
     """
     from .pipelines import decode_file, load_pipeline
 
-    loaded = load_pipeline(model, device=device)
+    loaded = load_pipeline(model, config=config, device=device)
     plan = decode_file(
         loaded,
         str(latents),
@@ -337,6 +351,7 @@ def encode(
     budget: Annotated[str | None, typer.Option(help="memory budget, e.g. 2GiB")] = None,
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
     model: Model = None,
+    config: Config = None,
     device: Device = "cpu",
     quiet: Quiet = False,
 ) -> None:
@@ -346,7 +361,7 @@ def encode(
     """
     from .pipelines import encode_file, load_pipeline
 
-    loaded = load_pipeline(model, device=device)
+    loaded = load_pipeline(model, config=config, device=device)
     plan = encode_file(
         loaded,
         str(image),
@@ -365,6 +380,7 @@ def encode(
 def analyze(
     size: Annotated[int, typer.Option(min=8, help="latent side used for the analysis and the probe")] = 32,
     model: Model = None,
+    config: Config = None,
     device: Device = "cpu",
 ) -> None:
     """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet.
@@ -377,7 +393,7 @@ def analyze(
     from .locality import probe_receptive_field
     from .pipelines import load_pipeline
 
-    loaded = load_pipeline(model, device=device)
+    loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
     g = torch.Generator().manual_seed(0)
@@ -418,6 +434,7 @@ def plan(
     ] = None,
     over: Annotated[Path | None, typer.Option(help="picture to draw the grid over")] = None,
     model: Model = None,
+    config: Config = None,
     report: Report = None,
 ) -> None:
     """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
@@ -430,7 +447,7 @@ def plan(
 
     if kind not in ("decode", "encode"):
         raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
-    loaded = load_pipeline(model)
+    loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
     if width % f or height % f:
@@ -471,6 +488,7 @@ def compare(
     heatmap: Annotated[Path | None, typer.Option(help="write the error heatmap PNG here")] = None,
     diffusers_tiling: Annotated[bool, typer.Option(help="also measure diffusers' enable_tiling")] = True,
     model: Model = None,
+    config: Config = None,
     report: Report = None,
     quiet: Quiet = False,
 ) -> None:
@@ -490,7 +508,7 @@ def compare(
     if pattern not in ("white", "structured"):
         raise ValueError(f"pattern must be 'white' or 'structured', got {pattern!r}")
     w, h = _size(size)
-    loaded = load_pipeline(model)
+    loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
     shape = (1, vae.config.latent_channels, h, w)

@@ -65,15 +65,22 @@ def _torch_dtype(name: str):
 def load_pipeline(
     model: str | os.PathLike | None = None,
     *,
+    config: str | os.PathLike | None = None,
     scheduler: str = "ddim",
     device: str = "cpu",
     dtype: str = "float32",
     local_files_only: bool = True,
 ) -> Loaded:
-    """The embedded default pipeline (model=None), a diffusers pipeline folder, or one .safetensors file."""
+    """The embedded default pipeline (model=None), a diffusers pipeline folder, or one .safetensors file.
+
+    A single file takes its architecture from `config`, a local diffusers pipeline folder of the same
+    model family (diffusers' from_single_file(config=...)); offline, a single file needs one.
+    """
 
     torch_dtype = _torch_dtype(dtype)
     if model is None:
+        if config is not None:
+            raise ValueError(f"--config {str(config)!r} needs a single-file --model checkpoint to apply to")
         from .models import load_default_pipeline
 
         pipe = load_default_pipeline(scheduler=scheduler, device=device, dtype=torch_dtype)
@@ -84,16 +91,19 @@ def load_pipeline(
             f"--model {str(model)!r} does not exist: give a diffusers pipeline folder (with "
             "model_index.json) or a single .safetensors checkpoint"
         )
-    from diffusers import DiffusionPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
-
     if path.is_dir():
+        if config is not None:
+            raise ValueError(
+                f"--config {str(config)!r} applies to a single-file --model only, but --model "
+                f"{str(path)!r} is a folder (it carries its own configs)"
+            )
         if not (path / "model_index.json").is_file():
             raise ValueError(f"{str(path)!r} is a folder without model_index.json: not a diffusers pipeline")
+        from diffusers import DiffusionPipeline
+
         pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only)
     elif path.suffix in (".safetensors", ".ckpt"):
-        xl = "xl" in path.name.lower()
-        cls = StableDiffusionXLPipeline if xl else StableDiffusionPipeline
-        pipe = cls.from_single_file(str(path), local_files_only=local_files_only)
+        pipe = _load_single_file(path, config, local_files_only)
     else:
         raise ValueError(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
     if not hasattr(pipe, "unet") or not hasattr(pipe, "vae"):
@@ -112,6 +122,48 @@ def load_pipeline(
     pipe.to(device, torch_dtype)
     sdxl = "XL" in type(pipe).__name__
     return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+
+def _load_single_file(path: Path, config: str | os.PathLike | None, local_files_only: bool):
+    """One original-format checkpoint through diffusers' from_single_file, configured by a local folder."""
+    if config is None:
+        if local_files_only:
+            # diffusers would infer the model family and fetch its configs from the Hub (it even turns
+            # local_files_only off to do so): refuse here, in one line, instead
+            raise ValueError(
+                f"--model {str(path)!r} is a single checkpoint: loading it offline needs --config FOLDER, "
+                "a local diffusers pipeline folder of the same architecture (model_index.json, component "
+                "configs, tokenizer), or allow downloads (local_files_only=False)"
+            )
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+        cls = StableDiffusionXLPipeline if "xl" in path.name.lower() else StableDiffusionPipeline
+        return cls.from_single_file(str(path), local_files_only=False)
+    folder = Path(config)
+    cls = _pipeline_class(folder)
+    return cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
+
+
+def _pipeline_class(folder: Path):
+    """The pipeline class a diffusers folder names in model_index.json ('_class_name')."""
+    import json
+
+    import diffusers
+
+    index = folder / "model_index.json"
+    if not folder.is_dir() or not index.is_file():
+        what = "does not exist" if not folder.exists() else "has no model_index.json"
+        raise ValueError(
+            f"--config {str(folder)!r} {what}: give a diffusers pipeline folder (model_index.json, "
+            "component configs, tokenizer) of the checkpoint's architecture"
+        )
+    name = json.loads(index.read_text()).get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    if cls is None or not hasattr(cls, "from_single_file"):
+        raise ValueError(
+            f"{str(index)!r} names pipeline class {name!r}, which diffusers cannot load from a single file"
+        )
+    return cls
 
 
 def parse_region(text: str) -> tuple[tuple[int, int, int, int], str]:
