@@ -15,6 +15,7 @@ memmaps so the pages a tile touches are its own data.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -118,19 +119,29 @@ class Staging:
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
         self.tensors: dict[str, Any] = {}
         self.maps: dict[str, Any] = {}
+        self.offsets: dict[str, int] = {}  # first stored row of values held as a band of rows
+        self.sizes: dict[str, int] = {}  # bytes of each allocated staged tensor
+        self.peak = 0  # most allocated staged bytes alive at once
 
-    def alloc(self, name: str, shape: tuple[int, ...], dtype) -> None:
-        """Allocate a staged tensor."""
+    def alloc(self, name: str, shape: tuple[int, ...], dtype, rows: tuple[int, int] | None = None) -> None:
+        """Allocate a staged tensor; with `rows` = (lo, hi) only those rows of the value (a rank's band)."""
         import numpy as np
         import torch
 
+        if rows is not None:
+            self.offsets[name] = rows[0]
+            shape = (*shape[:-2], rows[1] - rows[0], shape[-1])
+        size = torch.empty((), dtype=dtype).element_size()
+        self.sizes[name] = size * math.prod(shape)
+        self.peak = max(self.peak, sum(self.sizes.values()))
         if self.where == "device":
             self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
         elif self.where == "host":
             pin = torch.device(self.device).type == "cuda"
             self.tensors[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        elif math.prod(shape) == 0:  # an empty band: nothing to map
+            self.tensors[name] = torch.empty(shape, dtype=dtype)
         else:
-            size = torch.empty((), dtype=dtype).element_size()
             path = os.path.join(self.dir.name, f"{name.replace('/', '_')}.bin")
             # channels-last on disk: a tile's box is one contiguous run per row, so the pages a tile
             # touches (resident until release_pages) hold its own data, not whole image rows per channel
@@ -148,7 +159,8 @@ class Staging:
     def read(self, name: str, box: Box):
         """The box of a staged tensor, on the device."""
         y0, y1, x0, x1 = box
-        t = self.tensors[name][..., y0:y1, x0:x1]
+        off = self.offsets.get(name, 0)
+        t = self.tensors[name][..., y0 - off : y1 - off, x0:x1]
         if name in self.maps:
             t = t.contiguous()  # a private copy in the usual layout: the mapped pages can be dropped
         return t.to(self.device, non_blocking=True)
@@ -156,7 +168,8 @@ class Staging:
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
         y0, y1, x0, x1 = box
-        self.tensors[name][..., y0:y1, x0:x1].copy_(value, non_blocking=True)
+        off = self.offsets.get(name, 0)
+        self.tensors[name][..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
 
     def release_pages(self) -> None:
         """Disk staging: write dirty pages back and drop mapped pages from this process's memory."""
@@ -169,6 +182,8 @@ class Staging:
     def free(self, name: str) -> None:
         """Drop a staged tensor (and its file)."""
         self.tensors.pop(name, None)
+        self.offsets.pop(name, None)
+        self.sizes.pop(name, None)
         arr = self.maps.pop(name, None)
         if arr is not None:
             path = arr.filename
@@ -214,6 +229,12 @@ class Executor:
     probes: list[Box] = field(default_factory=list)  # reference-grid boxes whose own statistics are kept
     probe_stats: dict[tuple[str, int], Any] = field(default_factory=dict)  # (value, groups) -> GroupStats
     last_stats: dict[int, Any] = field(default_factory=dict)  # id(GroupNorm) -> (mean, var) of the last run
+    group: Any = None  # torch.distributed group: tile rows sharded over its ranks (tilewise.sharding)
+    staged_peak: int = 0  # most staged bytes this process held at once in the last run
+
+    _bands = None  # RowBands of the current run with a process group
+    _out_lo = 0  # first output row held by this process
+    _batch = 1
 
     def is_global(self, op: Op) -> bool:
         """Barrier ops: GroupNorms without fixed statistics, and attention when global."""
@@ -229,7 +250,6 @@ class Executor:
 
     def run(self, x, emit: Callable | None = None):
         """Run on x (B, C, H, W); returns the output tensor, or streams its tile cores to emit(box, value)."""
-        import torch
 
         shapes = self.program.shapes(tuple(x.shape[-2:]))
         self._shapes = shapes
@@ -239,20 +259,23 @@ class Executor:
                           conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
         stage = Staging(self.staging, self.device, self.stage_dir)
-        out = None
+        self._bands, self._batch = self._shard(segs, shapes), x.shape[0]
+        out, out_v = None, self.program.output
         try:
             stage.put(self.program.input, x)
             self._finish_stats(ctx, trackers, self.program.input, x)
             last = self._last_reader(segs)
-            bar = self._bar(len(segs) * len(self._grid(shapes)))
+            bar = self._bar(len(segs) * len(self._my_tiles(shapes)))
             for i, seg in enumerate(segs):
                 for v in seg.outputs:
-                    if v == self.program.output:
-                        if emit is None:
-                            size = (x.shape[0], chans[v], *shapes[v])
-                            out = torch.empty(size, dtype=x.dtype, device=x.device)
+                    full = (x.shape[0], chans[v], *shapes[v])
+                    if v == out_v:
+                        if emit is None or self._bands is not None:
+                            out = self._alloc_output(full, x)
                     else:
-                        stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
+                        rows = None if self._bands is None else self._bands.stored_rows(v, shapes[v][0])
+                        stage.alloc(v, full, x.dtype, rows)
+                self._exchange(i, seg, stage, shapes)
                 if seg.kind == "attention":
                     self._prepare_attention(seg, stage, shapes, ctx)
                 self._run_segment(seg, stage, shapes, ctx, trackers, out, emit, bar)
@@ -264,9 +287,70 @@ class Executor:
                     stage.free(v)
             bar.close()
         finally:
+            self.staged_peak = stage.peak
             stage.close()
         self.last_stats = ctx.stats
-        return out
+        return self._assemble(out, emit, shapes[out_v][0])
+
+    # -- sharding over ranks (tilewise.sharding) ----------------------------------------------------
+
+    def _shard(self, segs, shapes):
+        """Row bands of this run when a process group is set (else None: every tile is ours)."""
+        if self.group is None:
+            return None
+        from .distributed import rank_world
+        from .sharding import RowBands
+
+        if self.probes:
+            raise ValueError("probes (fast-mode low pass) run on one process, not with a process group")
+        rank, world = rank_world(self.group)
+        grid = self._grid(shapes)
+        bands = RowBands.build(grid, rank, world)
+        bands.plan_segments(segs, shapes, grid, self.ref, skip={self.program.input})
+        return bands
+
+    def _my_tiles(self, shapes) -> list:
+        """The grid's tiles this process runs, in visit order."""
+        grid = self._grid(shapes)
+        if self._bands is None:
+            return list(grid)
+        mine = self._bands.tiles[self._bands.rank]
+        return [t for t in grid if t.index in mine]
+
+    def _alloc_output(self, full, x):
+        """The output tensor, or this rank's band of output rows (offset kept in self._out_lo)."""
+        import torch
+
+        self._out_lo = 0
+        if self._bands is not None:
+            lo, hi = self._bands.owned_rows(full[-2])
+            self._out_lo, full = lo, (*full[:-2], hi - lo, full[-1])
+        return torch.empty(full, dtype=x.dtype, device=x.device)
+
+    def _exchange(self, i: int, seg, stage: Staging, shapes) -> None:
+        """Bring the halo rows segment i reads from the ranks that computed them."""
+        if self._bands is None:
+            return
+        from .sharding import exchange_rows
+
+        for v in seg.inputs:
+            if v == self.program.input:
+                continue
+            plan = self._bands.transfers(i, v, shapes[v][0])
+            if plan:
+                exchange_rows(stage, v, plan, self._bands.rank, self.group)
+
+    def _assemble(self, out, emit, rows: int):
+        """Single process: the output as is. Ranks: gathered on every rank, or streamed through rank 0."""
+        if self._bands is None:
+            return out
+        from .sharding import gather_rows, stream_rows
+
+        mine = self._bands.owned_rows(rows)
+        if emit is None:
+            return gather_rows(out, mine, rows, self.group)
+        stream_rows(out, mine, self._bands, rows, emit, self.group)
+        return None
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -296,7 +380,11 @@ class Executor:
             return
         for g, acc in trackers[value].items():
             if full is not None:
-                acc.add(full)
+                acc.add(full)  # the program input: every rank holds all of it
+            elif self._bands is not None:
+                from .sharding import merge_group_stats
+
+                merge_group_stats(acc, self.group, self._batch)
             for op in self.program.ops:
                 if op.kind == "group_norm" and op.src[0] == value and op.groups == g:
                     if id(op) not in self.fixed_stats:
@@ -318,13 +406,22 @@ class Executor:
         op = seg.ops[0]
         n_name = op.src[0]
         h, w = shapes[n_name]
+        lo, hi = (0, h) if self._bands is None else self._bands.owned_rows(h)
         band = max(1, min(h, self.query_chunk // max(w, 1)))
         ks, vs = [], []
-        for y0 in range(0, h, band):
-            k, v = op.keys_values(stage.read(n_name, (y0, min(h, y0 + band), 0, w)))
+        for y0 in range(lo, hi, band):
+            k, v = op.keys_values(stage.read(n_name, (y0, min(hi, y0 + band), 0, w)))
             ks.append(k)
             vs.append(v)
-        ctx.kv[id(op)] = (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+        if not ks:  # a rank without rows: no tokens, the right shapes
+            k, v = op.keys_values(stage.read(n_name, (lo, lo, 0, w)))
+            ks, vs = [k], [v]
+        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        if self._bands is not None:  # every rank's tokens, in rank order = row-major token order
+            from .distributed import all_gather_cat
+
+            k, v = all_gather_cat(k, self.group, dim=2), all_gather_cat(v, self.group, dim=2)
+        ctx.kv[id(op)] = (k, v)
 
     def _run_segment(self, seg, stage, shapes, ctx, trackers, out, emit, bar) -> None:
         """Every tile of the grid: read the needed regions, run the ops, write the cores."""
@@ -332,7 +429,7 @@ class Executor:
 
         ref = shapes[self.ref]
         last = last_use(seg.ops, seg.outputs)
-        for tile in self._grid(shapes):
+        for tile in self._my_tiles(shapes):
             cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
             cores = {v: b for v, b in cores.items() if not box_empty(b)}
             if cores and tile.index in self.done and list(cores) == [self.program.output]:
@@ -382,11 +479,11 @@ class Executor:
                 for g in trackers[v]:
                     self.probe_stats.setdefault((v, g), GroupStats(g)).add(sub_tensor(t, have, b))
         if v == self.program.output:
-            if emit is not None:
+            if emit is not None and (self._bands is None or self._bands.rank == 0):
                 emit(core, c)
             else:
                 y0, y1, x0, x1 = core
-                out[..., y0:y1, x0:x1] = c
+                out[..., y0 - self._out_lo : y1 - self._out_lo, x0:x1] = c
         else:
             stage.write(v, core, c)
 

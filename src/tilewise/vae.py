@@ -83,7 +83,7 @@ class TiledVAE:
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
                  stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float = 0.25,
-                 fast_estimator: str = "tiles", fast_low: int = 2):
+                 fast_estimator: str = "tiles", fast_low: int = 2, process_group: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention not in ATTENTIONS:
@@ -111,6 +111,13 @@ class TiledVAE:
         if isinstance(fast_low, bool) or not isinstance(fast_low, int) or fast_low < 0:
             raise ValueError(f"fast_low must be an int >= 0 (0: no low-resolution pass), got {fast_low!r}")
         self.fast_low = fast_low
+        if isinstance(process_group, str) and process_group != "default":
+            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
+                             f"got {process_group!r}")
+        if process_group is not None and retry_on_oom:
+            raise ValueError("retry_on_oom=True is single-process only (a retry on one rank would "
+                             "desynchronise the others): drop it or process_group")
+        self.process_group = process_group
         self._programs: dict[str, Program] = {}
 
     # -- pass-through -------------------------------------------------------------------------------
@@ -122,7 +129,7 @@ class TiledVAE:
         if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
                                              "retry_on_oom", "progress", "color_fix", "query_chunk",
                                              "stage_dir", "_programs", "fast_crop", "fast_sample",
-                                             "fast_estimator", "fast_low"):
+                                             "fast_estimator", "fast_low", "process_group"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.vae, name, value)
@@ -230,13 +237,21 @@ class TiledVAE:
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
     def decode_to(self, z, sink) -> None:
-        """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image."""
+        """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
+
+        With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
+        rows), the others pass sink=None.
+        """
         self._check(z, "decode")
         if z.shape[0] != 1:
             raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
+        rank = _rank(self._group())
+        if (sink is None) != (rank != 0):
+            raise ValueError(f"rank {rank}: " + ("only rank 0 writes the image: pass sink=None here" if rank
+                                                 else "decode_to needs a sink (PNG, TIFF, memmap), got None"))
         f = self._factor("decode")
         want = (z.shape[-2] * f, z.shape[-1] * f)
-        if (sink.height, sink.width) != want:
+        if sink is not None and (sink.height, sink.width) != want:
             raise ValueError(f"sink is {sink.height}x{sink.width} but the decoded image is "
                              f"{want[0]}x{want[1]}")
 
@@ -267,14 +282,22 @@ class TiledVAE:
     def _executor(self, kind: str, t, tile: int, staging: str) -> Executor:
         p = self.program(kind)
         ref = p.input if kind == "decode" else p.output
-        fixed = {}
+        fixed, group = {}, self._group()
         if self.mode == "fast":
             ops = self._fixed_ops(p, kind)
             if ops:
-                fixed = estimate_stats(p, t, ref, self.fast_crop or tile, ops, self.fast_sample)
+                if _rank(group) == 0:
+                    fixed = estimate_stats(p, t, ref, self.fast_crop or tile, ops, self.fast_sample)
+                fixed = _broadcast_stats(fixed, p, group)
         return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
                         fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
-                        stage_dir=self.stage_dir)
+                        stage_dir=self.stage_dir, group=group)
+
+    def _group(self):
+        """The resolved process group (None: single process)."""
+        from .distributed import resolve_group
+
+        return resolve_group(self.process_group)
 
     def _run_once(self, kind: str, t, tile: int, staging: str, emit):
         p = self.program(kind)
@@ -316,24 +339,29 @@ class TiledVAE:
         """
         from .geometry import TileGrid
 
+        group = self._group()
         head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
                        name=p.name + "[low-res]")
         h = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
                      query_chunk=self.query_chunk, progress=self.progress,
-                     stage_dir=self.stage_dir).run(z)
+                     stage_dir=self.stage_dir, group=group).run(z)
         tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
                        in_channels=head.channels()[head.output], name=p.name + "[high-res]")
-        rh, rw = h.shape[-2:]
-        grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
-        fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
-        tiles = sample_tiles(grid, self.fast_sample)
-        adjust = None
-        if self.fast_low:
-            adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
-        stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk, adjust=adjust)
+        stats, done = {}, {}
+        if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
+            rh, rw = h.shape[-2:]
+            grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
+            fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
+            tiles = sample_tiles(grid, self.fast_sample)
+            adjust = None
+            if self.fast_low:
+                adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
+            stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk,
+                                             adjust=adjust)
+        stats = _broadcast_stats(stats, tail, group)
         ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=z.device,
                       fixed_stats=stats, query_chunk=self.query_chunk, progress=self.progress,
-                      stage_dir=self.stage_dir, done=done)
+                      stage_dir=self.stage_dir, done=done, group=group)
         return ex.run(h, emit=emit)
 
     def _low_pass_stats(self, tail: Program, h, tile: int, staging: str, cores: list) -> dict[int, Any]:
@@ -471,3 +499,21 @@ class TiledVAE:
             sizes = sorted((area[v] * chans[v] * unit for v in area), reverse=True)
             working = max(working, sum(sizes[:3]))
         return done - full, full, working
+
+
+def _rank(group) -> int:
+    """This process's rank in group (0 without one)."""
+    from .distributed import rank_world
+
+    return rank_world(group)[0]
+
+
+def _broadcast_stats(stats: dict[int, Any], program: Program, group) -> dict[int, Any]:
+    """Rank 0's fast-mode statistics on every rank (keyed by op position: ids differ between processes)."""
+    if group is None:
+        return stats
+    from .distributed import broadcast
+
+    pos = {id(op): i for i, op in enumerate(program.ops)}
+    by_pos = broadcast({pos[k]: v for k, v in stats.items()}, group, src=0)
+    return {id(program.ops[i]): v for i, v in by_pos.items()}
