@@ -11,7 +11,12 @@ the figures are memory per rank and agreement.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distributed.py --out benchmarks/results_distributed.md
     .venv/bin/python benchmarks/distributed.py --ranks 1 2 --backend nccl --device cuda   # one GPU per rank
 
-The VAE half (TiledVAE(process_group=...), issue 7) is not built yet: see `vae_rank` below.
+`--stage vae`: exact TiledVAE(process_group="default") decode of an SD-architecture VAE per rank: staged
+bytes held per rank (bands of every full-size value plus halo rows), peak RSS growth, time, and the max
+abs difference of the image against rank 0 and the 1-rank run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distributed.py --stage vae --height 48 --width 48 \
+        --tile 16 --repeats 1 --out benchmarks/results_distributed_vae.md
 """
 
 from __future__ import annotations
@@ -94,14 +99,37 @@ def denoise_rank(rank: int, world: int, cfg: dict) -> dict:
             "latents": latents.cpu()}
 
 
-def vae_rank(rank: int, world: int, cfg: dict) -> dict:
-    """VAE variant (TiledVAE(process_group=...) decode/encode per rank): the second half of issue 7.
+def build_vae(device: str):
+    """SD-architecture AutoencoderKL (128, 256, 512, 512; layers_per_block 2; seeded random weights)."""
+    from diffusers import AutoencoderKL
 
-    To be filled when the executor has its distributed hooks: build the tiny AutoencoderKL, decode a
-    cfg['height'] x cfg['width'] latent with TiledVAE(..., process_group="default") under MemoryMeter, and
-    return the same figures as `denoise_rank` plus staged bytes per rank.
-    """
-    raise NotImplementedError("TiledVAE(process_group=...) is not built yet (issue 7, second half)")
+    torch.manual_seed(0)
+    return AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+                         down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4).eval().to(device)
+
+
+def vae_rank(rank: int, world: int, cfg: dict) -> dict:
+    """One rank: exact TiledVAE decode of a seeded latent with process_group="default", memory-metered."""
+    from tilewise.vae import TiledVAE
+
+    device = f"cuda:{torch.cuda.current_device()}" if cfg["device"] == "cuda" else "cpu"
+    vae = build_vae(device)
+    tv = TiledVAE(vae, tile_size=cfg["tile"], staging=cfg["staging"], progress=False, process_group="default")
+    z = torch.randn(1, 4, cfg["height"], cfg["width"], generator=torch.Generator().manual_seed(0)).to(device)
+    built = current_rss()
+    td.barrier(td.resolve_group("default"))
+    walls, cpus = [], []
+    with torch.no_grad(), MemoryMeter(device if cfg["device"] == "cuda" else None) as meter:
+        for _ in range(cfg["repeats"]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            image = tv.decode(z).sample
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    peak = torch.cuda.max_memory_allocated(device) if cfg["device"] == "cuda" else peak_rss() or 0
+    return {"rss_built": built, "peak_growth": meter.peak_bytes, "peak": peak, "method": meter.method,
+            "seconds": statistics.median(walls), "cpu": statistics.median(cpus),
+            "staged": tv.last_staged_peak, "latents": image.cpu()}
 
 
 STAGES = {"denoise": denoise_rank, "vae": vae_rank}
@@ -120,19 +148,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--staging", choices=("device", "host", "disk"), default="host", help="VAE stage only")
     p.add_argument("--backend", choices=td.BACKENDS, default="gloo")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default=None, help="write a markdown table here")
     args = p.parse_args()
     cfg = {k: getattr(args, k) for k in ("height", "width", "tile", "overlap", "method", "batch", "steps",
-                                           "device", "repeats")}
+                                           "device", "repeats", "staging")}
     results = {}
     for world in args.ranks:
         t0 = time.perf_counter()
         results[world] = td.spawn(STAGES[args.stage], world, args=(cfg,), backend=args.backend,
                                   threads=args.threads, timeout=600, limit=3600)
         print(f"{world} rank(s): {time.perf_counter() - t0:.1f} s with start-up", file=sys.stderr)
-    text = report(args, results)
+    text = report(args, results) if args.stage == "denoise" else report_vae(args, results)
     print(text)
     if args.out:
         from tilewise.atomic import atomic_path
@@ -166,6 +195,34 @@ def report(args, results: dict) -> str:
     method = results[min(results)][0]["method"]
     lines += ["", f"memory: {method}; tile rows = tiles x CFG rows through the UNet per run; wall and CPU "
               f"seconds: median of {args.repeats} runs (CPU = this rank's process time)",
+              "", "command: `" + " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", ""),
+                                            ".venv/bin/python", *sys.argv]) + "`"]
+    return "\n".join(lines)
+
+
+def report_vae(args, results: dict) -> str:
+    """Markdown: one row per rank of each VAE run."""
+    one = results[min(results)][0]
+    lines = [
+        f"stage vae: exact TiledVAE decode of a {args.height}x{args.width} latent (image {args.height * 8}x"
+        f"{args.width * 8} px), tile {args.tile}, staging {args.staging}; SD-architecture AutoencoderKL "
+        f"(128, 256, 512, 512) random weights, fp32; backend {args.backend} on {args.device}, {args.threads} "
+        f"thread(s) per rank; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores",
+        "",
+        "| ranks | rank | staged bytes held | x 1 rank | wall s | CPU s | RSS after build | "
+        f"peak growth in run | x 1 rank | max abs diff vs rank 0 | vs {min(results)} rank(s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for world, ranks in results.items():
+        for r, res in enumerate(ranks):
+            d0 = (res["latents"] - ranks[0]["latents"]).abs().max().item()
+            d1 = (res["latents"] - one["latents"]).abs().max().item()
+            staged, growth = res["staged"] / one["staged"], res["peak_growth"] / one["peak_growth"]
+            lines.append(f"| {world} | {r} | {format_bytes(res['staged'])} | {staged:.2f} | "
+                         f"{res['seconds']:.2f} | {res['cpu']:.2f} | {format_bytes(res['rss_built'])} | "
+                         f"{format_bytes(res['peak_growth'])} | {growth:.2f} | {d0:.1e} | {d1:.1e} |")
+    lines += ["", f"memory: {one['method']}; staged bytes = the most full-size-value bytes (bands) the rank "
+              f"held at once; wall and CPU seconds: median of {args.repeats} runs",
               "", "command: `" + " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", ""),
                                             ".venv/bin/python", *sys.argv]) + "`"]
     return "\n".join(lines)

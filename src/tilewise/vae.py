@@ -118,6 +118,7 @@ class TiledVAE:
             raise ValueError("retry_on_oom=True is single-process only (a retry on one rank would "
                              "desynchronise the others): drop it or process_group")
         self.process_group = process_group
+        self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
         self._programs: dict[str, Program] = {}
 
     # -- pass-through -------------------------------------------------------------------------------
@@ -129,7 +130,8 @@ class TiledVAE:
         if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
                                              "retry_on_oom", "progress", "color_fix", "query_chunk",
                                              "stage_dir", "_programs", "fast_crop", "fast_sample",
-                                             "fast_estimator", "fast_low", "process_group"):
+                                             "fast_estimator", "fast_low", "process_group",
+                                             "last_staged_peak"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.vae, name, value)
@@ -309,7 +311,10 @@ class TiledVAE:
             split = self._low_res_split(p)
             if split is not None:
                 return self._fast_decode(p, split, t, tile, staging, emit)
-        return self._executor(kind, t, tile, staging).run(t, emit=emit)
+        ex = self._executor(kind, t, tile, staging)
+        out = ex.run(t, emit=emit)
+        self.last_staged_peak = ex.staged_peak
+        return out
 
     def _low_res_split(self, p: Program) -> int | None:
         """Index of the decoder's first upsampling op when everything before it is at latent resolution
@@ -342,9 +347,10 @@ class TiledVAE:
         group = self._group()
         head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
                        name=p.name + "[low-res]")
-        h = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
-                     query_chunk=self.query_chunk, progress=self.progress,
-                     stage_dir=self.stage_dir, group=group).run(z)
+        first = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
+                         query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
+                         group=group)
+        h = first.run(z)
         tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
                        in_channels=head.channels()[head.output], name=p.name + "[high-res]")
         stats, done = {}, {}
@@ -362,7 +368,9 @@ class TiledVAE:
         ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=z.device,
                       fixed_stats=stats, query_chunk=self.query_chunk, progress=self.progress,
                       stage_dir=self.stage_dir, done=done, group=group)
-        return ex.run(h, emit=emit)
+        out = ex.run(h, emit=emit)
+        self.last_staged_peak = max(first.staged_peak, ex.staged_peak)
+        return out
 
     def _low_pass_stats(self, tail: Program, h, tile: int, staging: str, cores: list) -> dict[int, Any]:
         """Exact statistics of the high-resolution part run `fast_low` times smaller, over the whole image
