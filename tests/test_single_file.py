@@ -203,6 +203,49 @@ def test_mapper_is_general_in_blocks_and_layers(tmp_path, unet_kw, vae_kw):
     _assert_same_weights(AutoencoderKL.from_single_file(ckpt, subfolder="vae", **kw), vae, "vae")
 
 
+def test_torch_ckpt_loads_the_same_weights(sd, tmp_path):
+    from safetensors.torch import load_file
+
+    folder, ckpt = sd
+    torch.save({"state_dict": load_file(str(ckpt))}, tmp_path / "tiny-sd.ckpt")  # Lightning's nesting
+    got, want = load_pipeline(tmp_path / "tiny-sd.ckpt", config=folder), load_pipeline(folder)
+    for name in ("unet", "vae", "text_encoder"):
+        _assert_same_weights(getattr(got.pipe, name), getattr(want.pipe, name), name)
+
+
+def _other_architecture(folder, tmp_path):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "other")
+    _unet(layers_per_block=2).save_config(tmp_path / "other" / "unet")
+    return tmp_path / "other"
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("other config", r"does not fit the architecture of --config '.*other': size mismatch for up_blocks"),
+        ("no up block", r"lacks 12 of the 208 unet weights that --config '.*sd' describes"),
+        ("no text encoder", r"does not fit the architecture .*CLIPTextModel.* missing"),
+    ],
+)
+def test_checkpoint_that_does_not_fit_the_config_is_refused(sd, tmp_path, case, needle):
+    """diffusers loads with strict=False: a weight the file lacks would stay random, silently."""
+    from safetensors.torch import load_file, save_file
+
+    folder, ckpt = sd
+    if case == "other config":
+        folder = _other_architecture(folder, tmp_path)
+    else:
+        drop = "output_blocks.3." if case == "no up block" else CLIP_PREFIX
+        kept = {k: v for k, v in load_file(str(ckpt)).items() if drop not in k}
+        ckpt = tmp_path / "part.safetensors"
+        save_file(kept, str(ckpt))
+    with pytest.raises(ValueError, match=needle) as info:
+        load_pipeline(ckpt, config=folder)
+    assert "\n" not in str(info.value)
+
+
 def test_generation_from_single_file_equals_folder(sd):
     folder, ckpt = sd
     args = dict(width=64, height=48, steps=2, seed=5, tile_size=4, overlap=2, vae_tile=4, progress=False)

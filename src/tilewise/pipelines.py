@@ -141,7 +141,64 @@ def _load_single_file(path: Path, config: str | os.PathLike | None, local_files_
         return cls.from_single_file(str(path), local_files_only=False)
     folder = Path(config)
     cls = _pipeline_class(folder)
-    return cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
+    from diffusers.loaders.single_file_utils import SingleFileComponentError
+
+    try:
+        pipe = cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
+    except (RuntimeError, SingleFileComponentError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if isinstance(e, RuntimeError) and not lines[0].startswith("Error(s) in loading state_dict"):
+            raise
+        detail = lines[1] if isinstance(e, RuntimeError) and len(lines) > 1 else lines[0]
+        raise ValueError(
+            f"--model {str(path)!r} does not fit the architecture of --config {str(folder)!r}: {detail}"
+        ) from e
+    _check_complete(pipe, path, folder)
+    return pipe
+
+
+def _checkpoint_shapes(path: Path) -> dict:
+    """Every tensor of a checkpoint file as a meta tensor of its shape (no weight is read)."""
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+    while "state_dict" in state:
+        state = state["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_complete(pipe, path: Path, folder: Path) -> None:
+    """Every UNet, VAE and CLIP text-encoder weight was in the checkpoint (diffusers' key conversion rerun
+    on shapes only): diffusers loads with strict=False, so a weight the file lacks stays random."""
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_ldm_unet_checkpoint,
+        convert_ldm_vae_checkpoint,
+    )
+
+    ckpt = _checkpoint_shapes(path)
+    found = {
+        "unet": convert_ldm_unet_checkpoint(ckpt, pipe.unet.config),
+        "vae": convert_ldm_vae_checkpoint(ckpt, pipe.vae.config),
+    }
+    text_encoder = getattr(pipe, "text_encoder", None)
+    if type(text_encoder).__name__.startswith("CLIPTextModel"):
+        found["text_encoder"] = convert_ldm_clip_checkpoint(ckpt)
+    for name, converted in found.items():
+        have = {k.removeprefix("text_model.") for k, v in converted.items() if v is not None}
+        want = {k.removeprefix("text_model.") for k in getattr(pipe, name).state_dict()}
+        missing = sorted(want - have)
+        if missing:
+            raise ValueError(
+                f"--model {str(path)!r} lacks {len(missing)} of the {len(want)} {name} weights that --config "
+                f"{str(folder)!r} describes (e.g. {missing[0]!r}); they would stay random: give the config "
+                "folder of the checkpoint's own architecture"
+            )
 
 
 def _pipeline_class(folder: Path):
@@ -217,8 +274,13 @@ def generate(
     out: str | None = None,
     bits: int = 8,
     progress: bool = True,
+    process_group: Any = None,
 ) -> GenerateResult:
-    """Text to image at any size: tiled denoising (TiledDenoiser) then tiled decoding (TiledVAE)."""
+    """Text to image at any size: tiled denoising (TiledDenoiser) then tiled decoding (TiledVAE).
+
+    With `process_group` ("default" under torchrun) the tiles of both stages are split over the ranks;
+    every rank calls this, rank 0 writes `out`.
+    """
     import torch
 
     from .diffusion import Region, TiledDenoiser
@@ -257,6 +319,7 @@ def generate(
         seed=seed,
         vae_scale_factor=f,
         progress=False,
+        process_group=process_group,
     )
     tiles = denoiser.count(height // f, width // f)
     logger.info(
@@ -287,7 +350,7 @@ def generate(
         pipe.unet = unet
     sf, shift = latent_scale(pipe.vae)
     z = latents / sf + shift
-    tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress)
+    tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
     plan = tv.plan(tuple(z.shape))
     t0 = time.perf_counter()
     image = _decode_out(tv, z, out, bits)
@@ -299,8 +362,12 @@ def _decode_out(tv, z, out: str | None, bits: int):
     """Decode to a file sink (streamed, atomic) or to memory; returns the image tensor when in memory."""
     if out is None:
         return tv.decode(z).sample
+    from .distributed import rank_world, resolve_group
     from .sinks import open_sink
 
+    if rank_world(resolve_group(tv.process_group))[0] != 0:  # rank 0 writes; this rank sends its rows
+        tv.decode_to(z, None)
+        return None
     f = vae_factor(tv.vae)
     with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, 3, bits=bits) as sink:
         tv.decode_to(z, sink)
@@ -324,6 +391,7 @@ def decode_file(
     staging: str = "auto",
     bits: int = 8,
     progress: bool = True,
+    process_group: Any = None,
 ):
     """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file."""
     from safetensors.torch import load_file
@@ -344,6 +412,7 @@ def decode_file(
         memory_budget=budget,
         staging=staging,
         progress=progress,
+        process_group=process_group,
     )
     plan = tv.plan(tuple(z.shape))
     _decode_out(tv, z / sf + shift, out, bits)
