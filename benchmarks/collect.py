@@ -10,6 +10,8 @@ parts = [
     ("Resolution buckets (`benchmarks/buckets.py`)", "benchmarks/results_buckets.md"),
     ("Tile-parallel denoising across processes (`benchmarks/distributed.py`)",
      "benchmarks/results_distributed.md"),
+    ("Exact tiled VAE across processes (`benchmarks/distributed.py --stage vae`)",
+     "benchmarks/results_distributed_vae.md"),
 ]
 head = """# Benchmarks
 
