@@ -82,6 +82,49 @@ Report = Annotated[
     typer.Option("--report", help="write a run folder with plan, pictures and an HTML report here"),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")]
+Nproc = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="processes to split the tiles over (one per GPU), launched with torchrun on this machine; "
+        "rank 0 writes the output. Several machines: run torchrun yourself, e.g. torchrun --nnodes 2 "
+        "--nproc-per-node 8 --rdzv-endpoint HOST:29500 -m tilewise.cli generate ...",
+    ),
+]
+
+
+def _ranks(nproc: int) -> tuple[object, int]:
+    """(process group, rank): under torchrun join its group; with --nproc > 1 relaunch under torchrun.
+
+    The relaunch runs `python -m torch.distributed.run --standalone --nproc-per-node N -m tilewise.cli
+    ARGS` (ARGS without --nproc) and exits with its status: torchrun stops every rank when one fails.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        from .distributed import init_from_env
+
+        rank, _ = init_from_env()
+        return "default", rank
+    if nproc > 1:
+        import subprocess
+
+        from .distributed import torchrun_command
+
+        cmd = torchrun_command(sys.argv[1:], nproc)
+        logger.info("launching %d ranks: %s", nproc, " ".join(cmd))
+        code = subprocess.call(cmd)
+        if code:
+            raise RankFailure(f"{nproc} ranks under torchrun: exit status {code} (the failing rank's "
+                              "error is printed above)", code)
+        raise typer.Exit(0)
+    return None, 0
+
+
+class RankFailure(RuntimeError):
+    """A torchrun launch whose ranks failed (their errors were printed by the ranks themselves)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 @app.callback()
@@ -158,6 +201,7 @@ def generate(
     dtype: DType = "float32",
     report: Report = None,
     quiet: Quiet = False,
+    nproc: Nproc = 1,
 ) -> None:
     """Text to image at any size: tiled denoising, then tiled VAE decoding streamed to the output file.
 
@@ -168,6 +212,8 @@ def generate(
     from .pipelines import load_pipeline, parse_region
 
     regions = [parse_region(r) for r in region or []]
+    group, rank = _ranks(nproc)
+    quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
     t0 = time.perf_counter()
     res = run(
@@ -188,8 +234,11 @@ def generate(
         vae_mode=vae_mode.value,
         out=str(out),
         progress=not quiet,
+        process_group=group,
     )
     total = time.perf_counter() - t0
+    if rank != 0:
+        return
     typer.echo(
         f"wrote {out} ({width}x{height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
         f"({res.unet_tiles_per_call} UNet tiles per call), decode {res.seconds['decode']:.1f}s"
@@ -314,6 +363,7 @@ def decode(
     device: Device = "cpu",
     report: Report = None,
     quiet: Quiet = False,
+    nproc: Nproc = 1,
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
@@ -321,6 +371,8 @@ def decode(
     """
     from .pipelines import decode_file, load_pipeline
 
+    group, rank = _ranks(nproc)
+    quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
     plan = decode_file(
         loaded,
@@ -332,7 +384,10 @@ def decode(
         staging=staging.value,
         bits=bits,
         progress=not quiet,
+        process_group=group,
     )
+    if rank != 0:
+        return
     typer.echo(str(plan))
     typer.echo(f"wrote {out}")
     run_dir = _run_dir(

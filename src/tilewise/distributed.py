@@ -14,10 +14,12 @@ Multi-GPU (NCCL), one process per GPU, launched by PyTorch's own launcher:
     torchrun --standalone --nproc-per-node 2 -m tilewise.cli generate --prompt grass --width 4096 ...
 
 Each rank calls `init_from_env()` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set by torchrun; NCCL
-when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its denoiser with
-`TiledDenoiser(..., process_group="default")`; every rank then holds the same latents, and rank 0 alone
-writes the output. `tilewise ... --nproc N` will be that line made for you: the CLI re-executes itself
-as `torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
+when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its denoiser and VAE with
+`TiledDenoiser(..., process_group="default")` and `TiledVAE(..., process_group="default")`; every rank
+then holds the same latents and image, and rank 0 alone writes the output (`TiledVAE.decode_to` streams
+the other ranks' rows through rank 0; `tilewise.sharding` has the VAE's row-band plan). `tilewise
+generate|decode ... --nproc N` is that line made for you: the CLI re-executes itself as
+`torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
 --nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed, so one machine needs no launcher of its
 own; several machines use torchrun's `--nnodes/--rdzv-endpoint` directly. torchrun stops every worker
 when one exits with an error and prints that worker's traceback.

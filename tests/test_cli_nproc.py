@@ -1,0 +1,51 @@
+"""`tilewise ... --nproc N`: the command relaunches itself under torchrun; ranks agree with one process."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+_GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+pytestmark = pytest.mark.skipif(not _GLOO, reason="torch.distributed with gloo is needed")
+LIMIT = 240
+
+
+def _tilewise(*args, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tilewise.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=LIMIT)
+
+
+GENERATE = ["generate", "--prompt", "grass", "--width", "256", "--height", "128", "--steps", "2",
+            "--tile", "8", "--overlap", "2", "--vae-tile", "4", "-q"]
+
+
+def test_generate_on_two_ranks_equals_one_process(tmp_path):
+    one = _tilewise(*GENERATE, "--out", "one.npy", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    t0 = time.monotonic()
+    two = _tilewise(*GENERATE, "--out", "two.npy", "--nproc", "2", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "launching 2 ranks" in two.stderr and "torch.distributed.run" in two.stderr
+    assert two.stdout.count("wrote two.npy") == 1  # rank 0 alone reports and writes
+    a = np.load(tmp_path / "one.npy").astype(np.int16)
+    b = np.load(tmp_path / "two.npy").astype(np.int16)
+    assert a.shape == b.shape == (128, 256, 3)
+    assert a.std() > 5  # a real image
+    # latents and decode agree to ~1e-5; 8-bit rounding may flip a value sitting on a level boundary
+    diff = np.abs(a - b)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.npy", "two.npy"]  # no temporary left
+    assert time.monotonic() - t0 < LIMIT
+
+
+def test_failing_ranks_stop_the_launch_with_their_error(tmp_path):
+    bad = _tilewise(*GENERATE[:-1], "--width", "100", "--out", "bad.npy", "--nproc", "2", cwd=tmp_path)
+    assert bad.returncode != 0
+    assert "width and height have to be positive multiples of 8 but are 100 and 128" in bad.stderr
+    assert "error: 2 ranks under torchrun: exit status" in bad.stderr
+    assert list(tmp_path.iterdir()) == []
