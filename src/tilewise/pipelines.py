@@ -133,7 +133,7 @@ def _load_single_file(path: Path, config: str | os.PathLike | None, local_files_
             raise ValueError(
                 f"--model {str(path)!r} is a single checkpoint: loading it offline needs --config FOLDER, "
                 "a local diffusers pipeline folder of the same architecture (model_index.json, component "
-                "configs, tokenizer), or allow downloads (local_files_only=False)"
+                "configs, tokenizer), or downloads allowed (load_pipeline(..., local_files_only=False))"
             )
         from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
@@ -146,7 +146,7 @@ def _load_single_file(path: Path, config: str | os.PathLike | None, local_files_
     try:
         pipe = cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
     except (RuntimeError, SingleFileComponentError) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         if isinstance(e, RuntimeError) and not lines[0].startswith("Error(s) in loading state_dict"):
             raise
         detail = lines[1] if isinstance(e, RuntimeError) and len(lines) > 1 else lines[0]
@@ -158,7 +158,7 @@ def _load_single_file(path: Path, config: str | os.PathLike | None, local_files_
 
 
 def _checkpoint_shapes(path: Path) -> dict:
-    """Every tensor of a checkpoint file as a meta tensor of its shape (no weight is read)."""
+    """Every tensor of a checkpoint file as a meta tensor of its shape (weights are not loaded)."""
     import torch
 
     if path.suffix == ".safetensors":
@@ -166,14 +166,16 @@ def _checkpoint_shapes(path: Path) -> dict:
 
         with safe_open(str(path), "pt") as f:
             return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+    import zipfile
+
+    state = torch.load(path, map_location="meta", weights_only=True, mmap=zipfile.is_zipfile(path))
     while "state_dict" in state:
         state = state["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def _check_complete(pipe, path: Path, folder: Path) -> None:
-    """Every UNet, VAE and CLIP text-encoder weight was in the checkpoint (diffusers' key conversion rerun
+    """Every UNet, VAE and CLIP-L text-encoder weight was in the checkpoint (diffusers' key conversion rerun
     on shapes only): diffusers loads with strict=False, so a weight the file lacks stays random."""
     from diffusers.loaders.single_file_utils import (
         convert_ldm_clip_checkpoint,
@@ -182,13 +184,14 @@ def _check_complete(pipe, path: Path, folder: Path) -> None:
     )
 
     ckpt = _checkpoint_shapes(path)
-    found = {
-        "unet": convert_ldm_unet_checkpoint(ckpt, pipe.unet.config),
-        "vae": convert_ldm_vae_checkpoint(ckpt, pipe.vae.config),
-    }
-    text_encoder = getattr(pipe, "text_encoder", None)
-    if type(text_encoder).__name__.startswith("CLIPTextModel"):
-        found["text_encoder"] = convert_ldm_clip_checkpoint(ckpt)
+    found = {}
+    if type(getattr(pipe, "unet", None)).__name__ == "UNet2DConditionModel":
+        found["unet"] = convert_ldm_unet_checkpoint(ckpt, pipe.unet.config)
+    if type(getattr(pipe, "vae", None)).__name__ == "AutoencoderKL":
+        found["vae"] = convert_ldm_vae_checkpoint(ckpt, pipe.vae.config)
+    clip = convert_ldm_clip_checkpoint(ckpt)  # empty for OpenCLIP layouts (SD 2.x), not checked here
+    if clip and type(getattr(pipe, "text_encoder", None)).__name__.startswith("CLIPTextModel"):
+        found["text_encoder"] = clip
     for name, converted in found.items():
         have = {k.removeprefix("text_model.") for k, v in converted.items() if v is not None}
         want = {k.removeprefix("text_model.") for k in getattr(pipe, name).state_dict()}
@@ -446,8 +449,11 @@ def encode_file(
     budget: str | None = None,
     staging: str = "auto",
     progress: bool = True,
+    process_group: Any = None,
 ):
-    """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled)."""
+    """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
+
+    With `process_group` every rank encodes its band of tiles and rank 0 writes the file."""
     from safetensors.torch import save_file
 
     from .vae import TiledVAE
@@ -455,12 +461,22 @@ def encode_file(
     vae = loaded.pipe.vae
     x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = TiledVAE(
-        vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging, progress=progress
+        vae,
+        tile_size=tile_size,
+        mode=mode,
+        memory_budget=budget,
+        staging=staging,
+        progress=progress,
+        process_group=process_group,
     )
     plan = tv.plan(tuple(x.shape), kind="encode")
     dist = tv.encode(x).latent_dist
     sf, shift = latent_scale(vae)
     latents = ((dist.mean - shift) * sf).contiguous()
+    from .distributed import rank_world, resolve_group
+
+    if rank_world(resolve_group(process_group))[0] != 0:
+        return plan
     with atomic_path(out) as tmp:
         save_file(
             {"latents": latents.cpu()},
