@@ -49,3 +49,35 @@ def test_failing_ranks_stop_the_launch_with_their_error(tmp_path):
     assert "width and height have to be positive multiples of 8 but are 100 and 128" in bad.stderr
     assert "error: 2 ranks under torchrun: exit status" in bad.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _photo(path, h: int, w: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:h, 0:w]
+    img = 120 + 80 * np.sin(x / 9.0) * np.cos(y / 7.0) + rng.normal(0, 10, (h, w))
+    Image.fromarray(np.stack([img, img[::-1], img[:, ::-1]], -1).clip(0, 255).astype(np.uint8)).save(path)
+
+
+def test_encode_and_upscale_on_two_ranks_equal_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    _photo(tmp_path / "in.png", 64, 96)
+    enc = ["encode", "in.png", "--tile", "2", "-q"]
+    up = ["upscale", "in.png", "--scale", "2", "--strength", "0.3", "--prompt", "grass", "--steps", "4",
+          "--tile", "8", "--overlap", "2", "--vae-tile", "4", "-q"]
+    for args, name in ((enc, "lat"), (up, "up")):
+        ext = "safetensors" if name == "lat" else "npy"
+        one = _tilewise(*args, "--out", f"{name}1.{ext}", cwd=tmp_path)
+        assert one.returncode == 0, one.stderr[-2000:]
+        two = _tilewise(*args, "--out", f"{name}2.{ext}", "--nproc", "2", cwd=tmp_path)
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert "launching 2 ranks" in two.stderr
+    a, b = (load_file(tmp_path / f"lat{n}.safetensors")["latents"] for n in (1, 2))
+    assert a.shape == b.shape == (1, 4, 8, 12) and a.abs().max() > 0.1
+    assert (a - b).abs().max() <= 1e-5
+    a, b = np.load(tmp_path / "up1.npy").astype(np.int16), np.load(tmp_path / "up2.npy").astype(np.int16)
+    assert a.shape == b.shape == (128, 192, 3) and a.std() > 5
+    diff = np.abs(a - b)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())

@@ -309,6 +309,7 @@ def upscale(
     device: Device = "cpu",
     dtype: DType = "float32",
     quiet: Quiet = False,
+    nproc: Nproc = 1,
 ) -> None:
     """Tiled img2img upscaling: Lanczos resize, tiled encode, partial noise, tiled denoise, tiled decode.
 
@@ -320,6 +321,8 @@ def upscale(
     from .pipelines import load_pipeline
     from .sinks import open_sink
 
+    group, rank = _ranks(nproc)
+    quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
     with Image.open(image) as im:
@@ -337,8 +340,11 @@ def upscale(
         seed=seed,
         guidance_scale=guidance,
         disable=quiet,
+        process_group=group,
         **cond,
     )
+    if rank != 0:
+        return
     import numpy as np
 
     arr = np.asarray(result)
@@ -409,6 +415,7 @@ def encode(
     config: Config = None,
     device: Device = "cpu",
     quiet: Quiet = False,
+    nproc: Nproc = 1,
 ) -> None:
     """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
 
@@ -416,6 +423,8 @@ def encode(
     """
     from .pipelines import encode_file, load_pipeline
 
+    group, rank = _ranks(nproc)
+    quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
     plan = encode_file(
         loaded,
@@ -426,7 +435,10 @@ def encode(
         budget=budget,
         staging=staging.value,
         progress=not quiet,
+        process_group=group,
     )
+    if rank != 0:
+        return
     typer.echo(str(plan))
     typer.echo(f"wrote {out}")
 

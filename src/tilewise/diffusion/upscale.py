@@ -70,7 +70,7 @@ def _img2img(pipe: Any) -> Any:
     return AutoPipelineForImage2Image.from_pipe(pipe)
 
 
-def _vae(vae: Any, vae_tile_size: int | None, disable: bool) -> Any:
+def _vae(vae: Any, vae_tile_size: int | None, disable: bool, process_group: Any = None) -> Any:
     """TiledVAE (exact) when `vae_tile_size` is given and tilewise.vae is available, else the plain VAE."""
     if vae_tile_size is None:
         return vae
@@ -80,7 +80,7 @@ def _vae(vae: Any, vae_tile_size: int | None, disable: bool) -> Any:
         return vae
     from ..vae import TiledVAE
 
-    return TiledVAE(vae, tile_size=vae_tile_size, progress=not disable)
+    return TiledVAE(vae, tile_size=vae_tile_size, progress=not disable, process_group=process_group)
 
 
 @torch.no_grad()
@@ -111,13 +111,15 @@ def upscale(
     batch_size: int = 1,
     disable: bool = False,
     denoiser_kwargs: dict | None = None,
+    process_group: Any = None,
     **pipe_kwargs: Any,
 ) -> Any:
     """Tiled img2img upscaling (Ultimate-SD-upscale style): returns exactly round(scale x input size).
 
     `image` is a PIL image (returns PIL) or a [0, 1] tensor (3, H, W) / (B, 3, H, W) (returns a tensor).
     `pipe_kwargs` go to the img2img pipeline (prompt or prompt_embeds, guidance_scale, ...). `callback` is
-    called after every step as callback(step, timestep, latents).
+    called after every step as callback(step, timestep, latents). With `process_group` (every rank calls
+    this) the denoiser's and the VAE's tiles are split over the ranks; every rank returns the same image.
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -132,9 +134,10 @@ def upscale(
     s = i2i.vae_scale_factor
     x, _ = _pad_to(x, s)
     denoiser = TiledDenoiser(unet, tile_size=tile_size, overlap=overlap, method=method, batch_size=batch_size,
-                             seed=seed, vae_scale_factor=s, **(denoiser_kwargs or {}))
+                             seed=seed, vae_scale_factor=s, process_group=process_group,
+                             **(denoiser_kwargs or {}))
     i2i.unet = denoiser
-    i2i.vae = _vae(pipe.vae, vae_tile_size, disable)
+    i2i.vae = _vae(pipe.vae, vae_tile_size, disable, process_group)
     i2i.set_progress_bar_config(disable=True)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
