@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("untiled", "diffusers", "exact-host", "exact-disk", "fast")
+VARIANTS = ("untiled", "diffusers", "exact-host", "exact-disk", "fast", "fast-disk")
 
 
 def build_vae(device: str = "cpu", dtype: str = "float32"):
@@ -63,11 +63,11 @@ def worker(args) -> None:
     if v == "diffusers":
         vae.enable_tiling()  # 256 px sample tiles, 32 latent tiles, 25% overlap blend
         vae.tile_sample_min_size, vae.tile_latent_min_size = 8 * args.tile, args.tile
-    if v.startswith("exact") or v == "fast":
+    if v.startswith(("exact", "fast")):
         import tilewise as tw
 
-        staging = "disk" if v == "exact-disk" else "host"
-        model = tw.TiledVAE(vae, tile_size=args.tile, mode="fast" if v == "fast" else "exact",
+        staging = "disk" if v.endswith("-disk") else "host"
+        model = tw.TiledVAE(vae, tile_size=args.tile, mode="fast" if v.startswith("fast") else "exact",
                             staging=staging, progress=False)
     else:
         model = vae

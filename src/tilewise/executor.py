@@ -163,13 +163,36 @@ class Staging:
         t = self.tensors[name][..., y0 - off : y1 - off, x0:x1]
         if name in self.maps:
             t = t.contiguous()  # a private copy in the usual layout: the mapped pages can be dropped
+            self._drop(name, y0 - off, y1 - off)
         return t.to(self.device, non_blocking=True)
+
+    def _drop(self, name: str, y0: int, y1: int) -> None:
+        """Unmap the pages of rows [y0, y1) of a disk-staged value from this process (MADV_DONTNEED).
+
+        The mapping is shared, so the data stays in the page cache (dirty pages are written back by the
+        kernel); only this process's resident set forgets them, until the next access faults them in.
+        """
+        arr = self.maps[name]
+        mm = getattr(arr, "_mmap", None)
+        if mm is None or y1 <= y0:
+            return
+        h, w, c = arr.shape[-3:]
+        row = w * c * arr.itemsize
+        page = mmap.PAGESIZE
+        for b in range(math.prod(arr.shape[:-3])):
+            start = (b * h + y0) * row
+            end = min(len(mm), (b * h + y1) * row)
+            start -= start % page
+            if end > start:
+                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
         y0, y1, x0, x1 = box
         off = self.offsets.get(name, 0)
         self.tensors[name][..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
+        if name in self.maps:
+            self._drop(name, y0 - off, y1 - off)
 
     def release_pages(self) -> None:
         """Disk staging: write dirty pages back and drop mapped pages from this process's memory."""
@@ -594,6 +617,84 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     done = {t.index: v[out_v] for t, v in zip(tiles, vals, strict=True)}
     logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles", len(fixed), len(tiles))
     return {i: s for i, s in ctx.stats.items() if i in fixed}, done
+
+
+def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], staging: str = "disk",
+                      device: Any = "cpu", stage_dir: str | None = None, query_chunk: int = 4096,
+                      conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None):
+    """`sampled_tile_stats` segment by segment with the sampled tiles' values staged between GroupNorms.
+
+    Same values and statistics; memory is one tile's working set at a time (plus the staged regions, which
+    disk staging releases after each tile) instead of every sampled tile's values at once. The program is
+    cut before every GroupNorm in `fixed` whose input the current segment makes; each sampled tile runs a
+    segment on its own back-propagated regions (core plus the halo of everything after it) and writes
+    them to full-size staged tensors of which only those regions are ever touched. A GroupNorm's
+    statistics are merged over the sampled cores read back from staging before its segment runs.
+    """
+    shapes = program.shapes(tuple(x.shape[-2:]))
+    chans = program.channels()
+    out_v = program.output
+    needs = [back_propagate(program.ops, {out_v: map_box(t.core, shapes[ref], shapes[out_v])}, shapes)
+             for t in tiles]
+    segs = split_segments(program, lambda op: op.kind == "group_norm" and id(op) in fixed)
+    ctx = RunContext(query_chunk=query_chunk, conv_workspace=conv_workspace)
+    stage = Staging(staging, device, stage_dir)
+    last = {}
+    for i, seg in enumerate(segs):
+        for v in seg.inputs:
+            last[v] = i
+    done = {}
+    try:
+        stage.put(program.input, x)
+        for i, seg in enumerate(segs):
+            for op in seg.ops:
+                if op.kind == "group_norm" and id(op) in fixed and id(op) not in ctx.stats:
+                    ctx.stats[id(op)] = _staged_group_stats(op, stage, tiles, needs, shapes, ref, adjust)
+            for v in seg.outputs:
+                if v != out_v:
+                    stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
+            ops_last = last_use(seg.ops, seg.outputs)
+            for t, need in zip(tiles, needs, strict=True):
+                vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
+                for j, op in enumerate(seg.ops):
+                    if op.dst not in need:
+                        continue
+                    ins = [vals[s][0] for s in op.src]
+                    have = [vals[s][1] for s in op.src]
+                    y = op.run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src])
+                    vals[op.dst] = (y, need[op.dst])
+                    for s in op.src:
+                        if ops_last.get(s) == j and s not in seg.outputs:
+                            del vals[s]
+                for v in seg.outputs:
+                    if v == out_v:
+                        done[t.index] = vals[v][0]
+                    elif v in vals:
+                        stage.write(v, need[v], vals[v][0])
+                del vals
+                if stage.where == "disk":
+                    stage.release_pages()
+                _trim_heap()
+            for v in [v for v, j in last.items() if j == i and v != program.input]:
+                stage.free(v)
+    finally:
+        stage.close()
+    logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles (staged on %s)", len(fixed),
+                len(tiles), staging)
+    return {i: s for i, s in ctx.stats.items() if i in fixed}, done
+
+
+def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, adjust):
+    """Statistics of a GroupNorm's input over the sampled tiles' cores, read back from staging."""
+    acc = GroupStats(op.groups)
+    src = op.src[0]
+    for t, need in zip(tiles, needs, strict=True):
+        core = map_box(t.core, shapes[ref], shapes[op.dst])
+        if op.dst in need and not box_empty(core):
+            acc.add(stage.read(src, core))
+            if stage.where == "disk":
+                stage.release_pages()
+    return _adjusted(acc.result(), (adjust or {}).get(id(op)))
 
 
 def _adjusted(sample, low):

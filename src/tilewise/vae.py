@@ -12,7 +12,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .executor import STAGINGS, Executor, estimate_stats, map_box, sample_tiles, sampled_tile_stats
+from .executor import (
+    STAGINGS,
+    Executor,
+    estimate_stats,
+    map_box,
+    sample_tiles,
+    sampled_tile_stats,
+    staged_tile_stats,
+)
 from .locality.lowering import chain, lower, lower_conv
 from .locality.program import Program, back_propagate, box_empty
 
@@ -362,8 +370,12 @@ class TiledVAE:
             adjust = None
             if self.fast_low:
                 adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
-            stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk,
-                                             adjust=adjust)
+            if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
+                stats, done = staged_tile_stats(tail, h, tail.input, tiles, fixed, staging, z.device,
+                                                self.stage_dir, self.query_chunk, adjust=adjust)
+            else:
+                stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk,
+                                                 adjust=adjust)
         stats = _broadcast_stats(stats, tail, group)
         ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=z.device,
                       fixed_stats=stats, query_chunk=self.query_chunk, progress=self.progress,
