@@ -1,6 +1,7 @@
 """`tilewise ... --nproc N`: the command relaunches itself under torchrun; ranks agree with one process."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,3 +82,20 @@ def test_encode_and_upscale_on_two_ranks_equal_one_process(tmp_path):
     assert a.shape == b.shape == (128, 192, 3) and a.std() > 5
     diff = np.abs(a - b)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())
+
+
+def test_plan_per_rank_rows_and_staged_bytes(tmp_path):
+    from typer.testing import CliRunner
+
+    from tilewise.cli import app
+
+    res = CliRunner().invoke(app, ["plan", "--width", "256", "--height", "384", "--tile", "8", "--ranks", "3",
+                                   "--image", str(tmp_path / "ranks.png")])
+    assert res.exit_code == 0, res.output
+    rows = re.findall(r"rank (\d): latent rows \[(\d+), (\d+)\), (\d+) tiles, staged at most ([\d.]+) (\w+)",
+                      res.output)
+    assert [r[:4] for r in rows] == [("0", "0", "16", "8"), ("1", "16", "32", "8"), ("2", "32", "48", "8")]
+    single = float(re.search(r"at most ([\d.]+) MiB alive at once", res.output).group(1))
+    staged = [float(r[4]) * (1 / 1024 if r[5] == "KiB" else 1) for r in rows]
+    assert all(single / 3 <= s < single / 3 * 1.3 for s in staged), (single, staged)  # a third plus halos
+    assert (tmp_path / "ranks.png").stat().st_size > 10_000

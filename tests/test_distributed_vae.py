@@ -138,6 +138,13 @@ def test_tiled_vae_on_n_ranks_equals_single_process(world, reference):
     peaks = [out["staged_peak"] for out in res]
     assert max(peaks) < one * (1 / world + 0.35), f"per-rank staged {peaks} vs one process {one}"
     assert sum(peaks) >= one  # every row is held by some rank
+    # and the per-rank plan predicts exactly what each rank staged
+    import tilewise as tw
+    from tilewise.sharding import plan_ranks
+
+    tv = tw.TiledVAE(kl_vae("sdxl"), tile_size=4)
+    assert [rp.staged_peak for rp in plan_ranks(tv, (1, 4, 24, 6), world)] == peaks
+    assert plan_ranks(tv, (1, 4, 24, 6), 1)[0].staged_peak == one
     # decode_to: rank 0 streams every rank's rows into its sink
     img = res[0]["decode_to"]
     assert img is not None and all(out["decode_to"] is None for out in res[1:])

@@ -500,13 +500,16 @@ def plan(
         Path | None, typer.Option("--image", help="draw the tile grid and halos to this PNG")
     ] = None,
     over: Annotated[Path | None, typer.Option(help="picture to draw the grid over")] = None,
+    ranks: Annotated[
+        int, typer.Option(min=1, help="also plan N processes (--nproc N): rows, tiles, staged bytes per rank")
+    ] = 1,
     model: Model = None,
     config: Config = None,
     report: Report = None,
 ) -> None:
     """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
 
-    Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png
+    Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
     """
     from .geometry import TileGrid
     from .pipelines import load_pipeline
@@ -527,6 +530,16 @@ def plan(
     )
     p = tv.plan(shape, kind=kind)
     typer.echo(str(p))
+    owner = None
+    if ranks > 1:
+        from .sharding import RowBands, plan_ranks
+
+        for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=p.tile_size):
+            typer.echo(f"  {rp}")
+        lat = (height // f, width // f)
+        g = TileGrid(*lat, (min(p.tile_size, lat[0]), min(p.tile_size, lat[1])), order="serpentine")
+        bands = RowBands.build(g, 0, ranks)
+        owner = {i: r for r in range(ranks) for i in bands.tiles[r]}
     run_dir = _run_dir(report, {"command": "plan", "size": [width, height], "kind": kind})
     pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
     if pictures:
@@ -540,7 +553,7 @@ def plan(
                 backdrop = np.asarray(im.convert("RGB").resize((width, height)))
         grid = TileGrid(height // f, width // f, p.tile_size, order="serpentine")
         for q in pictures:
-            grid.draw(str(q), image=backdrop, scale=f)
+            grid.draw(str(q), image=backdrop, scale=f, owner=owner)
             typer.echo(f"wrote {q}")
     _write_plan(run_dir, p)
     _finish_report(run_dir)

@@ -307,11 +307,11 @@ class TileGrid:
             f"order={self.order!r}) -> {self.rows}x{self.cols} tiles"
         )
 
-    def draw(self, path: str | None = None, image=None, scale: float = 1.0):
-        """Picture of the grid: cores (solid), windows (dashed), reads (dotted), visit order numbers."""
+    def draw(self, path: str | None = None, image=None, scale: float = 1.0, owner=None):
+        """Picture of the grid: cores (solid; by rank with `owner`), windows (dashed), reads (dotted)."""
         from .plots import draw_grid
 
-        return draw_grid(self, path=path, image=image, scale=scale)
+        return draw_grid(self, path=path, image=image, scale=scale, owner=owner)
 
 
 def _validate_size(height: int, width: int) -> Pair:
