@@ -31,6 +31,7 @@ with Image.open(f"{work}/crop.png") as a, Image.open(f"{work}/up.png") as b:
     pair.save(f"{out}/upscale.jpg", quality=90)
 PY
 "$T" plan --width 2048 --height 512 --tile 16 --image "$out/plan.png" --over "$work/wide.png" >/dev/null
+"$T" plan --width 1024 --height 768 --tile 16 --ranks 3 --image "$out/plan_ranks.png" >/dev/null
 "$T" compare --size 64x48 --tile 16 --mode fast --heatmap "$out/compare_fast.png" --quiet
 "$T" buckets --request 800x1200 --request 1200x800 --request 2048x512 --request 512x512 \
   --k 4 --repeats 2 --plot "$out/buckets_cost.png" >/dev/null
