@@ -44,7 +44,6 @@ class RowBands:
     tiles: list[set[int]]  # per rank: the tile indices it runs
     needs: dict[tuple[int, str], list[Rows | None]] = field(default_factory=dict)  # (segment, value) -> rows
     got: dict[tuple[str, int], Any] = field(default_factory=dict)  # (value, rank) -> bool rows it holds
-    sent_rows: int = 0  # rows of staged values this rank sent in halo exchanges (for reports)
 
     @classmethod
     def build(cls, grid, rank: int, world: int) -> RowBands:
@@ -64,7 +63,8 @@ class RowBands:
                 start = rows[mine[-1]][1]
             else:
                 owned.append((start, start))
-            tiles.append({t.index for t in grid if t.row in set(mine)})
+            mine_rows = set(mine)
+            tiles.append({t.index for t in grid if t.row in mine_rows})
         ref_rows = max(hi for _, hi in rows.values())
         return cls(rank, world, ref_rows, owned, tiles)
 
@@ -81,8 +81,9 @@ class RowBands:
             if not inputs:
                 continue
             per_rank: list[dict[str, Rows]] = [{} for _ in range(self.world)]
+            owner = {i: k for k in range(self.world) for i in self.tiles[k]}
             for tile in grid:
-                r = next(k for k in range(self.world) if tile.index in self.tiles[k])
+                r = owner[tile.index]
                 cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
                 cores = {v: b for v, b in cores.items() if not box_empty(b)}
                 if not cores:
