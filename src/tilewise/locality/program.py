@@ -274,21 +274,21 @@ class AttentionCore(Op):
 
 
 def apply_group_norm(x, stats, groups, eps, weight, bias):
-    """GroupNorm with given per-(batch, group) mean and variance (float64), computed in float32."""
+    """GroupNorm with given per-(batch, group) mean and variance (float64), as torch's CPU kernel computes
+    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result)."""
     import torch
 
     mean, var = stats
     b, c = x.shape[:2]
-    dtype = x.dtype
-    rstd = (var + eps).rsqrt().to(torch.float32)
-    mean = mean.to(torch.float32).view(b, groups, 1, 1, 1)
-    y = x.float().reshape(b, groups, c // groups, *x.shape[2:]) - mean  # a new tensor: the rest is in place
-    y = y.mul_(rstd.view(b, groups, 1, 1, 1)).view(b, c, *x.shape[2:])
+    a = (var + eps).rsqrt().repeat_interleave(c // groups, dim=1)  # (B, C) float64
+    s = -a * mean.repeat_interleave(c // groups, dim=1)
     if weight is not None:
-        y = y.mul_(weight.float().view(1, c, 1, 1))
+        a, s = a * weight.to(a.dtype), s * weight.to(a.dtype)
         if bias is not None:
-            y = y.add_(bias.float().view(1, c, 1, 1))
-    return y.to(dtype)
+            s = s + bias.to(a.dtype)
+    view, dt = (b, c) + (1,) * (x.ndim - 2), torch.promote_types(x.dtype, torch.float32)
+    y = x * a.to(dt).view(view)  # a new tensor (fp16 / bf16 x promote to float32): add in place
+    return y.add_(s.to(dt).view(view)).to(x.dtype)
 
 
 @dataclass
