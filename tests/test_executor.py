@@ -22,15 +22,16 @@ def test_chan_merge_equals_whole_tensor_statistics():
     assert torch.allclose(var, g.var(-1, unbiased=False), atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_float_tile_statistics_are_accurate_with_a_large_offset(dtype):
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, torch.contiguous_format), (torch.float16,
+                                          torch.contiguous_format), (torch.float32, torch.channels_last)])
+def test_float_tile_statistics_are_accurate_with_a_large_offset(dtype, layout):
     x = torch.randn(2, 64, 37, 41, generator=torch.Generator().manual_seed(3)) * 0.5 + 300
-    x = x.to(dtype)
+    x = x.to(dtype).contiguous(memory_format=layout)
     acc = GroupStats(8)
     for x0, x1 in ((0, 20), (20, 41)):
         acc.add(x[..., x0:x1])  # non-contiguous column slices
     mean, var = acc.result()
-    var64, mean64 = torch.var_mean(x.double().view(2, 8, -1), dim=-1, correction=0)
+    var64, mean64 = torch.var_mean(x.double().reshape(2, 8, -1), dim=-1, correction=0)
     assert torch.allclose(mean, mean64, rtol=0, atol=1e-5)
     assert torch.allclose(var, var64, rtol=1e-5, atol=0)
 
