@@ -135,6 +135,41 @@ def test_plan_budget_picks_tile_and_staging():
         tw.TiledVAE(vae, memory_budget=1000, progress=False).decode(torch.zeros(1, 4, 40, 40))
 
 
+@pytest.mark.parametrize("fast_low", [2, 0])
+def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, fast_low):
+    from tilewise import executor
+
+    vae = kl_vae("sd")
+    tv = tw.TiledVAE(vae, tile_size=4, mode="fast", staging="host", fast_low=fast_low, progress=False)
+    z = structured_latent(1, 4, 13, 11)
+    plan = tv.plan(tuple(z.shape))
+    low = ["low pass"] if fast_low else []
+    names = ["exact latent-resolution head", *low, "sampled tiles", "other tiles"]
+    assert [q.name for q in plan.passes] == names
+    assert ("pass low pass" in str(plan)) == bool(fast_low)
+    staged, returned = [], []
+    alloc, run = executor.Staging.alloc, executor.Executor.run
+
+    def record_alloc(self, name, shape, dtype):
+        staged.append((name, tuple(shape), torch.empty(shape, dtype=dtype).nbytes))
+        return alloc(self, name, shape, dtype)
+
+    def record_run(self, x, emit=None):
+        out = run(self, x, emit)
+        returned.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
+    monkeypatch.setattr(executor.Executor, "run", record_run)
+    tv.decode(z)
+    assert staged == [(s.value, s.shape, s.bytes) for s in plan.stages]
+    assert staged and plan.staged_peak <= sum(s[2] for s in staged)
+    assert returned == [q.output_shape for q in plan.passes if q.name != "sampled tiles"]
+    sampled, other = plan.passes[-2:]
+    assert sampled.tiles + other.tiles == 12 and sampled.tiles == 4  # 4x3 grid, a 2x2 stratified sample
+    assert plan.peak == max(q.peak for q in plan.passes) >= other.held + other.output_bytes
+
+
 def test_oom_is_raised_or_retried_with_half_tile(monkeypatch, caplog):
     vae = kl_vae("sd3")
     z = _white((1, 16, 8, 8))
