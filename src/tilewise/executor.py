@@ -175,12 +175,22 @@ class Staging:
             import torch  # channels-last rows copy at memory speed, a transpose to NCHW cost ~2x more
 
             t = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
+            self._drop(name)
         return t.to(self.device, non_blocking=True)
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
         y0, y1, x0, x1 = box
         self.tensors[name][..., y0:y1, x0:x1].copy_(value, non_blocking=True)
+        if name in self.maps:
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """Unmap the pages of one disk-staged tensor that a read or write touched (the data stays in the
+        page cache): a tile holds its private copies, not those pages too."""
+        mm = getattr(self.maps[name], "_mmap", None)
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def release_pages(self) -> None:
         """Disk staging: drop mapped pages from this process's memory (MADV_DONTNEED on a shared file
@@ -365,6 +375,7 @@ class Executor:
                 vals = self._run_tile(seg, stage, shapes, ctx, cores, last)
                 for v, core in cores.items():
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
+            vals = None  # this tile's values die now, not while the next tile runs
             if stage.where == "disk":  # the memory-bounded staging: nothing of this tile stays resident
                 stage.release_pages()
                 _trim_heap()  # (not per tile otherwise: re-faulting the freed heap cost ~7% of a decode)

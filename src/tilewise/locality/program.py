@@ -115,10 +115,18 @@ class Conv(Op):
             return self._run_box(inputs[0], have[0], box, shapes[0])
         import torch
 
-        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike
-        parts = [self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
-                 for y in range(box[0], box[1], band)]
-        return torch.cat(parts, dim=-2)
+        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike.
+        # Bands are copied into one preallocated output (a list and torch.cat would hold it twice).
+        out = None
+        for y in range(box[0], box[1], band):
+            part = self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
+            if out is None:
+                fmt = torch.channels_last if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1 \
+                    else torch.contiguous_format
+                out = torch.empty((*part.shape[:-2], rows, part.shape[-1]), dtype=part.dtype,
+                                  device=part.device, memory_format=fmt)
+            out[..., y - box[0] : y - box[0] + part.shape[-2], :].copy_(part)
+        return out
 
     def _run_box(self, x, have, box, shape):
         import torch.nn.functional as F
