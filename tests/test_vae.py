@@ -103,14 +103,15 @@ def test_gradient_request_raises():
         tv.decode(z)
 
 
-def test_decode_to_npy_sink_streams_exact_image(tmp_path):
+@pytest.mark.parametrize("staging", ["auto", "disk"])  # disk: tiles run channels-last, emit gets them
+def test_decode_to_npy_sink_streams_exact_image(tmp_path, staging):
     from tilewise.sinks import open_sink
 
     vae = kl_vae("sd3")
     z = structured_latent(1, 16, 9, 11)
     with torch.no_grad():
         ref = vae.decode(z).sample[0].permute(1, 2, 0).numpy()
-    tv = tw.TiledVAE(vae, tile_size=4, progress=False)
+    tv = tw.TiledVAE(vae, tile_size=4, staging=staging, progress=False)
     path = tmp_path / "out.npy"
     with open_sink(path, 18, 22, 3, bits=32) as sink:
         tv.decode_to(z, sink)
