@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
-from tilewise.executor import Executor, GroupStats, NonFiniteError, map_box  # noqa: E402
+from tilewise.executor import Executor, GroupStats, NonFiniteError, _all_finite, map_box  # noqa: E402
 from tilewise.locality import lower  # noqa: E402
 
 
@@ -20,6 +20,42 @@ def test_chan_merge_equals_whole_tensor_statistics():
     g = x.view(2, 4, -1)
     assert torch.allclose(mean, g.mean(-1), atol=1e-12)
     assert torch.allclose(var, g.var(-1, unbiased=False), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, torch.contiguous_format), (torch.float16,
+                                          torch.contiguous_format), (torch.float32, torch.channels_last)])
+def test_float_tile_statistics_are_accurate_with_a_large_offset(dtype, layout):
+    x = torch.randn(2, 64, 37, 41, generator=torch.Generator().manual_seed(3)) * 0.5 + 300
+    x = x.to(dtype).contiguous(memory_format=layout)
+    acc = GroupStats(8)
+    for x0, x1 in ((0, 20), (20, 41)):
+        acc.add(x[..., x0:x1])  # non-contiguous column slices
+    mean, var = acc.result()
+    var64, mean64 = torch.var_mean(x.double().reshape(2, 8, -1), dim=-1, correction=0)
+    assert torch.allclose(mean, mean64, rtol=0, atol=1e-5)
+    assert torch.allclose(var, var64, rtol=1e-5, atol=0)
+
+
+def test_finite_check_uses_the_sum_and_survives_its_overflow():
+    x = torch.full((1, 2, 4, 4), 3e38)  # finite values whose float32 sum overflows
+    assert _all_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.zeros(1, 2, 4, 4, dtype=torch.float16)
+        y[0, 1, 2, 3] = bad
+        assert not _all_finite(y) and not _all_finite(x.clone().index_fill_(3, torch.tensor([1]), bad))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.05)])
+def test_group_norm_with_given_statistics_equals_torch(dtype, tol):
+    from tilewise.locality.program import apply_group_norm
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 12, 9, 7, generator=g) * 2 + 4).to(dtype)
+    w, b = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    var, mean = torch.var_mean(x.double().view(2, 3, -1), dim=-1, correction=0)
+    y = apply_group_norm(x[..., 1:5, 2:6], (mean, var), 3, 1e-6, w, b)  # a non-contiguous box
+    ref = torch.nn.functional.group_norm(x.float(), 3, w, b, 1e-6)[..., 1:5, 2:6]
+    assert y.dtype == dtype and (y.float() - ref).abs().max() <= tol
 
 
 def test_map_box_partitions():

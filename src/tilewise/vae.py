@@ -9,6 +9,7 @@ Every other attribute (config, dtype, device, scaling/shift factors, ...) reads 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,26 @@ class Stage:
 
 
 @dataclass
+class Pass:
+    """One run over the tiles within a plan (fast decode has several)."""
+
+    name: str
+    program: str
+    grid: tuple[int, int]
+    tiles: int  # tiles it runs
+    segments: int
+    output_shape: tuple[int, ...]
+    stages: list[Stage] = field(default_factory=list)
+    staged_peak: int = 0
+    working: int = 0  # per-tile working set (all of its tiles' when they run together)
+    attention_bytes: int = 0
+    work: float = 0.0  # conv multiply-adds as a fraction of the untiled program's
+    output_bytes: int = 0  # what it returns (and later passes hold)
+    held: int = 0  # results of earlier passes alive during it
+    peak: int = 0
+
+
+@dataclass
 class Plan:
     """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak."""
 
@@ -54,13 +75,14 @@ class Plan:
     attention: str
     staging: str
     segments: int
-    halo_overhead: float  # extra conv work from halos, as a fraction of the untiled conv work
+    halo_overhead: float  # extra conv work (halos; fast decode: also its estimation passes) / untiled work
     stages: list[Stage] = field(default_factory=list)
     staged_peak: int = 0  # most staged bytes alive at once
     working: int = 0  # per-tile working set estimate (largest segment)
     attention_bytes: int = 0  # keys and values of a global attention, plus one query chunk's scores
     output_bytes: int = 0
     peak: int = 0  # estimated peak on the device (staged on the device + working + output)
+    passes: list[Pass] = field(default_factory=list)  # fast decode: its passes, in order
 
     def __str__(self) -> str:
         from .memory import format_bytes as fb
@@ -80,6 +102,11 @@ class Plan:
             rows.append(f"    ... {len(self.stages) - 6} more")
         rows.append(f"  per-tile working set ~{fb(self.working)}, attention K/V + scores "
                     f"{fb(self.attention_bytes)}, output buffer {fb(self.output_bytes)}")
+        for q in self.passes:
+            rows.append(f"  pass {q.name}: {q.tiles} tiles, {q.segments} segments, {len(q.stages)} staged "
+                        f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "
+                        f"{100 * q.work:.0f}% of the untiled conv work, returns {fb(q.output_bytes)}, "
+                        f"holds {fb(q.held)}, peak ~{fb(q.peak)}")
         rows.append(f"  estimated device peak {fb(self.peak)}")
         return "\n".join(rows)
 
@@ -353,14 +380,11 @@ class TiledVAE:
         from .geometry import TileGrid
 
         group = self._group()
-        head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
-                       name=p.name + "[low-res]")
+        head, tail = _split_program(p, k)
         first = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
                          query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
                          group=group)
         h = first.run(z)
-        tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
-                       in_channels=head.channels()[head.output], name=p.name + "[high-res]")
         stats, done = {}, {}
         if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
             rh, rw = h.shape[-2:]
@@ -391,20 +415,9 @@ class TiledVAE:
         The reduction is taken out of the upsampling ops (nearest x2 becomes x1), so the low pass sees all
         of h's latent-resolution content; what upsampling cannot absorb is average-pooled out of h.
         """
-        import dataclasses
-        import math
-
         import torch.nn.functional as F
 
-        left, ops = self.fast_low, []
-        for op in tail.ops:
-            if op.kind == "resample" and left > 1:
-                d = math.gcd(op.scale, left)
-                left //= d
-                op = dataclasses.replace(op, scale=op.scale // d)
-            ops.append(op)
-        low = Program(ops=ops, input=tail.input, output=tail.output, in_channels=tail.in_channels,
-                      name=tail.name + "[low pass]")
+        low, left = _low_program(tail, self.fast_low)
         small = F.avg_pool2d(h, left, ceil_mode=True) if left > 1 else h
         full, lo = tuple(h.shape[-2:]), tuple(small.shape[-2:])
         ex = Executor(low, tile, low.input, attention=self.attention, staging=staging, device=h.device,
@@ -455,21 +468,84 @@ class TiledVAE:
 
     def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
              staging: str | None = None) -> Plan:
-        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak."""
-        import torch
+        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
 
+        Fast decode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): the exact
+        latent-resolution head, the low pass, the sampled tiles (run together), the other tiles.
+        """
         if tile_size is None and staging is None and self.memory_budget is not None:
             tile_size, staging = self._choose(kind, tuple(shape))
         tile = tile_size or self.tile_size
-        device = self._device()
         st = staging or (self.staging if self.staging != "auto" else "device")
         p = self.program(kind)
-        b = int(shape[0])
-        shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
+        shape = tuple(int(d) for d in shape)
         ref = p.input if kind == "decode" else p.output
+        full = _conv_work(p, p.shapes(shape[-2:]))
+        k = None
+        if self.mode == "fast" and kind == "decode" and self.fast_estimator == "tiles":
+            k = self._low_res_split(p)
+        if k is not None:
+            passes = self._fast_passes(p, k, shape, tile, st, full)
+        else:
+            fixed = self._fixed_ops(p, kind) if self.mode == "fast" else set()
+            passes = [self._pass_plan("tiled", p, shape, tile, st, ref, fixed, full)]
+        last = passes[-1]
+        plan = Plan(kind, shape, last.output_shape, tile, last.grid, self.mode, self.attention, st,
+                    sum(q.segments for q in passes), sum(q.work for q in passes) - 1.0,
+                    [s for q in passes for s in q.stages], max(q.staged_peak for q in passes),
+                    max(q.working for q in passes), max(q.attention_bytes for q in passes),
+                    last.output_bytes, max(q.peak for q in passes))
+        plan.passes = passes if k is not None else []
+        return plan
+
+    def _fast_passes(self, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
+        """The passes of `_fast_decode`, each with what it holds from the passes before it."""
+        from .geometry import TileGrid
+
+        head, tail = _split_program(p, k)
+        passes = [self._pass_plan("exact latent-resolution head", head, shape, tile, st, head.input, set(),
+                                  full)]
+        h_shape, h_bytes = passes[0].output_shape, passes[0].output_bytes
+        if self.fast_low:
+            low, left = _low_program(tail, self.fast_low)
+            small = (*h_shape[:2], -(-h_shape[2] // left), -(-h_shape[3] // left))  # avg_pool2d, ceil_mode
+            lp = self._pass_plan("low pass", low, small, tile, st, low.input, set(), full)
+            passes.append(self._held(lp, h_bytes + (h_bytes * small[2] * small[3] // (h_shape[2] * h_shape[3])
+                                                    if left > 1 else 0)))
+        grid = TileGrid(h_shape[2], h_shape[3], (min(tile, h_shape[2]), min(tile, h_shape[3])))
+        sampled = {t.index for t in sample_tiles(grid, self.fast_sample)}
+        fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
+        if st == "disk":  # staged_tile_stats: cut at every GroupNorm, one tile at a time, staged on disk
+            sp = self._pass_plan("sampled tiles", tail, h_shape, tile, st, tail.input, set(), full, sampled)
+        else:  # sampled_tile_stats: every sampled tile's values at once, op by op
+            sp = self._pass_plan("sampled tiles", tail, h_shape, tile, st, tail.input, fixed, full, sampled,
+                                 True)
+        out_hw, item = sp.output_shape[-2:], h_bytes // max(1, math.prod(h_shape))
+        kept = sum(math.prod(sp.output_shape[:2]) * _area(map_box(t.core, h_shape[-2:], out_hw)) * item
+                   for t in grid if t.index in sampled)
+        sp.output_bytes, sp.peak = kept, sp.peak - sp.output_bytes + kept
+        passes.append(self._held(sp, h_bytes))
+        rest = {t.index for t in grid} - sampled
+        rp = self._pass_plan("other tiles", tail, h_shape, tile, st, tail.input, fixed, full, rest)
+        passes.append(self._held(rp, h_bytes + kept))
+        return passes
+
+    @staticmethod
+    def _held(q: Pass, held: int) -> Pass:
+        """q with `held` bytes of earlier passes' results alive during it."""
+        q.held, q.peak = held, q.peak + held
+        return q
+
+    def _pass_plan(self, name: str, p: Program, shape, tile: int, st: str, ref: str, fixed: set[int],
+                   full: int, tiles: set[int] | None = None, together: bool = False) -> Pass:
+        """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
+        the per-tile working set (summed over `tiles` when they run together), conv work, the peak."""
+        import torch
+
+        b, device = shape[0], self._device()
+        shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
         ex = Executor(p, tile, ref, attention=self.attention, staging=st, device=device,
-                      fixed_stats={id(op): None for op in p.ops if id(op) in self._fixed_ops(p, kind)}
-                      if self.mode == "fast" else {})
+                      fixed_stats={i: None for i in fixed})
         segs = ex.segments()
         item = torch.empty((), dtype=self.vae.dtype).element_size()
 
@@ -480,7 +556,7 @@ class TiledVAE:
         stages, alive, peak_staged = [], {}, 0
         last = ex._last_reader(segs)
         grid = ex._grid(shapes)
-        extra, full, working, attn = 0, 0, 0, 0
+        done, working, attn = 0, 0, 0
         for i, seg in enumerate(segs):
             for v in seg.outputs:
                 if v != p.output:
@@ -493,32 +569,70 @@ class TiledVAE:
                 per_tile = -(-tokens // len(grid))
                 scores = b * op.heads * min(self.query_chunk, per_tile) * tokens * 4
                 attn = max(attn, 2 * nbytes(src) + scores)
-            e, f, wk = self._segment_cost(seg, grid, shapes, chans, ref, b * item)
-            extra, full, working = extra + e, full + f, max(working, wk)
+            d, wk = self._segment_cost(seg, grid, shapes, chans, ref, b * item, tiles, together)
+            done, working = done + d, max(working, wk)
             for v in [v for v, j in last.items() if j == i]:
                 alive.pop(v, None)
         out_b = nbytes(p.output)
         on_device = peak_staged if (st == "device" or (st == "host" and device.type == "cpu")) else 0
-        peak = on_device + working + attn + out_b
-        return Plan(kind, tuple(shape), (b, chans[p.output], *shapes[p.output]), tile,
-                    (grid.rows, grid.cols), self.mode, self.attention, st, len(segs),
-                    extra / full if full else 0.0, stages, peak_staged, working, attn, out_b, peak)
+        return Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
+                    len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, working, attn,
+                    done / full if full else 1.0, out_b, 0, on_device + working + attn + out_b)
 
-    def _segment_cost(self, seg, grid, shapes, chans, ref, unit: int) -> tuple[int, int, int]:
-        """(extra conv work, untiled conv work, largest per-tile working bytes) of one segment."""
+    def _segment_cost(self, seg, grid, shapes, chans, ref, unit: int, tiles: set[int] | None = None,
+                      together: bool = False) -> tuple[int, int]:
+        """(conv work done over the tiles, per-tile working bytes: the largest, or the sum when together)."""
         convs = [op for op in seg.ops if op.kind == "conv"]
         cost = {id(op): op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] for op in convs}
-        full = sum(cost[id(op)] * shapes[op.dst][0] * shapes[op.dst][1] for op in convs)
         done, working = 0, 0
         for tile in grid:
+            if tiles is not None and tile.index not in tiles:
+                continue
             cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
             cores = {v: c for v, c in cores.items() if not box_empty(c)}
             need = back_propagate(seg.ops, cores, shapes)
-            area = {v: (bx[1] - bx[0]) * (bx[3] - bx[2]) for v, bx in need.items()}
+            area = {v: _area(bx) for v, bx in need.items()}
             done += sum(cost[id(op)] * area.get(op.dst, 0) for op in convs)
-            sizes = sorted((area[v] * chans[v] * unit for v in area), reverse=True)
-            working = max(working, sum(sizes[:3]))
-        return done - full, full, working
+            wk = sum(sorted((area[v] * chans[v] * unit for v in area), reverse=True)[:3])
+            working = working + wk if together else max(working, wk)
+        return done, working
+
+
+def _area(box) -> int:
+    return (box[1] - box[0]) * (box[3] - box[2])
+
+
+def _conv_work(p: Program, shapes) -> int:
+    """Multiply-adds of p's convolutions run untiled (per batch item)."""
+    return sum(op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * shapes[op.dst][0]
+               * shapes[op.dst][1] for op in p.ops if op.kind == "conv")
+
+
+def _split_program(p: Program, k: int) -> tuple[Program, Program]:
+    """The decoder cut before op k (its first upsampling): latent-resolution head, high-resolution tail."""
+    head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
+                   name=p.name + "[low-res]")
+    tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
+                   in_channels=head.channels()[head.output], name=p.name + "[high-res]")
+    return head, tail
+
+
+def _low_program(tail: Program, factor: int) -> tuple[Program, int]:
+    """The tail run `factor` times smaller: upsamplings reduced (nearest x2 -> x1) as far as they absorb
+    the factor; returns it and the factor left over (by which its input is average-pooled)."""
+    import dataclasses
+    import math
+
+    left, ops = factor, []
+    for op in tail.ops:
+        if op.kind == "resample" and left > 1:
+            d = math.gcd(op.scale, left)
+            left //= d
+            op = dataclasses.replace(op, scale=op.scale // d)
+        ops.append(op)
+    low = Program(ops=ops, input=tail.input, output=tail.output, in_channels=tail.in_channels,
+                  name=tail.name + "[low pass]")
+    return low, left
 
 
 def _rank(group) -> int:

@@ -115,10 +115,18 @@ class Conv(Op):
             return self._run_box(inputs[0], have[0], box, shapes[0])
         import torch
 
-        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike
-        parts = [self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
-                 for y in range(box[0], box[1], band)]
-        return torch.cat(parts, dim=-2)
+        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike.
+        # Bands are copied into one preallocated output (a list and torch.cat would hold it twice).
+        out = None
+        for y in range(box[0], box[1], band):
+            part = self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
+            if out is None:
+                fmt = torch.channels_last if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1 \
+                    else torch.contiguous_format
+                out = torch.empty((*part.shape[:-2], rows, part.shape[-1]), dtype=part.dtype,
+                                  device=part.device, memory_format=fmt)
+            out[..., y - box[0] : y - box[0] + part.shape[-2], :].copy_(part)
+        return out
 
     def _run_box(self, x, have, box, shape):
         import torch.nn.functional as F
@@ -274,21 +282,21 @@ class AttentionCore(Op):
 
 
 def apply_group_norm(x, stats, groups, eps, weight, bias):
-    """GroupNorm with given per-(batch, group) mean and variance (float64), computed in float32."""
+    """GroupNorm with given per-(batch, group) mean and variance (float64), as torch's CPU kernel computes
+    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result)."""
     import torch
 
     mean, var = stats
     b, c = x.shape[:2]
-    dtype = x.dtype
-    rstd = (var + eps).rsqrt().to(torch.float32)
-    mean = mean.to(torch.float32).view(b, groups, 1, 1, 1)
-    y = x.float().reshape(b, groups, c // groups, *x.shape[2:]) - mean  # a new tensor: the rest is in place
-    y = y.mul_(rstd.view(b, groups, 1, 1, 1)).view(b, c, *x.shape[2:])
+    a = (var + eps).rsqrt().repeat_interleave(c // groups, dim=1)  # (B, C) float64
+    s = -a * mean.repeat_interleave(c // groups, dim=1)
     if weight is not None:
-        y = y.mul_(weight.float().view(1, c, 1, 1))
+        a, s = a * weight.to(a.dtype), s * weight.to(a.dtype)
         if bias is not None:
-            y = y.add_(bias.float().view(1, c, 1, 1))
-    return y.to(dtype)
+            s = s + bias.to(a.dtype)
+    view, dt = (b, c) + (1,) * (x.ndim - 2), torch.promote_types(x.dtype, torch.float32)
+    y = x * a.to(dt).view(view)  # a new tensor (fp16 / bf16 x promote to float32): add in place
+    return y.add_(s.to(dt).view(view)).to(x.dtype)
 
 
 @dataclass
