@@ -132,7 +132,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--latent", type=int, default=128, help="decode latent side (default 128 -> 1024 px)")
+    p.add_argument("--latent", type=int, default=128, help="decode latent side, 0 skips (default 128)")
     p.add_argument("--encode-size", type=int, default=1024, help="encode image side, 0 skips (default 1024)")
     p.add_argument("--tile", type=int, default=32, help="tilewise tile size in latent px (default 32)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per variant (default 1)")
@@ -154,7 +154,7 @@ def main() -> None:
     import numpy as np
 
     variants = [v for v in args.variants.split(",") if v]
-    jobs = [("decode", args.latent)] + ([("encode", args.encode_size)] if args.encode_size else [])
+    jobs = [(task, size) for task, size in (("decode", args.latent), ("encode", args.encode_size)) if size]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for task, size in jobs:
