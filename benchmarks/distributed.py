@@ -172,7 +172,7 @@ def main() -> None:
 
 def report(args, results: dict) -> str:
     """Markdown: one row per rank of each run."""
-    one = results[min(results)][0]["latents"]
+    one = results[min(results)][0]
     lines = [
         f"stage {args.stage}: latent {args.height}x{args.width} "
         f"(image {args.height * 8}x{args.width * 8} px), {args.method}, tile {args.tile}, "
@@ -186,8 +186,7 @@ def report(args, results: dict) -> str:
     ]
     for world, ranks in results.items():
         for r, res in enumerate(ranks):
-            d0 = (res["latents"] - ranks[0]["latents"]).abs().max().item()
-            d1 = (res["latents"] - one).abs().max().item()
+            d0, d1 = _diffs(res, ranks[0], one)
             lines.append(f"| {world} | {r} | {res['tile_rows']} | {res['seconds']:.2f} | {res['cpu']:.2f} | "
                          f"{format_bytes(res['rss_built'])} | {format_bytes(res['peak'])} | "
                          f"{format_bytes(res['peak_growth'])} | {format_bytes(res['fused_bytes'])} | "
@@ -195,8 +194,7 @@ def report(args, results: dict) -> str:
     method = results[min(results)][0]["method"]
     lines += ["", f"memory: {method}; tile rows = tiles x CFG rows through the UNet per run; wall and CPU "
               f"seconds: median of {args.repeats} runs (CPU = this rank's process time)",
-              "", "command: `" + " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", ""),
-                                            ".venv/bin/python", *sys.argv]) + "`"]
+              "", _command()]
     return "\n".join(lines)
 
 
@@ -215,17 +213,27 @@ def report_vae(args, results: dict) -> str:
     ]
     for world, ranks in results.items():
         for r, res in enumerate(ranks):
-            d0 = (res["latents"] - ranks[0]["latents"]).abs().max().item()
-            d1 = (res["latents"] - one["latents"]).abs().max().item()
+            d0, d1 = _diffs(res, ranks[0], one)
             staged, growth = res["staged"] / one["staged"], res["peak_growth"] / one["peak_growth"]
             lines.append(f"| {world} | {r} | {format_bytes(res['staged'])} | {staged:.2f} | "
                          f"{res['seconds']:.2f} | {res['cpu']:.2f} | {format_bytes(res['rss_built'])} | "
                          f"{format_bytes(res['peak_growth'])} | {growth:.2f} | {d0:.1e} | {d1:.1e} |")
     lines += ["", f"memory: {one['method']}; staged bytes = the most full-size-value bytes (bands) the rank "
               f"held at once; wall and CPU seconds: median of {args.repeats} runs",
-              "", "command: `" + " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", ""),
-                                            ".venv/bin/python", *sys.argv]) + "`"]
+              "", _command()]
     return "\n".join(lines)
+
+
+def _command() -> str:
+    """The line that reproduces this run."""
+    env = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "")
+    return "command: `" + " ".join([env, ".venv/bin/python", *sys.argv]) + "`"
+
+
+def _diffs(res: dict, rank0: dict, one: dict) -> tuple[float, float]:
+    """Max abs difference of a rank's result against rank 0 of its run and against the 1-rank run."""
+    return ((res["latents"] - rank0["latents"]).abs().max().item(),
+            (res["latents"] - one["latents"]).abs().max().item())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_clip import char_tokenizer, text_encoder
 from typer.testing import CliRunner
 
 from tilewise.cli import app, main
@@ -15,24 +16,10 @@ from tilewise.cli import app, main
 D = 32
 
 
-def _tokenizer(folder):
-    """A real CLIPTokenizer over a character vocabulary (no download): enough for prompts of letters."""
-    from transformers import CLIPTokenizer
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = {c: i for i, c in enumerate(letters)}
-    vocab.update({c + "</w>": len(letters) + i for i, c in enumerate(letters)})
-    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny SD pipeline saved as a diffusers folder: what a user's --model points at."""
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     root = tmp_path_factory.mktemp("model")
     torch.manual_seed(0)
@@ -55,25 +42,13 @@ def model_dir(tmp_path_factory):
         norm_num_groups=4,
         layers_per_block=1,
     )
-    text = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=54,
-            hidden_size=D,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=52,
-            eos_token_id=53,
-            pad_token_id=53,
-        )
-    )
+    text = text_encoder(D)
     tok_dir = root / "tok"
     tok_dir.mkdir()
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text,
-        tokenizer=_tokenizer(tok_dir),
+        tokenizer=char_tokenizer(tok_dir),
         unet=unet,
         scheduler=DDIMScheduler(clip_sample=False, steps_offset=1),
         safety_checker=None,

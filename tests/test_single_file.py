@@ -10,25 +10,13 @@ import pytest
 import torch
 from ldm_format import CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, pipeline_to_ldm, unet_to_ldm, vae_to_ldm
 from PIL import Image
+from tiny_clip import char_tokenizer, text_encoder
 from typer.testing import CliRunner
 
 from tilewise.cli import app, main
 from tilewise.pipelines import generate, load_pipeline
 
 D = 32
-
-
-def _tokenizer(folder):
-    """A real CLIPTokenizer over a character vocabulary (no download): enough for prompts of letters."""
-    from transformers import CLIPTokenizer
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = {c: i for i, c in enumerate(letters)}
-    vocab.update({c + "</w>": len(letters) + i for i, c in enumerate(letters)})
-    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
 
 
 def _jitter(model):
@@ -79,29 +67,16 @@ def sd(tmp_path_factory):
     """(diffusers folder, original-format .safetensors) of one tiny seeded SD-1.x pipeline."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from safetensors.torch import save_file
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     root = tmp_path_factory.mktemp("single")
     torch.manual_seed(0)
-    text = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=54,
-            hidden_size=D,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=52,
-            eos_token_id=53,
-            pad_token_id=53,
-        )
-    )
+    text = text_encoder(D)
     tok_dir = root / "tok"
     tok_dir.mkdir()
     pipe = StableDiffusionPipeline(
         vae=_vae(),
         text_encoder=_jitter(text),
-        tokenizer=_tokenizer(tok_dir),
+        tokenizer=char_tokenizer(tok_dir),
         unet=_unet(),
         scheduler=DDIMScheduler(clip_sample=False, steps_offset=1),
         safety_checker=None,

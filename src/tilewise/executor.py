@@ -494,17 +494,7 @@ class Executor:
     def _run_tile(self, seg, stage, shapes, ctx, cores, last) -> dict[str, Any]:
         """The segment's ops on one tile, each on the box it needs (back-propagated from the cores)."""
         need = back_propagate(seg.ops, cores, shapes)
-        vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
-        for i, op in enumerate(seg.ops):
-            if op.dst not in need:
-                continue
-            ins = [vals[s][0] for s in op.src]
-            have = [vals[s][1] for s in op.src]
-            vals[op.dst] = (op.run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src]), need[op.dst])
-            for s in op.src:
-                if last.get(s) == i and s not in cores:
-                    del vals[s]
-        return vals
+        return run_boxes(seg, stage, ctx, need, shapes, last, keep=cores)
 
     def _store(self, v, core, vals, stage, trackers, out, emit, seg) -> None:
         """Write the core of value v to its staged tensor (or the output), merging its statistics."""
@@ -539,6 +529,25 @@ def _all_finite(c) -> bool:
 
     s = c.sum(dtype=torch.float32) if c.dtype in (torch.float16, torch.bfloat16) else c.sum()
     return bool(s.isfinite()) or bool(c.isfinite().all())
+
+
+def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, last: dict[str, int],
+              keep) -> dict[str, Any]:
+    """A segment's ops, each on its `need` box, from its staged inputs: value -> (tensor, box).
+
+    A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`.
+    """
+    vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
+    for i, op in enumerate(seg.ops):
+        if op.dst not in need:
+            continue
+        ins = [vals[s][0] for s in op.src]
+        have = [vals[s][1] for s in op.src]
+        vals[op.dst] = (op.run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src]), need[op.dst])
+        for s in op.src:
+            if last.get(s) == i and s not in keep:
+                del vals[s]
+    return vals
 
 
 @dataclass
@@ -685,17 +694,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                     stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
             ops_last = last_use(seg.ops, seg.outputs)
             for t, need in zip(tiles, needs, strict=True):
-                vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
-                for j, op in enumerate(seg.ops):
-                    if op.dst not in need:
-                        continue
-                    ins = [vals[s][0] for s in op.src]
-                    have = [vals[s][1] for s in op.src]
-                    y = op.run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src])
-                    vals[op.dst] = (y, need[op.dst])
-                    for s in op.src:
-                        if ops_last.get(s) == j and s not in seg.outputs:
-                            del vals[s]
+                vals = run_boxes(seg, stage, ctx, need, shapes, ops_last, keep=seg.outputs)
                 for v in seg.outputs:
                     if v == out_v:
                         done[t.index] = vals[v][0]

@@ -365,10 +365,9 @@ def _decode_out(tv, z, out: str | None, bits: int):
     """Decode to a file sink (streamed, atomic) or to memory; returns the image tensor when in memory."""
     if out is None:
         return tv.decode(z).sample
-    from .distributed import rank_world, resolve_group
     from .sinks import open_sink
 
-    if rank_world(resolve_group(tv.process_group))[0] != 0:  # rank 0 writes; this rank sends its rows
+    if not _writes(tv):  # rank 0 writes; this rank sends its rows
         tv.decode_to(z, None)
         return None
     f = vae_factor(tv.vae)
@@ -376,6 +375,13 @@ def _decode_out(tv, z, out: str | None, bits: int):
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)
     return None
+
+
+def _writes(tv) -> bool:
+    """Whether this process writes output files: single process, or rank 0 of the TiledVAE's group."""
+    from .distributed import rank_world, resolve_group
+
+    return rank_world(resolve_group(tv.process_group))[0] == 0
 
 
 def vae_factor(vae) -> int:
@@ -408,15 +414,8 @@ def decode_file(
     if z.ndim == 3:
         z = z[None]
     sf, shift = latent_scale(loaded.pipe.vae)
-    tv = TiledVAE(
-        loaded.pipe.vae,
-        tile_size=tile_size,
-        mode=mode,
-        memory_budget=budget,
-        staging=staging,
-        progress=progress,
-        process_group=process_group,
-    )
+    tv = TiledVAE(loaded.pipe.vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+                  progress=progress, process_group=process_group)
     plan = tv.plan(tuple(z.shape))
     _decode_out(tv, z / sf + shift, out, bits)
     return plan
@@ -460,22 +459,13 @@ def encode_file(
 
     vae = loaded.pipe.vae
     x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
-    tv = TiledVAE(
-        vae,
-        tile_size=tile_size,
-        mode=mode,
-        memory_budget=budget,
-        staging=staging,
-        progress=progress,
-        process_group=process_group,
-    )
+    tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+                  progress=progress, process_group=process_group)
     plan = tv.plan(tuple(x.shape), kind="encode")
     dist = tv.encode(x).latent_dist
     sf, shift = latent_scale(vae)
     latents = ((dist.mean - shift) * sf).contiguous()
-    from .distributed import rank_world, resolve_group
-
-    if rank_world(resolve_group(process_group))[0] != 0:
+    if not _writes(tv):
         return plan
     with atomic_path(out) as tmp:
         save_file(
