@@ -83,3 +83,94 @@ def test_segments_cut_before_groupnorm_of_fresh_values():
 def test_probe_rejects_bad_position():
     with pytest.raises(ValueError, match="outside"):
         probe_receptive_field(torch.nn.Identity(), torch.zeros(1, 1, 4, 4), position=(9, 0))
+
+
+def _staged_run(program, x, tile_box):
+    """run_boxes of the whole program as one segment on one box, its input staged on the host."""
+    from tilewise.executor import Staging, run_boxes
+    from tilewise.locality.program import RunContext, back_propagate, last_use
+
+    seg = split_segments(program, lambda op: False)[0]
+    shapes = program.shapes(tuple(x.shape[-2:]))
+    need = back_propagate(seg.ops, {program.output: tile_box}, shapes)
+    stage = Staging("host", "cpu")
+    stage.put(program.input, x)
+    stats = {id(op): (torch.zeros(x.shape[0], op.groups, dtype=torch.float64),
+                      torch.ones(x.shape[0], op.groups, dtype=torch.float64))
+             for op in program.ops if op.kind == "group_norm"}
+    vals = run_boxes(seg, stage, RunContext(stats=stats), need, shapes,
+                     last_use(seg.ops, [program.output]), keep=[program.output])
+    return vals[program.output]
+
+
+def test_working_memory_reuse_keeps_values_and_inputs():
+    """In-place activations / GroupNorm, the unmaterialised upsampling and the 1x1 projection on the whole
+    input give the values of plain op-by-op evaluation, and never write into the program input or a
+    staged value, also through an identity activation that aliases its input."""
+    import torch.nn.functional as F
+
+    from tilewise.locality.program import (
+        Add,
+        Conv,
+        GroupNorm,
+        Pointwise,
+        Program,
+        Resample,
+        RunContext,
+        sub_tensor,
+    )
+
+    g = torch.Generator().manual_seed(5)
+
+    def w(co, ci, k):
+        return torch.randn(co, ci, k, k, generator=g) * 0.2
+
+    silu_ = lambda t: F.silu(t, inplace=True)  # noqa: E731
+    ops = [
+        Pointwise(("x",), "a", "identity", fn=lambda t: t, label="identity"),
+        Pointwise(("a",), "b", "act", fn=F.silu, fn_=silu_),
+        Conv(("x",), "s", "shortcut", weight=w(6, 4, 1), bias=torch.randn(6, generator=g)),
+        GroupNorm(("b",), "n", "norm", groups=2, eps=1e-6, weight=torch.rand(4, generator=g) + 0.5,
+                  bias=torch.randn(4, generator=g)),
+        Pointwise(("n",), "m", "act2", fn=F.silu, fn_=silu_),
+        Resample(("m",), "u", "up", scale=2),
+        Conv(("u",), "c", "conv", weight=w(6, 4, 3), bias=None, padding=(1, 1, 1, 1)),
+        Resample(("s",), "su", "up2", scale=2),
+        Add(("su", "c"), "y", "add"),
+    ]
+    program = Program(ops=ops, input="x", output="y", in_channels=4)
+    x = torch.randn(2, 4, 9, 7, generator=g)
+    keep = x.clone()
+
+    def plain(x):  # every op on the whole image, out of place, each value materialised
+        vals, shapes = {"x": x}, program.shapes((9, 7))
+        ctx = RunContext(stats={id(ops[3]): (torch.zeros(2, 2, dtype=torch.float64),
+                                              torch.ones(2, 2, dtype=torch.float64))})
+        for op in ops:
+            full = (0, shapes[op.dst][0], 0, shapes[op.dst][1])
+            have = [(0, shapes[s][0], 0, shapes[s][1]) for s in op.src]
+            vals[op.dst] = op.run(ctx, [vals[s] for s in op.src], have, full, [shapes[s] for s in op.src])
+        return vals["y"]
+
+    ref = plain(x.clone())
+    with torch.no_grad():
+        ctx = RunContext(stats={id(ops[3]): (torch.zeros(2, 2, dtype=torch.float64),
+                                              torch.ones(2, 2, dtype=torch.float64))})
+        assert torch.equal(program.run(x, ctx), ref)
+        assert torch.equal(x, keep)  # the program input is read, never overwritten
+        box = (3, 15, 2, 11)
+        t, have = _staged_run(program, x, box)
+        # (a convolution over another box may sum in another order: equal to float rounding)
+        assert (sub_tensor(t, have, box) - ref[..., 3:15, 2:11]).abs().max() <= 1e-6
+        assert torch.equal(x, keep)  # nor the staged value
+
+
+def test_upsampled_crop_equals_materialised():
+    from tilewise.locality.program import Upsampled
+
+    x = torch.randn(1, 3, 5, 6)
+    full = torch.nn.functional.interpolate(x[..., 1:5, 2:6], scale_factor=2.0, mode="nearest")
+    u = Upsampled(x[..., 1:5, 2:6], (1, 5, 2, 6), 2)
+    for want in [(2, 10, 4, 12), (3, 7, 5, 11), (9, 10, 11, 12)]:
+        y0, y1, x0, x1 = want
+        assert torch.equal(u.crop(want, want), full[..., y0 - 2 : y1 - 2, x0 - 4 : x1 - 4])

@@ -9,14 +9,14 @@ and values of all tokens first, then the queries of each tile in chunks. GroupNo
 statistics (fast mode) are pointwise and cut nothing, so a run of them executes tile by tile end to end.
 Fast-mode statistics come from `sampled_tile_stats` (a stratified subset of the real tiles, run op by op
 together; their outputs are kept and the tiled pass skips them). Disk staging stores channels-last
-memmaps so the pages a tile touches are its own data.
+files read and written with positional I/O (one contiguous run per row of a tile's box), so staged data
+lives in the kernel's page cache and never in this process's resident memory.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import tempfile
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from .locality.program import (
     back_propagate,
     box_empty,
     last_use,
+    run_op,
     split_segments,
     sub_tensor,
 )
@@ -129,6 +130,64 @@ def _moments(x, groups: int, chunk: int = 1 << 20):
     return m.to(torch.float64) + s1 / n, s2 - s1.square() / n
 
 
+class DiskValue:
+    """One staged value in a file, channels-last: (B, rows, W, C), so a box is one contiguous run per row.
+
+    Read and written with positional I/O (os.preadv / os.pwritev): the data lives in the page cache, the
+    kernel writes it back when it likes, and nothing of it is mapped into this process (a mapped file's
+    touched pages count as resident and, on current kernels, come in folios much larger than a tile's
+    row run: a 64 MiB tile box mapped ~230 MiB of resident pages).
+    """
+
+    _CHUNK = 8 << 20  # bytes of a write's channels-last copy at a time
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype):
+        import torch
+
+        self.path, self.shape, self.dtype = path, tuple(shape), dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self.fd, math.prod(shape) * self.itemsize)  # sparse: unwritten parts read as zeros
+
+    def _runs(self, y0: int, y1: int, x0: int, x1: int):
+        """(batch, row, byte offset) of each row run of a box."""
+        b, c, h, w = self.shape
+        for i in range(b):
+            for y in range(y0, y1):
+                yield i, y - y0, ((i * h + y) * w + x0) * c * self.itemsize
+
+    def read(self, y0: int, y1: int, x0: int, x1: int):
+        """The box as a new (B, C, h, w) tensor in channels-last memory."""
+        import torch
+
+        b, c = self.shape[:2]
+        out = torch.empty((b, y1 - y0, x1 - x0, c), dtype=self.dtype)
+        raw = out.view(torch.uint8).numpy()
+        want = (x1 - x0) * c * self.itemsize
+        for i, r, off in self._runs(y0, y1, x0, x1):
+            if want and os.preadv(self.fd, [raw[i, r]], off) != want:
+                raise OSError(f"short read from the staging file {self.path}")
+        return out.permute(0, 3, 1, 2)
+
+    def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
+        """Write a (B, C, h, w) tensor into the box."""
+        import torch
+
+        b, c = self.shape[:2]
+        want = (x1 - x0) * c * self.itemsize
+        step = max(1, self._CHUNK // max(1, b * want))
+        for r0 in range(0, y1 - y0, step):
+            part = value[:, :, r0 : r0 + step].detach().to("cpu", self.dtype)
+            raw = part.permute(0, 2, 3, 1).contiguous().view(torch.uint8).numpy()
+            for i, r, off in self._runs(y0 + r0, y0 + r0 + part.shape[2], x0, x1):
+                if want and os.pwritev(self.fd, [raw[i, r]], off) != want:
+                    raise OSError(f"short write to the staging file {self.path} (disk full?)")
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
 class Staging:
     """Full-size tensors between segments, held on the device, in host memory or in disk files."""
 
@@ -139,15 +198,13 @@ class Staging:
         self.dir = None
         if where == "disk":
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
-        self.tensors: dict[str, Any] = {}
-        self.maps: dict[str, Any] = {}
+        self.tensors: dict[str, Any] = {}  # value -> tensor (device / host) or DiskValue
         self.offsets: dict[str, int] = {}  # first stored row of values held as a band of rows
         self.sizes: dict[str, int] = {}  # bytes of each allocated staged tensor
         self.peak = 0  # most allocated staged bytes alive at once
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype, rows: tuple[int, int] | None = None) -> None:
         """Allocate a staged tensor; with `rows` = (lo, hi) only those rows of the value (a rank's band)."""
-        import numpy as np
         import torch
 
         if rows is not None:
@@ -158,84 +215,50 @@ class Staging:
         self.peak = max(self.peak, sum(self.sizes.values()))
         if self.where == "device":
             self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
-        elif self.where == "host":
+        elif self.where == "host" or len(shape) != 4:
             pin = torch.device(self.device).type == "cuda"
             self.tensors[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        elif math.prod(shape) == 0:  # an empty band: nothing to map
-            self.tensors[name] = torch.empty(shape, dtype=dtype)
         else:
             path = os.path.join(self.dir.name, f"{name.replace('/', '_')}.bin")
-            # channels-last on disk: a tile's box is one contiguous run per row, so the pages a tile
-            # touches (resident until release_pages) hold its own data, not whole image rows per channel
-            last = (*shape[:-3], *shape[-2:], shape[-3]) if len(shape) >= 3 else shape
-            arr = np.memmap(path, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[size],
-                            mode="w+", shape=last)
-            self.maps[name] = arr
-            t = torch.from_numpy(arr).view(dtype)
-            self.tensors[name] = t.movedim(-1, -3) if len(shape) >= 3 else t
+            self.tensors[name] = DiskValue(path, shape, dtype)
 
     def put(self, name: str, tensor) -> None:
         """Stage an existing full tensor (the program input) without copying."""
         self.tensors[name] = tensor
 
+    def info(self, name: str) -> tuple[tuple[int, ...], Any, Any]:
+        """(stored shape, dtype, device) of a staged value."""
+        t = self.tensors[name]
+        if isinstance(t, DiskValue):
+            return t.shape, t.dtype, _cpu()
+        return tuple(t.shape), t.dtype, t.device
+
     def read(self, name: str, box: Box):
-        """The box of a staged tensor, on the device."""
+        """The box of a staged tensor, on the device (from disk: a new tensor in channels-last memory)."""
         y0, y1, x0, x1 = box
         off = self.offsets.get(name, 0)
-        t = self.tensors[name][..., y0 - off : y1 - off, x0:x1]
-        if name in self.maps:  # a private copy (the mapped pages can be dropped) in the file's layout:
-            import torch  # channels-last rows copy at memory speed, a transpose to NCHW cost ~2x more
-
-            t = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.contiguous()
-            self._drop(name, y0 - off, y1 - off)
-        return t.to(self.device, non_blocking=True)
-
-    def _drop(self, name: str, y0: int, y1: int) -> None:
-        """Unmap the pages of rows [y0, y1) of a disk-staged value from this process (MADV_DONTNEED).
-
-        The mapping is shared, so the data stays in the page cache (dirty pages are written back by the
-        kernel); only this process's resident set forgets them, until the next access faults them in.
-        """
-        arr = self.maps[name]
-        mm = getattr(arr, "_mmap", None)
-        if mm is None or y1 <= y0:
-            return
-        h, w, c = arr.shape[-3:]
-        row = w * c * arr.itemsize
-        page = mmap.PAGESIZE
-        for b in range(math.prod(arr.shape[:-3])):
-            start = (b * h + y0) * row
-            end = min(len(mm), (b * h + y1) * row)
-            start -= start % page
-            if end > start:
-                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        t = self.tensors[name]
+        if isinstance(t, DiskValue):
+            return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
+        return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
         y0, y1, x0, x1 = box
         off = self.offsets.get(name, 0)
-        self.tensors[name][..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
-        if name in self.maps:
-            self._drop(name, y0 - off, y1 - off)
-
-    def release_pages(self) -> None:
-        """Disk staging: drop mapped pages from this process's memory (MADV_DONTNEED on a shared file
-        mapping keeps written data in the page cache, where the kernel writes it back: no msync wait)."""
-        for arr in self.maps.values():
-            mm = getattr(arr, "_mmap", None)
-            if mm is not None:
-                mm.madvise(mmap.MADV_DONTNEED)
+        t = self.tensors[name]
+        if isinstance(t, DiskValue):
+            t.write(y0 - off, y1 - off, x0, x1, value)
+        else:
+            t[..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
 
     def free(self, name: str) -> None:
         """Drop a staged tensor (and its file)."""
-        self.tensors.pop(name, None)
+        t = self.tensors.pop(name, None)
         self.offsets.pop(name, None)
         self.sizes.pop(name, None)
-        arr = self.maps.pop(name, None)
-        if arr is not None:
-            path = arr.filename
-            del arr
-            os.unlink(path)
+        if isinstance(t, DiskValue):
+            t.close()
 
     def close(self) -> None:
         """Free everything."""
@@ -243,6 +266,12 @@ class Staging:
             self.free(name)
         if self.dir is not None:
             self.dir.cleanup()
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
 
 
 @dataclass
@@ -487,7 +516,6 @@ class Executor:
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
             vals = None  # this tile's values die now, not while the next tile runs
             if stage.where == "disk":  # the memory-bounded staging: nothing of this tile stays resident
-                stage.release_pages()
                 _trim_heap()  # (not per tile otherwise: re-faulting the freed heap cost ~7% of a decode)
             bar.update(1)
 
@@ -538,15 +566,10 @@ def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, l
     A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`.
     """
     vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
+    staged = [t for t, _ in vals.values()]  # views of staging with host / device staging: never overwritten
     for i, op in enumerate(seg.ops):
-        if op.dst not in need:
-            continue
-        ins = [vals[s][0] for s in op.src]
-        have = [vals[s][1] for s in op.src]
-        vals[op.dst] = (op.run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src]), need[op.dst])
-        for s in op.src:
-            if last.get(s) == i and s not in keep:
-                del vals[s]
+        if op.dst in need:
+            run_op(seg.ops, i, ctx, vals, need, shapes, last, keep, shared=staged)
     return vals
 
 
@@ -634,7 +657,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     vals = []
     for need in needs:
         y0, y1, x0, x1 = need[program.input]
-        vals.append({program.input: x[..., y0:y1, x0:x1]})
+        vals.append({program.input: (x[..., y0:y1, x0:x1], need[program.input])})
     ctx = RunContext(query_chunk=query_chunk, conv_workspace=conv_workspace)
     last = last_use(program.ops, [out_v])
     for i, op in enumerate(program.ops):
@@ -643,17 +666,12 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
             for t, need, v in zip(tiles, needs, vals, strict=True):
                 core = map_box(t.core, shapes[ref], shapes[op.dst])
                 if op.dst in need and not box_empty(core):
-                    acc.add(sub_tensor(v[op.src[0]], need[op.src[0]], core))
+                    acc.add(sub_tensor(*v[op.src[0]], core))
             ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
         for need, v in zip(needs, vals, strict=True):
-            if op.dst not in need:
-                continue
-            ins = [v[s] for s in op.src]
-            v[op.dst] = op.run(ctx, ins, [need[s] for s in op.src], need[op.dst], [shapes[s] for s in op.src])
-            for s in op.src:
-                if last.get(s) == i:
-                    del v[s]
-    done = {t.index: v[out_v] for t, v in zip(tiles, vals, strict=True)}
+            if op.dst in need:
+                run_op(program.ops, i, ctx, v, need, shapes, last, shared=[x])
+    done = {t.index: v[out_v][0] for t, v in zip(tiles, vals, strict=True)}
     logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles", len(fixed), len(tiles))
     return {i: s for i, s in ctx.stats.items() if i in fixed}, done
 
@@ -701,8 +719,6 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                     elif v in vals:
                         stage.write(v, need[v], vals[v][0])
                 del vals
-                if stage.where == "disk":
-                    stage.release_pages()
                 _trim_heap()
             for v in [v for v, j in last.items() if j == i and v != program.input]:
                 stage.free(v)
@@ -721,8 +737,6 @@ def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, adju
         core = map_box(t.core, shapes[ref], shapes[op.dst])
         if op.dst in need and not box_empty(core):
             acc.add(stage.read(src, core))
-            if stage.where == "disk":
-                stage.release_pages()
     return _adjusted(acc.result(), (adjust or {}).get(id(op)))
 
 

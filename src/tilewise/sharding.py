@@ -171,16 +171,16 @@ def exchange_rows(stage, value: str, plan: list[tuple[int, int, Rows]], rank: in
 
     from .distributed import _comm_device, _global
 
-    t = stage.tensors[value]
-    width = t.shape[-1]
-    device = _comm_device(group, t.device)
+    shape, dtype, where = stage.info(value)
+    width = shape[-1]
+    device = _comm_device(group, where)
     pending, got = [], 0
     for tag, (src, dst, (y0, y1)) in enumerate(plan):
         if src == rank:
             buf = stage.read(value, (y0, y1, 0, width)).contiguous().to(device)
             pending.append((dist.isend(buf, dst=_global(group, dst), group=group, tag=tag), buf, None))
         elif dst == rank:
-            buf = torch.empty((*t.shape[:-2], y1 - y0, width), dtype=t.dtype, device=device)
+            buf = torch.empty((*shape[:-2], y1 - y0, width), dtype=dtype, device=device)
             pending.append((dist.irecv(buf, src=_global(group, src), group=group, tag=tag), buf, (y0, y1)))
     for work, buf, rows in pending:
         work.wait()

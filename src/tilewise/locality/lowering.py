@@ -53,6 +53,15 @@ def _activation(module, where: str) -> tuple[Callable, str]:
     raise _unsupported(module, where)
 
 
+def _in_place(fn: Callable) -> Callable | None:
+    """The in-place form of an activation function (same values), or None when torch has none."""
+    import torch.nn.functional as F
+
+    if fn in (F.silu, F.relu, F.mish):
+        return lambda x: fn(x, inplace=True)
+    return None
+
+
 def _conv(b: _Builder, conv, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:
     """nn.Conv2d with zero padding (or the explicit asymmetric padding given)."""
     import torch.nn as nn
@@ -76,7 +85,7 @@ def _group_norm(b: _Builder, norm, x: str, where: str) -> str:
 
 
 def _pointwise(b: _Builder, fn: Callable, label: str, x: str, where: str) -> str:
-    return b.emit(Pointwise, (x,), where, fn=fn, label=label)
+    return b.emit(Pointwise, (x,), where, fn=fn, label=label, fn_=_in_place(fn))
 
 
 def _resnet(b: _Builder, r, x: str, where: str) -> str:
@@ -88,13 +97,15 @@ def _resnet(b: _Builder, r, x: str, where: str) -> str:
     if r.time_emb_proj is not None or r.time_embedding_norm not in ("default", "group"):
         raise _unsupported(r, where)
     act, label = _activation(r.nonlinearity, f"{where}.nonlinearity")
+    # the shortcut projection first: the block input then dies at norm1 (which may reuse its memory)
+    # instead of living through both convolutions
+    s = _conv(b, r.conv_shortcut, x, f"{where}.conv_shortcut") if r.conv_shortcut is not None else x
     h = _group_norm(b, r.norm1, x, f"{where}.norm1")
     h = _pointwise(b, act, label, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv1, h, f"{where}.conv1")
     h = _group_norm(b, r.norm2, h, f"{where}.norm2")
     h = _pointwise(b, act, label, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv2, h, f"{where}.conv2")
-    s = _conv(b, r.conv_shortcut, x, f"{where}.conv_shortcut") if r.conv_shortcut is not None else x
     return b.emit(Add, (s, h), f"{where}.add", scale=float(r.output_scale_factor))
 
 

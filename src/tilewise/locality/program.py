@@ -39,7 +39,32 @@ def sub_tensor(t, have: Box, want: Box):
     """Slice the `want` box out of tensor `t` that covers box `have` (want must lie inside have)."""
     if want[0] < have[0] or want[1] > have[1] or want[2] < have[2] or want[3] > have[3]:
         raise AssertionError(f"box {want} is not inside the computed box {have}")
+    if isinstance(t, Upsampled):
+        return t.crop(have, want)
     return t[..., want[0] - have[0] : want[1] - have[0], want[2] - have[2] : want[3] - have[2]]
+
+
+@dataclass
+class Upsampled:
+    """A nearest-upsampled box not materialised: `crop` computes just the part a reader asks for.
+
+    Used when a Resample's only reader is the convolution right after it (diffusers' Upsample2D): the
+    convolution reads its input in row bands, so only a band of the upsampled value ever exists
+    (at 1024 px the upsampled tile is ~70 MiB; the band a few MiB). Values are those of Resample.run.
+    """
+
+    source: Any  # tensor covering box `src_box` of the resample's input
+    src_box: Box
+    scale: int
+
+    def crop(self, have: Box, want: Box):
+        import torch.nn.functional as F
+
+        s = self.scale
+        need = (want[0] // s, (want[1] - 1) // s + 1, want[2] // s, (want[3] - 1) // s + 1)
+        x = sub_tensor(self.source, self.src_box, need)
+        x = F.interpolate(x, scale_factor=float(s), mode="nearest")
+        return sub_tensor(x, (need[0] * s, need[1] * s, need[2] * s, need[3] * s), want)
 
 
 @dataclass
@@ -68,6 +93,11 @@ class Op:
     def run(self, ctx: RunContext, inputs: list[Any], have: list[Box], box: Box, shapes: list):
         """Compute `box` of dst from source tensors covering boxes `have`."""
         raise NotImplementedError
+
+    def run_in_place(self, ctx: RunContext, inputs: list[Any], have: list[Box], box: Box, shapes: list):
+        """`run`, allowed to overwrite inputs[0] (the caller's last use of it); same values. Ops that
+        can (pointwise activations, GroupNorm in float32) save a tensor of working memory."""
+        return self.run(ctx, inputs, have, box, shapes)
 
     def describe(self) -> str:
         """One line for the analysis table."""
@@ -108,6 +138,13 @@ class Conv(Op):
                  x0 * sw - l, (x1 - 1) * sw + dw * (kw - 1) + 1 - l)]
 
     def run(self, ctx, inputs, have, box, shapes):
+        if self._pointwise() and not isinstance(inputs[0], Upsampled):
+            # a 1x1 projection needs no workspace: run it on the whole input as stored (cropping the
+            # input first would copy it) and view the box out of the result
+            import torch.nn.functional as F
+
+            y = F.conv2d(inputs[0], self.weight, self.bias, 1, 0, 1, self.groups)
+            return sub_tensor(y, have[0], box)
         rows = box[1] - box[0]
         per_row = (box[3] - box[2]) * self.weight.shape[1] * self.kernel[0] * self.kernel[1] * 4
         band = max(1, ctx.conv_workspace // max(per_row, 1)) if ctx.conv_workspace else rows
@@ -127,6 +164,10 @@ class Conv(Op):
                                   device=part.device, memory_format=fmt)
             out[..., y - box[0] : y - box[0] + part.shape[-2], :].copy_(part)
         return out
+
+    def _pointwise(self) -> bool:
+        """A 1x1 convolution with stride 1 and no padding (a per-pixel channel projection)."""
+        return self.kernel == (1, 1) and self.stride == (1, 1) and not any(self.padding)
 
     def _run_box(self, x, have, box, shape):
         import torch.nn.functional as F
@@ -160,13 +201,11 @@ class Resample(Op):
         return [(y0 // s, (y1 - 1) // s + 1, x0 // s, (x1 - 1) // s + 1)]
 
     def run(self, ctx, inputs, have, box, shapes):
-        import torch.nn.functional as F
+        return Upsampled(inputs[0], have[0], self.scale).crop(box, box)
 
-        need = self.input_boxes(box)[0]
-        x = sub_tensor(inputs[0], have[0], need)
-        x = F.interpolate(x, scale_factor=float(self.scale), mode="nearest")
-        s = self.scale
-        return sub_tensor(x, (need[0] * s, need[1] * s, need[2] * s, need[3] * s), box)
+    def lazy(self, inputs, have):
+        """The output as an `Upsampled` (for a convolution that reads it band by band)."""
+        return Upsampled(inputs[0], have[0], self.scale)
 
     def describe(self):
         return f"upsample x{self.scale} nearest"
@@ -179,6 +218,7 @@ class Pointwise(Op):
     fn: Callable | None = None
     label: str = ""
     channels: int | None = None
+    fn_: Callable | None = None  # the in-place form of fn (same values), when there is one
     kind = "pointwise"
 
     def out_channels(self, channels):
@@ -186,6 +226,11 @@ class Pointwise(Op):
 
     def run(self, ctx, inputs, have, box, shapes):
         return self.fn(sub_tensor(inputs[0], have[0], box))
+
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        if self.fn_ is None:
+            return self.run(ctx, inputs, have, box, shapes)
+        return self.fn_(sub_tensor(inputs[0], have[0], box))
 
     def describe(self):
         return self.label or "pointwise"
@@ -225,6 +270,15 @@ class GroupNorm(Op):
 
             return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
         return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias)
+
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        import torch
+
+        x = sub_tensor(inputs[0], have[0], box)
+        stats = ctx.group_stats(self, x, box, shapes[0])
+        if stats is None or x.dtype != torch.float32:  # (half precision rounds once, out of place)
+            return self.run(ctx, inputs, have, box, shapes)
+        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias, out=x)
 
     def describe(self):
         return f"group_norm G={self.groups}"
@@ -281,9 +335,10 @@ class AttentionCore(Op):
         return f"attention heads={self.heads}"
 
 
-def apply_group_norm(x, stats, groups, eps, weight, bias):
+def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
     """GroupNorm with given per-(batch, group) mean and variance (float64), as torch's CPU kernel computes
-    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result)."""
+    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result).
+    out=x (float32 only) overwrites x with the same values."""
     import torch
 
     mean, var = stats
@@ -295,6 +350,8 @@ def apply_group_norm(x, stats, groups, eps, weight, bias):
         if bias is not None:
             s = s + bias.to(a.dtype)
     view, dt = (b, c) + (1,) * (x.ndim - 2), torch.promote_types(x.dtype, torch.float32)
+    if out is not None:
+        return out.mul_(a.to(dt).view(view)).add_(s.to(dt).view(view))
     y = x * a.to(dt).view(view)  # a new tensor (fp16 / bf16 x promote to float32): add in place
     return y.add_(s.to(dt).view(view)).to(x.dtype)
 
@@ -346,17 +403,49 @@ class Program:
         """Untiled interpreter: every op on the whole image (the lowering's reference run)."""
         ctx = ctx or RunContext()
         shapes = self.shapes(tuple(x.shape[-2:]))
-        vals = {self.input: x}
+        full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
+        vals = {self.input: (x, full[self.input])}
         last = last_use(self.ops, [self.output])
-        for i, op in enumerate(self.ops):
-            full = (0, shapes[op.dst][0], 0, shapes[op.dst][1])
-            ins = [vals[s] for s in op.src]
-            have = [(0, shapes[s][0], 0, shapes[s][1]) for s in op.src]
-            vals[op.dst] = op.run(ctx, ins, have, full, [shapes[s] for s in op.src])
-            for s in op.src:
-                if last.get(s) == i:
-                    del vals[s]
-        return vals[self.output]
+        for i in range(len(self.ops)):
+            run_op(self.ops, i, ctx, vals, full, shapes, last, shared=[x])
+        return vals[self.output][0]
+
+
+def run_op(ops: list[Op], i: int, ctx: RunContext, vals: dict, need: dict[str, Box], shapes, last: dict,
+           keep=(), shared=()) -> None:
+    """Run ops[i] on its `need` box: vals (value -> (tensor, box)) gains its output and loses the values
+    read for the last time (`last`, from last_use) unless kept.
+
+    Working memory, same values: an op whose first input dies here and is ours (not `shared`: the
+    program input, staged values) may overwrite it (activations, GroupNorm); an upsampling read only by
+    the convolution right after it is never materialised whole (`Upsampled`).
+    """
+    op = ops[i]
+    ins = [vals[s][0] for s in op.src]
+    have = [vals[s][1] for s in op.src]
+    nxt = ops[i + 1] if i + 1 < len(ops) else None
+    if (op.kind == "resample" and nxt is not None and nxt.kind == "conv" and nxt.src == (op.dst,)
+            and last.get(op.dst) == i + 1 and op.dst not in keep):
+        y = op.lazy(ins, have)
+    else:
+        others = [*shared, *(t for v, (t, _) in vals.items() if v != op.src[0])]
+        run = op.run_in_place if may_overwrite(op, i, last, keep, ins, others) else op.run
+        y = run(ctx, ins, have, need[op.dst], [shapes[s] for s in op.src])
+    vals[op.dst] = (y, need[op.dst])
+    for s in set(op.src):
+        if last.get(s) == i and s not in keep:
+            del vals[s]
+
+
+def may_overwrite(op: Op, i: int, last: dict[str, int], keep, ins: list, shared) -> bool:
+    """Whether op (the i-th) may overwrite its first input: this is the input's last read, the value is
+    not kept, no other source of op is the same value, and it shares no memory with `shared` (the
+    program input, staged values and every other live value: identity ops alias their input)."""
+    s = op.src[0]
+    if last.get(s) != i or s in keep or op.src.count(s) > 1 or isinstance(ins[0], Upsampled):
+        return False
+    ptr = ins[0].untyped_storage().data_ptr()
+    return all(isinstance(t, Upsampled) or t.untyped_storage().data_ptr() != ptr for t in shared)
 
 
 def last_use(ops: list[Op], keep: list[str]) -> dict[str, int]:
