@@ -52,9 +52,13 @@ def map_box(box: Box, ref: tuple[int, int], shape: tuple[int, int]) -> Box:
     return y0 * shape[0] // ref[0], y1 * shape[0] // ref[0], x0 * shape[1] // ref[1], x1 * shape[1] // ref[1]
 
 
-def _trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc malloc_trim): tile-sized buffers otherwise stay resident."""
-    global _LIBC
+def _trim_heap(min_free: int = 0) -> None:
+    """Return freed heap memory to the OS (glibc malloc_trim): tile-sized buffers otherwise stay resident.
+
+    With min_free, only when the heap holds at least that many free bytes (glibc mallinfo2): freed
+    pages that are reused soon cost a page fault each after a trim, so the per-op trims of disk staging
+    act only once fragmentation has grown."""
+    global _LIBC, _MALLINFO2
     if _LIBC is None:
         import ctypes
         import ctypes.util
@@ -64,11 +68,35 @@ def _trim_heap() -> None:
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
         except (OSError, AttributeError):
             _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+        try:
+            _MALLINFO2 = _LIBC.mallinfo2
+            _MALLINFO2.restype = _mallinfo2_struct()
+        except AttributeError:  # not glibc >= 2.33: trim unconditionally
+            _MALLINFO2 = None
+    if not _LIBC:
+        return
+    if min_free and _MALLINFO2 is not None and _MALLINFO2().fordblks < min_free:
+        return
+    _LIBC.malloc_trim(0)
+
+
+def _mallinfo2_struct():
+    import ctypes
+
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+             "keepcost")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in names]
+
+    return MallInfo2
+
+
+TRIM_FREE = 32 << 20  # disk staging (memory-bounded): trim after an op once this much heap is free
 
 
 _LIBC = None
+_MALLINFO2 = None
 
 
 class GroupStats:
@@ -567,9 +595,12 @@ def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, l
     """
     vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
     staged = [t for t, _ in vals.values()]  # views of staging with host / device staging: never overwritten
+    trim = stage.where == "disk"
     for i, op in enumerate(seg.ops):
         if op.dst in need:
             run_op(seg.ops, i, ctx, vals, need, shapes, last, keep, shared=staged)
+            if trim:
+                _trim_heap(TRIM_FREE)
     return vals
 
 

@@ -247,6 +247,10 @@ class Add(Op):
         y = sub_tensor(inputs[0], have[0], box) + sub_tensor(inputs[1], have[1], box)
         return y if self.scale == 1.0 else y / self.scale
 
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        y = sub_tensor(inputs[0], have[0], box).add_(sub_tensor(inputs[1], have[1], box))
+        return y if self.scale == 1.0 else y.div_(self.scale)
+
     def describe(self):
         return "add" if self.scale == 1.0 else f"add /{self.scale:g}"
 
@@ -304,10 +308,10 @@ class AttentionCore(Op):
     def run(self, ctx, inputs, have, box, shapes):
         n = sub_tensor(inputs[0], have[0], box)
         kv = ctx.attention_kv(self, n, box)
-        y = self.attend(n, *kv, chunk=ctx.query_chunk)
+        y = self.attend(n, *kv, chunk=ctx.query_chunk)  # a new tensor: the residual adds in place
         if self.residual:
-            y = y + sub_tensor(inputs[1], have[1], box)
-        return y / self.rescale if self.rescale != 1.0 else y
+            y = y.add_(sub_tensor(inputs[1], have[1], box))
+        return y.div_(self.rescale) if self.rescale != 1.0 else y
 
     def keys_values(self, n):
         """(B, heads, N, d) keys and values of the tokens of n (B, C, h, w)."""
