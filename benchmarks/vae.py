@@ -100,7 +100,9 @@ def run_variant(args, variant: str, task: str, pattern: str, size: int, tmp: str
     res = os.path.join(tmp, f"{task}-{pattern}-{variant}")
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--task", task, "--pattern", pattern,
            "--size", str(size), "--tile", str(args.tile), "--threads", str(args.threads), "--result", res,
-           "--device", args.device, "--dtype", args.dtype, "--fast-sample", str(args.fast_sample)]
+           "--device", args.device, "--dtype", args.dtype]
+    if args.fast_sample is not None:
+        cmd += ["--fast-sample", str(args.fast_sample)]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     with open(res + ".json") as f:
         out = json.load(f)
@@ -140,7 +142,8 @@ def main() -> None:
     p.add_argument("--patterns", default="white,structured")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--fast-sample", type=float, default=0.25, help="TiledVAE fast_sample (default 0.25)")
+    p.add_argument("--fast-sample", type=float, default=None,
+                   help="TiledVAE fast_sample (default: the estimator's, 0.5 of the tiles for decode)")
     p.add_argument("--out", default=None, help="append the markdown table to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)

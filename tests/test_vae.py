@@ -158,7 +158,7 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
 
     def record_run(self, x, emit=None):
         out = run(self, x, emit)
-        returned.append(tuple(out.shape))
+        returned.append(None if out is None else tuple(out.shape))
         return out
 
     monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
@@ -166,9 +166,11 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
     tv.decode(z)
     assert staged == [(s.value, s.shape, s.bytes) for s in plan.stages]
     assert staged and plan.staged_peak <= sum(s[2] for s in staged)
-    assert returned == [q.output_shape for q in plan.passes if q.name != "sampled tiles"]
+    assert returned == [None if q.name == "low pass" else q.output_shape for q in plan.passes
+                        if q.name != "sampled tiles"]  # the low pass streams its output away
+    assert all(q.output_bytes == 0 for q in plan.passes if q.name == "low pass")
     sampled, other = plan.passes[-2:]
-    assert sampled.tiles + other.tiles == 12 and sampled.tiles == 4  # 4x3 grid, a 2x2 stratified sample
+    assert sampled.tiles + other.tiles == 12 and sampled.tiles == 6  # 4x3 grid, a 3x2 stratified sample
     assert plan.peak == max(q.peak for q in plan.passes) >= other.held + other.output_bytes
 
 
@@ -292,6 +294,7 @@ def test_fast_decode_tile_estimator_beats_crops():
     for est in ("crops", "tiles"):
         out = tw.TiledVAE(vae, tile_size=8, mode="fast", fast_estimator=est, progress=False).decode(z).sample
         err[est] = float((out - ref).abs().max())
-    # measured on this seeded narrow model (output std ~0.4): crops 3.40, tiles 0.69 (max abs)
+    # measured on this seeded narrow model (output std ~0.4): crops 3.40, tiles 0.30 (max abs, half the
+    # tiles sampled; 0.83 with a quarter)
     assert err["tiles"] < err["crops"] / 3
     assert 1e-4 < err["tiles"] < 1.0

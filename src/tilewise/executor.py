@@ -92,7 +92,7 @@ def _mallinfo2_struct():
     return MallInfo2
 
 
-TRIM_FREE = 32 << 20  # disk staging (memory-bounded): trim after an op once this much heap is free
+TRIM_FREE = 96 << 20  # disk staging (memory-bounded): trim after an op once this much heap is free
 
 
 _LIBC = None

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("exact", "fast")
 ATTENTIONS = ("global", "tile")
+FAST_SAMPLE = {"tiles": 0.5, "crops": 0.25}  # fast_sample=None: the default of each estimator
 
 
 @dataclass
@@ -117,7 +118,7 @@ class TiledVAE:
     def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
-                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float = 0.25,
+                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float | None = None,
                  fast_estimator: str = "tiles", fast_low: int = 2, process_group: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -140,8 +141,9 @@ class TiledVAE:
         self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
         if fast_estimator not in ("tiles", "crops"):
             raise ValueError(f"fast_estimator must be 'tiles' or 'crops', got {fast_estimator!r}")
-        if not 0 < fast_sample <= 1:
-            raise ValueError(f"fast_sample must be in (0, 1], got {fast_sample!r}")
+        if fast_sample is not None and not 0 < fast_sample <= 1:
+            raise ValueError(f"fast_sample must be None (the estimator's default) or in (0, 1], "
+                             f"got {fast_sample!r}")
         self.fast_crop, self.fast_sample, self.fast_estimator = fast_crop, fast_sample, fast_estimator
         if isinstance(fast_low, bool) or not isinstance(fast_low, int) or fast_low < 0:
             raise ValueError(f"fast_low must be an int >= 0 (0: no low-resolution pass), got {fast_low!r}")
@@ -324,7 +326,7 @@ class TiledVAE:
             ops = self._fixed_ops(p, kind)
             if ops:
                 if _rank(group) == 0:
-                    fixed = estimate_stats(p, t, ref, self.fast_crop or tile, ops, self.fast_sample)
+                    fixed = estimate_stats(p, t, ref, self.fast_crop or tile, ops, self._sample("crops"))
                 fixed = _broadcast_stats(fixed, p, group)
         return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
                         fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
@@ -390,7 +392,7 @@ class TiledVAE:
             rh, rw = h.shape[-2:]
             grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
             fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
-            tiles = sample_tiles(grid, self.fast_sample)
+            tiles = sample_tiles(grid, self._sample("tiles"))
             adjust = None
             if self.fast_low:
                 adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
@@ -423,9 +425,17 @@ class TiledVAE:
         ex = Executor(low, tile, low.input, attention=self.attention, staging=staging, device=h.device,
                       query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
                       probes=[map_box(c, full, lo) for c in cores])
-        ex.run(small)
+        ex.run(small, emit=lambda box, value: None)  # only its statistics are wanted
         return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
                 for op in low.ops if op.kind == "group_norm"}
+
+    def _sample(self, estimator: str) -> float:
+        """fast_sample, or the estimator's default: half of the tiles (decode: sampled tiles are final
+        output, so sampling more costs no convolutions, only their staging), a quarter of the area in
+        crops (encode: crops are extra work)."""
+        if self.fast_sample is not None:
+            return self.fast_sample
+        return FAST_SAMPLE[estimator]
 
     def _fixed_ops(self, p: Program, kind: str) -> set[int]:
         """GroupNorms whose statistics fast mode estimates (color_fix: only before the first downsampling)."""
@@ -510,10 +520,11 @@ class TiledVAE:
             low, left = _low_program(tail, self.fast_low)
             small = (*h_shape[:2], -(-h_shape[2] // left), -(-h_shape[3] // left))  # avg_pool2d, ceil_mode
             lp = self._pass_plan("low pass", low, small, tile, st, low.input, set(), full)
+            lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
             passes.append(self._held(lp, h_bytes + (h_bytes * small[2] * small[3] // (h_shape[2] * h_shape[3])
                                                     if left > 1 else 0)))
         grid = TileGrid(h_shape[2], h_shape[3], (min(tile, h_shape[2]), min(tile, h_shape[3])))
-        sampled = {t.index for t in sample_tiles(grid, self.fast_sample)}
+        sampled = {t.index for t in sample_tiles(grid, self._sample("tiles"))}
         fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
         if st == "disk":  # staged_tile_stats: cut at every GroupNorm, one tile at a time, staged on disk
             sp = self._pass_plan("sampled tiles", tail, h_shape, tile, st, tail.input, set(), full, sampled)
@@ -619,7 +630,12 @@ def _split_program(p: Program, k: int) -> tuple[Program, Program]:
 
 def _low_program(tail: Program, factor: int) -> tuple[Program, int]:
     """The tail run `factor` times smaller: upsamplings reduced (nearest x2 -> x1) as far as they absorb
-    the factor; returns it and the factor left over (by which its input is average-pooled)."""
+    the factor; returns it and the factor left over (by which its input is average-pooled).
+
+    (Stopping it before the last upsampling saves a third of its time, but the GroupNorms after it then
+    lack the correction: measured at 1024 px with half the tiles sampled, max error 0.028 -> 0.039 on
+    the SD-architecture VAE, 0.30 -> 1.40 on the narrow test model; so the whole tail runs.)
+    """
     import dataclasses
     import math
 
