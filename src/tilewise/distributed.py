@@ -31,6 +31,7 @@ re-raises in the parent as `RankError` with that rank's traceback.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -434,7 +435,18 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        # shut the group down before the interpreter does: a gloo group left to the C++ destructors at
+        # exit sometimes aborted the rank ("terminate called without an active exception", SIGABRT)
+        # after its work was done, failing the whole torchrun launch
+        atexit.register(_destroy_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def torchrun_command(argv: Sequence[str], nproc: int, module: str = "tilewise.cli") -> list[str]:
