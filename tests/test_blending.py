@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tilewise.blending import Accumulator, weight_window
@@ -43,6 +43,7 @@ def test_linear_feather_closed_form():
     kind=st.sampled_from(KINDS),
     edge=st.sampled_from(["shift", "pad"]),
 )
+@example(h=50, w=48, tile=22, frac=0.875, kind="linear", edge="shift")
 def test_constant_and_image_recovered_from_any_tiling(h, w, tile, frac, kind, edge):
     overlap = min(int(tile * frac), tile - 1)
     g = TileGrid(h, w, tile, overlap=overlap, edge=edge)
@@ -55,8 +56,10 @@ def test_constant_and_image_recovered_from_any_tiling(h, w, tile, frac, kind, ed
         win = weight_window(kind, (y1 - y0, x1 - x0))[: box[1] - y0, : box[3] - x0]
         const.add(torch.full((2, box[1] - y0, box[3] - x0), 0.7), box, win)
         back.add(image[(..., *box_slices(box))], box, win)
-    assert (const.result() - 0.7).abs().max().item() <= 1e-6
-    assert (back.result() - image).abs().max().item() <= 1e-6
+    # float32 sums of up to ~(1 / (1 - frac))^2 = 64 weighted windows per pixel: a few ulps each
+    # (h=50, w=48, tile=22, frac=0.875, linear, shift measured 1.01e-6 on [0, 1) values)
+    assert (const.result() - 0.7).abs().max().item() <= 4e-6
+    assert (back.result() - image).abs().max().item() <= 4e-6
 
 
 def test_zero_weight_pixels_are_reported():
