@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_clip import char_tokenizer, text_encoder
+from tiny_sd import char_tokenizer, text_encoder, unet_config, vae_config
 from typer.testing import CliRunner
 
 from tilewise.cli import app, main
@@ -23,25 +23,8 @@ def model_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("model")
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=D,
-        norm_num_groups=32,
-    )
-    vae = AutoencoderKL(
-        block_out_channels=(8, 8, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=4,
-        layers_per_block=1,
-    )
+    unet = UNet2DConditionModel(**unet_config(D))
+    vae = AutoencoderKL(**vae_config())
     text = text_encoder(D)
     tok_dir = root / "tok"
     tok_dir.mkdir()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from ldm_format import CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, pipeline_to_ldm, unet_to_ldm, vae_to_ldm
 from PIL import Image
-from tiny_clip import char_tokenizer, text_encoder
+from tiny_sd import char_tokenizer, text_encoder, unet_config, vae_config
 from typer.testing import CliRunner
 
 from tilewise.cli import app, main
@@ -32,17 +32,7 @@ def _jitter(model):
 def _unet(**kw):
     from diffusers import UNet2DConditionModel
 
-    cfg = dict(
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=D,
-        norm_num_groups=32,
-    )
+    cfg = unet_config(D)
     cfg.update(kw)
     return _jitter(UNet2DConditionModel(**cfg))
 
@@ -50,14 +40,7 @@ def _unet(**kw):
 def _vae(**kw):
     from diffusers import AutoencoderKL
 
-    cfg = dict(
-        block_out_channels=(8, 8, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=4,
-        layers_per_block=1,
-    )
+    cfg = vae_config()
     cfg.update(kw)
     return _jitter(AutoencoderKL(**cfg))
 

@@ -258,7 +258,9 @@ class Staging:
         """(stored shape, dtype, device) of a staged value."""
         t = self.tensors[name]
         if isinstance(t, DiskValue):
-            return t.shape, t.dtype, _cpu()
+            import torch
+
+            return t.shape, t.dtype, torch.device("cpu")
         return tuple(t.shape), t.dtype, t.device
 
     def read(self, name: str, box: Box):
@@ -294,12 +296,6 @@ class Staging:
             self.free(name)
         if self.dir is not None:
             self.dir.cleanup()
-
-
-def _cpu():
-    import torch
-
-    return torch.device("cpu")
 
 
 @dataclass
