@@ -28,7 +28,9 @@ CASES = {
     "decode_fast_tiles": ("sdxl", "decode", (1, 4, 16, 12), dict(tile_size=4, mode="fast")),
     "decode_fast_crops": ("sdxl", "decode", (1, 4, 16, 12),
                           dict(tile_size=4, mode="fast", fast_estimator="crops")),
-    "encode_fast": ("sd", "encode", (1, 3, 48, 40), dict(tile_size=2, mode="fast")),
+    "encode_fast_tiles": ("sd", "encode", (1, 3, 48, 40), dict(tile_size=2, mode="fast")),
+    "encode_fast_crops": ("sd", "encode", (1, 3, 48, 40),
+                          dict(tile_size=2, mode="fast", fast_estimator="crops")),
     "one_row": ("sdxl", "decode", (1, 4, 3, 9), dict(tile_size=3, staging="host")),  # fewer tile rows
 }
 

@@ -45,7 +45,7 @@ class Stage:
 
 @dataclass
 class Pass:
-    """One run over the tiles within a plan (fast decode has several)."""
+    """One run over the tiles within a plan (fast mode has several)."""
 
     name: str
     program: str
@@ -76,14 +76,14 @@ class Plan:
     attention: str
     staging: str
     segments: int
-    halo_overhead: float  # extra conv work (halos; fast decode: also its estimation passes) / untiled work
+    halo_overhead: float  # extra conv work (halos; fast mode: also its estimation passes) / untiled work
     stages: list[Stage] = field(default_factory=list)
     staged_peak: int = 0  # most staged bytes alive at once
     working: int = 0  # per-tile working set estimate (largest segment)
     attention_bytes: int = 0  # keys and values of a global attention, plus one query chunk's scores
     output_bytes: int = 0
     peak: int = 0  # estimated peak on the device (staged on the device + working + output)
-    passes: list[Pass] = field(default_factory=list)  # fast decode: its passes, in order
+    passes: list[Pass] = field(default_factory=list)  # fast mode (sampled tiles): its passes, in order
 
     def __str__(self) -> str:
         from .memory import format_bytes as fb
@@ -119,7 +119,7 @@ class TiledVAE:
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
                  stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float | None = None,
-                 fast_estimator: str = "tiles", fast_low: int = 2, process_group: Any = None):
+                 fast_estimator: str = "tiles", fast_low: int = 4, process_group: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention not in ATTENTIONS:
@@ -344,90 +344,131 @@ class TiledVAE:
         ref = p.input if kind == "decode" else p.output
         if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
             return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
-        if self.mode == "fast" and kind == "decode" and self.fast_estimator == "tiles":
-            split = self._low_res_split(p)
-            if split is not None:
-                return self._fast_decode(p, split, t, tile, staging, emit)
+        split = self._fast_split(p, kind)
+        if split is not None:
+            return self._fast_tiles(kind, p, split, t, tile, staging, emit)
         ex = self._executor(kind, t, tile, staging)
         out = ex.run(t, emit=emit)
         self.last_staged_peak = ex.staged_peak
         return out
 
-    def _low_res_split(self, p: Program) -> int | None:
-        """Index of the decoder's first upsampling op when everything before it is at latent resolution
-        and only its input crosses the cut (else None: fast mode falls back to the crop estimator)."""
-        k = next((i for i, op in enumerate(p.ops) if op.kind == "resample"), None)
-        if k is None or k == 0:
+    def _fast_split(self, p: Program, kind: str) -> int | None:
+        """Where fast mode with the sampled-tile estimator cuts the program (None: the crop estimator).
+
+        Decode: before the first upsampling (the latent-resolution head runs exact, the high-resolution
+        tail is estimated). Encode: after the last downsampling (the high-resolution head is estimated, the
+        latent-resolution tail with the mid-block attention runs exact); not with color_fix, which
+        estimates only before the first downsampling. The cut needs one value crossing it, GroupNorms and no
+        attention in the estimated part.
+        """
+        if self.mode != "fast" or self.fast_estimator != "tiles" or (kind == "encode" and self.color_fix):
             return None
-        made = {op.dst for op in p.ops[:k]} | {p.input}
-        crossing = {s for op in p.ops[k:] for s in op.src if s in made}
-        late = p.ops[k:]
-        if crossing != {p.ops[k].src[0]} or any(op.kind == "attention" for op in late):
+        if kind == "decode":
+            k = next((i for i, op in enumerate(p.ops) if op.kind == "resample"), None)
+            late = True
+        else:
+            down = [i for i, op in enumerate(p.ops) if op.kind == "conv" and op.stride[0] > 1]
+            k = down[-1] + 1 if down else None
+            late = False
+        if k is None or k == 0 or k >= len(p.ops) or len(_crossing(p, k)) != 1:
             return None
-        if not any(op.kind == "group_norm" for op in late):
+        part = p.ops[k:] if late else p.ops[:k]
+        if any(op.kind == "attention" for op in part) or not any(op.kind == "group_norm" for op in part):
             return None
         return k
 
-    def _fast_decode(self, p: Program, k: int, z, tile: int, staging: str, emit):
-        """Fast decode: latent-resolution part exact, high-resolution GroupNorms from sampled tiles.
+    def _fast_tiles(self, kind: str, p: Program, k: int, x, tile: int, staging: str, emit):
+        """Fast mode with the sampled-tile estimator: the latent-resolution part exact, the
+        high-resolution part's GroupNorms estimated from a sample of its real tiles.
 
-        1. The ops before the first upsampling (post_quant_conv, conv_in, mid block with attention, the
-           first up block's resnets) run in exact tiled mode; their output is latent-sized (e.g. 512 x
-           h x w) and stays staged (the only staging of fast mode).
-        2. A stratified `fast_sample` fraction of the tiles runs the high-resolution rest together, op by
+        Decode runs 1 then 2-3; encode runs 2-3 then 1.
+        1. The latent-resolution part (decode: post_quant_conv, conv_in, mid block with attention, the first
+           up block's resnets; encode: the last down block, mid block, conv_out, quant_conv) runs in exact
+           tiled mode. What crosses the cut is latent-sized (e.g. 512 x h x w) and is the only full-size
+           value fast mode stages.
+        2. A stratified `fast_sample` fraction of the tiles runs the high-resolution part together, op by
            op; every GroupNorm's statistics are merged over the regions those tiles hold (exact values
-           given the earlier estimates, no crop padding), and their outputs are kept.
-        3. The other tiles run end to end with those statistics.
+           given the earlier estimates, no crop padding), corrected by a `fast_low` times smaller low pass
+           over the whole input, and their outputs are kept.
+        3. The other tiles run the high-resolution part end to end with those statistics.
         """
-        from .geometry import TileGrid
-
         group = self._group()
-        head, tail = _split_program(p, k)
-        first = Executor(head, tile, head.input, attention=self.attention, staging=staging, device=z.device,
-                         query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
-                         group=group)
-        h = first.run(z)
+        first, second = _split_program(p, k)
+        kw = dict(attention=self.attention, staging=staging, device=x.device, query_chunk=self.query_chunk,
+                  progress=self.progress, stage_dir=self.stage_dir, group=group)
+        if kind == "decode":
+            exact = Executor(first, tile, first.input, **kw)
+            h = exact.run(x)
+            part, part_in, ref = second, h, second.input
+        else:
+            part, part_in, ref = first, x, first.output
         stats, done = {}, {}
         if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
-            rh, rw = h.shape[-2:]
-            grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
-            fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
-            tiles = sample_tiles(grid, self._sample("tiles"))
-            adjust = None
-            if self.fast_low:
-                adjust = self._low_pass_stats(tail, h, tile, staging, [t.core for t in tiles])
-            if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
-                stats, done = staged_tile_stats(tail, h, tail.input, tiles, fixed, staging, z.device,
-                                                self.stage_dir, self.query_chunk, adjust=adjust)
-            else:
-                stats, done = sampled_tile_stats(tail, h, tail.input, tiles, fixed, self.query_chunk,
-                                                 adjust=adjust)
-        stats = _broadcast_stats(stats, tail, group)
-        ex = Executor(tail, tile, tail.input, attention=self.attention, staging=staging, device=z.device,
-                      fixed_stats=stats, query_chunk=self.query_chunk, progress=self.progress,
-                      stage_dir=self.stage_dir, done=done, group=group)
-        out = ex.run(h, emit=emit)
-        self.last_staged_peak = max(first.staged_peak, ex.staged_peak)
+            stats, done = self._estimate(kind, part, part_in, ref, tile, staging)
+        stats = _broadcast_stats(stats, part, group)
+        ex = Executor(part, tile, ref, fixed_stats=stats, done=done, **kw)
+        if kind == "decode":
+            out = ex.run(part_in, emit=emit)
+        else:
+            h = ex.run(part_in)
+            exact = Executor(second, tile, second.output, **kw)
+            out = exact.run(h, emit=emit)
+        self.last_staged_peak = max(exact.staged_peak, ex.staged_peak)
         return out
 
-    def _low_pass_stats(self, tail: Program, h, tile: int, staging: str, cores: list) -> dict[int, Any]:
+    def _estimate(self, kind: str, part: Program, x, ref: str, tile: int, staging: str):
+        """Step 2 of `_fast_tiles`: (id(GroupNorm) -> (mean, var), sampled tile index -> output core)."""
+        from .geometry import TileGrid
+
+        rh, rw = part.shapes(tuple(x.shape[-2:]))[ref]
+        grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
+        fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
+        tiles = sample_tiles(grid, self._sample("tiles"))
+        adjust = None
+        if self.fast_low:
+            adjust = self._low_pass_stats(kind, part, x, ref, tile, staging, [t.core for t in tiles])
+        if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
+            return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, self.stage_dir,
+                                     self.query_chunk, adjust=adjust)
+        return sampled_tile_stats(part, x, ref, tiles, fixed, self.query_chunk, adjust=adjust)
+
+    def _low_pass_stats(self, kind: str, part: Program, x, ref: str, tile: int, staging: str,
+                        cores: list) -> dict[int, Any]:
         """Exact statistics of the high-resolution part run `fast_low` times smaller, over the whole image
         and over the sampled tiles' cores (for the difference / ratio correction).
 
-        The reduction is taken out of the upsampling ops (nearest x2 becomes x1), so the low pass sees all
-        of h's latent-resolution content; what upsampling cannot absorb is average-pooled out of h.
+        Decode: the reduction is taken out of the upsampling ops (nearest x2 becomes x1), so the low pass
+        sees all of the latent-resolution content; what upsampling cannot absorb is average-pooled out of
+        its input. Encode: the image is resized down (antialiased) and encoded by the same part, as the
+        seed's fast mode does.
         """
-        import torch.nn.functional as F
-
-        low, left = _low_program(tail, self.fast_low)
-        small = F.avg_pool2d(h, left, ceil_mode=True) if left > 1 else h
-        full, lo = tuple(h.shape[-2:]), tuple(small.shape[-2:])
-        ex = Executor(low, tile, low.input, attention=self.attention, staging=staging, device=h.device,
+        low, small, low_ref = self._low_pass(kind, part, x, ref)
+        full = part.shapes(tuple(x.shape[-2:]))[ref]
+        lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
+        ex = Executor(low, tile, low_ref, attention=self.attention, staging=staging, device=x.device,
                       query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
                       probes=[map_box(c, full, lo) for c in cores])
         ex.run(small, emit=lambda box, value: None)  # only its statistics are wanted
         return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
                 for op in low.ops if op.kind == "group_norm"}
+
+    def _low_pass(self, kind: str, part: Program, x, ref: str):
+        """(program, input, reference value) of the low pass; x may be a shape (planning)."""
+        import torch
+        import torch.nn.functional as F
+
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
+        if kind == "decode":
+            low, left = _low_program(part, self.fast_low)
+            size = (-(-shape[-2] // left), -(-shape[-1] // left))  # avg_pool2d with ceil_mode
+            if isinstance(x, torch.Tensor):
+                x = F.avg_pool2d(x, left, ceil_mode=True) if left > 1 else x
+            return low, (x if isinstance(x, torch.Tensor) else (*shape[:2], *size)), low.input
+        f = self._factor("encode")
+        size = tuple(max(f, round(d / self.fast_low / f) * f) for d in shape[-2:])
+        if isinstance(x, torch.Tensor):
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        return part, (x if isinstance(x, torch.Tensor) else (*shape[:2], *size)), ref
 
     def _sample(self, estimator: str) -> float:
         """fast_sample, or the estimator's default: half of the tiles (decode: sampled tiles are final
@@ -480,8 +521,9 @@ class TiledVAE:
              staging: str | None = None) -> Plan:
         """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
 
-        Fast decode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): the exact
-        latent-resolution head, the low pass, the sampled tiles (run together), the other tiles.
+        Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
+        latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
+        encode's exact latent-resolution tail.
         """
         if tile_size is None and staging is None and self.memory_budget is not None:
             tile_size, staging = self._choose(kind, tuple(shape))
@@ -491,11 +533,9 @@ class TiledVAE:
         shape = tuple(int(d) for d in shape)
         ref = p.input if kind == "decode" else p.output
         full = _conv_work(p, p.shapes(shape[-2:]))
-        k = None
-        if self.mode == "fast" and kind == "decode" and self.fast_estimator == "tiles":
-            k = self._low_res_split(p)
+        k = self._fast_split(p, kind)
         if k is not None:
-            passes = self._fast_passes(p, k, shape, tile, st, full)
+            passes = self._fast_passes(kind, p, k, shape, tile, st, full)
         else:
             fixed = self._fixed_ops(p, kind) if self.mode == "fast" else set()
             passes = [self._pass_plan("tiled", p, shape, tile, st, ref, fixed, full)]
@@ -508,37 +548,49 @@ class TiledVAE:
         plan.passes = passes if k is not None else []
         return plan
 
-    def _fast_passes(self, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
-        """The passes of `_fast_decode`, each with what it holds from the passes before it."""
+    def _fast_passes(self, kind: str, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
+        """The passes of `_fast_tiles`, each with what it holds from the passes before it."""
         from .geometry import TileGrid
+        from .memory import dtype_itemsize
 
-        head, tail = _split_program(p, k)
-        passes = [self._pass_plan("exact latent-resolution head", head, shape, tile, st, head.input, set(),
-                                  full)]
-        h_shape, h_bytes = passes[0].output_shape, passes[0].output_bytes
+        first, second = _split_program(p, k)
+        passes, held = [], 0
+        if kind == "decode":
+            q = self._pass_plan("exact latent-resolution head", first, shape, tile, st, first.input, set(),
+                                full)
+            passes.append(q)
+            part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
+        else:
+            part, part_shape, ref = first, shape, first.output
+        item = dtype_itemsize(self.vae.dtype)
         if self.fast_low:
-            low, left = _low_program(tail, self.fast_low)
-            small = (*h_shape[:2], -(-h_shape[2] // left), -(-h_shape[3] // left))  # avg_pool2d, ceil_mode
-            lp = self._pass_plan("low pass", low, small, tile, st, low.input, set(), full)
+            low, small, low_ref = self._low_pass(kind, part, part_shape, ref)
+            lp = self._pass_plan("low pass", low, small, tile, st, low_ref, set(), full)
             lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
-            passes.append(self._held(lp, h_bytes + (h_bytes * small[2] * small[3] // (h_shape[2] * h_shape[3])
-                                                    if left > 1 else 0)))
-        grid = TileGrid(h_shape[2], h_shape[3], (min(tile, h_shape[2]), min(tile, h_shape[3])))
+            resized = math.prod(small) * item if small[-2:] != part_shape[-2:] else 0
+            passes.append(self._held(lp, held + resized))
+        rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
+        grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)))
         sampled = {t.index for t in sample_tiles(grid, self._sample("tiles"))}
-        fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
+        fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
+        sp = self._pass_plan("sampled tiles", part, part_shape, tile, st, ref, fixed, full, sampled, True)
         if st == "disk":  # staged_tile_stats: cut at every GroupNorm, one tile at a time, staged on disk
-            sp = self._pass_plan("sampled tiles", tail, h_shape, tile, st, tail.input, set(), full, sampled)
-        else:  # sampled_tile_stats: every sampled tile's values at once, op by op
-            sp = self._pass_plan("sampled tiles", tail, h_shape, tile, st, tail.input, fixed, full, sampled,
-                                 True)
-        out_hw, item = sp.output_shape[-2:], h_bytes // max(1, math.prod(h_shape))
-        kept = sum(math.prod(sp.output_shape[:2]) * _area(map_box(t.core, h_shape[-2:], out_hw)) * item
+            work = sp.work  # each tile still runs on its regions back-propagated through the whole part
+            sp = self._pass_plan("sampled tiles", part, part_shape, tile, st, ref, set(), full, sampled)
+            sp.work = work
+        # (else sampled_tile_stats: every sampled tile's values at once, op by op)
+        out_hw = sp.output_shape[-2:]
+        kept = sum(math.prod(sp.output_shape[:2]) * _area(map_box(t.core, (rh, rw), out_hw)) * item
                    for t in grid if t.index in sampled)
         sp.output_bytes, sp.peak = kept, sp.peak - sp.output_bytes + kept
-        passes.append(self._held(sp, h_bytes))
+        passes.append(self._held(sp, held))
         rest = {t.index for t in grid} - sampled
-        rp = self._pass_plan("other tiles", tail, h_shape, tile, st, tail.input, fixed, full, rest)
-        passes.append(self._held(rp, h_bytes + kept))
+        rp = self._pass_plan("other tiles", part, part_shape, tile, st, ref, fixed, full, rest)
+        passes.append(self._held(rp, held + kept))
+        if kind == "encode":
+            q = self._pass_plan("exact latent-resolution tail", second, rp.output_shape, tile, st,
+                                second.output, set(), full)
+            passes.append(self._held(q, rp.output_bytes))
         return passes
 
     @staticmethod
@@ -619,12 +671,20 @@ def _conv_work(p: Program, shapes) -> int:
                * shapes[op.dst][1] for op in p.ops if op.kind == "conv")
 
 
+def _crossing(p: Program, k: int) -> set[str]:
+    """Values made before op k (or p's input) that ops from k on read."""
+    made = {op.dst for op in p.ops[:k]} | {p.input}
+    return {s for op in p.ops[k:] for s in op.src if s in made}
+
+
 def _split_program(p: Program, k: int) -> tuple[Program, Program]:
-    """The decoder cut before op k (its first upsampling): latent-resolution head, high-resolution tail."""
-    head = Program(ops=p.ops[:k], input=p.input, output=p.ops[k].src[0], in_channels=p.in_channels,
-                   name=p.name + "[low-res]")
-    tail = Program(ops=p.ops[k:], input=head.output, output=p.output,
-                   in_channels=head.channels()[head.output], name=p.name + "[high-res]")
+    """p cut before op k, where one value crosses (decode: the first upsampling's input, between the
+    latent-resolution head and the high-resolution tail; encode: the last downsampling's output)."""
+    (cut,) = _crossing(p, k)
+    head = Program(ops=p.ops[:k], input=p.input, output=cut, in_channels=p.in_channels,
+                   name=p.name + ("[low-res]" if p.ops[k].kind == "resample" else "[high-res]"))
+    tail = Program(ops=p.ops[k:], input=cut, output=p.output, in_channels=head.channels()[cut],
+                   name=p.name + ("[high-res]" if p.ops[k].kind == "resample" else "[low-res]"))
     return head, tail
 
 
