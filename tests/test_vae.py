@@ -174,6 +174,39 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
     assert plan.peak == max(q.peak for q in plan.passes) >= other.held + other.output_bytes
 
 
+@pytest.mark.parametrize("staging", ["host", "disk"])
+def test_fast_encode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, staging):
+    from tilewise import executor
+
+    vae = kl_vae("sd")
+    tv = tw.TiledVAE(vae, tile_size=2, mode="fast", staging=staging, progress=False)
+    x = torch.rand(1, 3, 56, 48) * 2 - 1
+    plan = tv.plan(tuple(x.shape), kind="encode")
+    names = ["low pass", "sampled tiles", "other tiles", "exact latent-resolution tail"]
+    assert [q.name for q in plan.passes] == names
+    assert plan.passes[0].held == 3 * 16 * 16 * 4  # 56x48 resized 4x smaller to multiples of 8: 16x16
+    staged, returned = [], []
+    alloc, run = executor.Staging.alloc, executor.Executor.run
+
+    def record_alloc(self, name, shape, dtype, rows=None):
+        staged.append((name, tuple(shape)))
+        return alloc(self, name, shape, dtype, rows)
+
+    def record_run(self, x, emit=None):
+        out = run(self, x, emit)
+        returned.append(None if out is None else tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
+    monkeypatch.setattr(executor.Executor, "run", record_run)
+    tv.encode(x)
+    assert staged == [(s.value, s.shape) for s in plan.stages]
+    assert returned == [None, plan.passes[2].output_shape, plan.output_shape]  # low pass streams away
+    sampled, other = plan.passes[1:3]
+    assert sampled.tiles + other.tiles == 12 and sampled.tiles == 6  # 4x3 grid (7x6 latent, tile 2)
+    assert other.held == sampled.output_bytes > 0
+
+
 def test_oom_is_raised_or_retried_with_half_tile(monkeypatch, caplog):
     vae = kl_vae("sd3")
     z = _white((1, 16, 8, 8))

@@ -744,8 +744,9 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
             for op in seg.ops:
                 if op.kind == "group_norm" and id(op) in fixed and id(op) not in ctx.stats:
                     acc = accs.get((op.src[0], op.groups))
-                    ctx.stats[id(op)] = (_adjusted(acc.result(), (adjust or {}).get(id(op))) if acc else
-                                         _staged_group_stats(op, stage, tiles, needs, shapes, ref, adjust))
+                    if acc is None:  # (the part's input: staged as given)
+                        acc = _staged_group_stats(op, stage, tiles, needs, shapes, ref)
+                    ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
             for v in seg.outputs:
                 if v != out_v:
                     stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
@@ -771,7 +772,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     return {i: s for i, s in ctx.stats.items() if i in fixed}, done
 
 
-def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, adjust):
+def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str) -> GroupStats:
     """Statistics of a GroupNorm's input over the sampled tiles' cores, read back from staging."""
     acc = GroupStats(op.groups)
     src = op.src[0]
@@ -779,7 +780,7 @@ def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, adju
         core = map_box(t.core, shapes[ref], shapes[op.dst])
         if op.dst in need and not box_empty(core):
             acc.add(stage.read(src, core))
-    return _adjusted(acc.result(), (adjust or {}).get(id(op)))
+    return acc
 
 
 def _adjusted(sample, low):
