@@ -94,10 +94,11 @@ def _mallinfo2_struct():
 
 # Disk staging (the memory-bounded staging) returns freed heap to the OS once this much of it is free, checked
 # after every op and tile. Freed pages that stay resident are reused without a page fault; trimming earlier
-# bounds the resident set tighter but re-faults them. Measured on fast decode at 1024 px (SD-architecture
-# VAE, CPU): 96 MiB 158 s / peak RSS growth 259 MiB, 192 MiB 155 s / 321, 288 MiB 148 s / 409, never
-# 145 s / 556.
-TRIM_FREE = 256 << 20
+# bounds the resident set tighter but re-faults them. Measured in-process at 1024 px (SD-architecture VAE,
+# CPU, fast mode, disk staging), time / peak RSS growth: decode 96 MiB 158 s / 259 MiB, 192 MiB 155 s / 321,
+# 288 MiB 148 s / 409, never 145 s / 556; encode (disk reads overwritten in place) 128 MiB 79 s / 265,
+# 192 MiB 76 s / 354, 256 MiB 71 s / 431.
+TRIM_FREE = 192 << 20
 
 
 _LIBC = None
@@ -276,6 +277,10 @@ class Staging:
         if isinstance(t, DiskValue):
             return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
+
+    def reads_copy(self, name: str) -> bool:
+        """Whether read(name, ...) returns a new tensor of its own (disk), not a view of staged memory."""
+        return isinstance(self.tensors.get(name), DiskValue)
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
@@ -595,7 +600,9 @@ def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, l
     A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`.
     """
     vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
-    staged = [t for t, _ in vals.values()]  # views of staging with host / device staging: never overwritten
+    # views of staged memory (host / device staging, the program input) are never overwritten; a box read
+    # from disk is this tile's own copy, which an op may overwrite where it dies
+    staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
     trim = stage.where == "disk"
     for i, op in enumerate(seg.ops):
         if op.dst in need:
