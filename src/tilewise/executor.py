@@ -93,11 +93,12 @@ def _mallinfo2_struct():
 
 
 # Disk staging (the memory-bounded staging) returns freed heap to the OS once this much of it is free, checked
-# after every op and tile. Freed pages that stay resident are reused without a page fault; trimming earlier
-# bounds the resident set tighter but re-faults them. Measured in-process at 1024 px (SD-architecture VAE,
-# CPU, fast mode, disk staging), time / peak RSS growth: decode 96 MiB 158 s / 259 MiB, 192 MiB 155 s / 321,
-# 288 MiB 148 s / 409, never 145 s / 556; encode (disk reads overwritten in place) 128 MiB 79 s / 265,
-# 192 MiB 76 s / 354, 256 MiB 71 s / 431.
+# after every op and tile: the default heap slack (TiledVAE lowers it to fit a memory_budget). Freed pages
+# that stay resident are reused without a page fault; trimming earlier bounds the resident set tighter but
+# re-faults them. Measured in-process at 1024 px (SD-architecture VAE, CPU, fast mode, disk staging), time /
+# peak RSS growth: decode 96 MiB 158 s / 259 MiB, 192 MiB 155 s / 321, 288 MiB 148 s / 409, never
+# 145 s / 556; encode (disk reads overwritten in place) 128 MiB 79 s / 265, 192 MiB 76 s / 354, 256 MiB
+# 71 s / 431.
 TRIM_FREE = 192 << 20
 
 
@@ -341,6 +342,7 @@ class Executor:
     last_stats: dict[int, Any] = field(default_factory=dict)  # id(GroupNorm) -> (mean, var) of the last run
     group: Any = None  # torch.distributed group: tile rows sharded over its ranks (tilewise.sharding)
     staged_peak: int = 0  # most staged bytes this process held at once in the last run
+    heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
 
     _bands = None  # RowBands of the current run with a process group
     _out_lo = 0  # first output row held by this process
@@ -549,14 +551,14 @@ class Executor:
                 for v, core in cores.items():
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
             vals = None  # this tile's values die now, not while the next tile runs
-            if stage.where == "disk":  # the memory-bounded staging: at most TRIM_FREE of freed heap stays
-                _trim_heap(TRIM_FREE)  # (never trimmed otherwise: re-faulting cost ~7% of a decode)
+            if stage.where == "disk":  # the memory-bounded staging: at most heap_slack of freed heap stays
+                _trim_heap(self.heap_slack)  # (never trimmed otherwise: re-faulting cost ~7% of a decode)
             bar.update(1)
 
     def _run_tile(self, seg, stage, shapes, ctx, cores, last) -> dict[str, Any]:
         """The segment's ops on one tile, each on the box it needs (back-propagated from the cores)."""
         need = back_propagate(seg.ops, cores, shapes)
-        return run_boxes(seg, stage, ctx, need, shapes, last, keep=cores)
+        return run_boxes(seg, stage, ctx, need, shapes, last, keep=cores, slack=self.heap_slack)
 
     def _store(self, v, core, vals, stage, trackers, out, emit, seg) -> None:
         """Write the core of value v to its staged tensor (or the output), merging its statistics."""
@@ -594,10 +596,11 @@ def _all_finite(c) -> bool:
 
 
 def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, last: dict[str, int],
-              keep) -> dict[str, Any]:
+              keep, slack: int = TRIM_FREE) -> dict[str, Any]:
     """A segment's ops, each on its `need` box, from its staged inputs: value -> (tensor, box).
 
-    A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`.
+    A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`. With disk
+    staging the heap is trimmed after an op once `slack` bytes of it are free.
     """
     vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
     # views of staged memory (host / device staging, the program input) are never overwritten; a box read
@@ -608,7 +611,7 @@ def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, l
         if op.dst in need:
             run_op(seg.ops, i, ctx, vals, need, shapes, last, keep, shared=staged)
             if trim:
-                _trim_heap(TRIM_FREE)
+                _trim_heap(slack)
     return vals
 
 
@@ -717,7 +720,8 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
 
 def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], staging: str = "disk",
                       device: Any = "cpu", stage_dir: str | None = None, query_chunk: int = 4096,
-                      conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None):
+                      conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
+                      heap_slack: int = TRIM_FREE):
     """`sampled_tile_stats` segment by segment with the sampled tiles' values staged between GroupNorms.
 
     Same values and statistics; memory is one tile's working set at a time (plus the staged regions, which
@@ -759,7 +763,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                     stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
             ops_last = last_use(seg.ops, seg.outputs)
             for t, need in zip(tiles, needs, strict=True):
-                vals = run_boxes(seg, stage, ctx, need, shapes, ops_last, keep=seg.outputs)
+                vals = run_boxes(seg, stage, ctx, need, shapes, ops_last, keep=seg.outputs, slack=heap_slack)
                 for v in seg.outputs:
                     if v == out_v:
                         done[t.index] = vals[v][0]
@@ -769,7 +773,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                         for g in readers.get(v, ()) if not box_empty(core) else ():
                             accs.setdefault((v, g), GroupStats(g)).add(sub_tensor(*vals[v], core))
                 del vals
-                _trim_heap(TRIM_FREE)
+                _trim_heap(heap_slack)
             for v in [v for v, j in last.items() if j == i and v != program.input]:
                 stage.free(v)
     finally:

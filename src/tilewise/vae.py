@@ -15,6 +15,7 @@ from typing import Any
 
 from .executor import (
     STAGINGS,
+    TRIM_FREE,
     Executor,
     estimate_stats,
     map_box,
@@ -82,8 +83,9 @@ class Plan:
     working: int = 0  # per-tile working set estimate (largest segment)
     attention_bytes: int = 0  # keys and values of a global attention, plus one query chunk's scores
     output_bytes: int = 0
-    peak: int = 0  # estimated peak on the device (staged on the device + working + output)
+    peak: int = 0  # estimated peak on the device (staged on the device + working + output + heap slack)
     passes: list[Pass] = field(default_factory=list)  # fast mode (sampled tiles): its passes, in order
+    heap_slack: int = 0  # disk staging on the CPU: freed heap kept for reuse (within memory_budget)
 
     def __str__(self) -> str:
         from .memory import format_bytes as fb
@@ -108,6 +110,8 @@ class Plan:
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "
                         f"{100 * q.work:.0f}% of the untiled conv work, returns {fb(q.output_bytes)}, "
                         f"holds {fb(q.held)}, peak ~{fb(q.peak)}")
+        if self.heap_slack:
+            rows.append(f"  heap slack {fb(self.heap_slack)} (freed memory kept for reuse, disk staging)")
         rows.append(f"  estimated device peak {fb(self.peak)}")
         return "\n".join(rows)
 
@@ -318,7 +322,7 @@ class TiledVAE:
                 tile //= 2
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
-    def _executor(self, kind: str, t, tile: int, staging: str) -> Executor:
+    def _executor(self, kind: str, t, tile: int, staging: str, slack: int) -> Executor:
         p = self.program(kind)
         ref = p.input if kind == "decode" else p.output
         fixed, group = {}, self._group()
@@ -330,7 +334,7 @@ class TiledVAE:
                 fixed = _broadcast_stats(fixed, p, group)
         return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
                         fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
-                        stage_dir=self.stage_dir, group=group)
+                        stage_dir=self.stage_dir, group=group, heap_slack=slack)
 
     def _group(self):
         """The resolved process group (None: single process)."""
@@ -344,10 +348,13 @@ class TiledVAE:
         ref = p.input if kind == "decode" else p.output
         if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
             return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
+        slack = TRIM_FREE
+        if self.memory_budget is not None and staging == "disk":
+            slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
         split = self._fast_split(p, kind)
         if split is not None:
-            return self._fast_tiles(kind, p, split, t, tile, staging, emit)
-        ex = self._executor(kind, t, tile, staging)
+            return self._fast_tiles(kind, p, split, t, tile, staging, emit, slack)
+        ex = self._executor(kind, t, tile, staging, slack)
         out = ex.run(t, emit=emit)
         self.last_staged_peak = ex.staged_peak
         return out
@@ -377,7 +384,7 @@ class TiledVAE:
             return None
         return k
 
-    def _fast_tiles(self, kind: str, p: Program, k: int, x, tile: int, staging: str, emit):
+    def _fast_tiles(self, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int):
         """Fast mode with the sampled-tile estimator: the latent-resolution part exact, the
         high-resolution part's GroupNorms estimated from a sample of its real tiles.
 
@@ -395,7 +402,7 @@ class TiledVAE:
         group = self._group()
         first, second = _split_program(p, k)
         kw = dict(attention=self.attention, staging=staging, device=x.device, query_chunk=self.query_chunk,
-                  progress=self.progress, stage_dir=self.stage_dir, group=group)
+                  progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack)
         if kind == "decode":
             exact = Executor(first, tile, first.input, **kw)
             h = exact.run(x)
@@ -404,7 +411,7 @@ class TiledVAE:
             part, part_in, ref = first, x, first.output
         stats, done = {}, {}
         if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
-            stats, done = self._estimate(kind, part, part_in, ref, tile, staging)
+            stats, done = self._estimate(kind, part, part_in, ref, tile, staging, slack)
         stats = _broadcast_stats(stats, part, group)
         ex = Executor(part, tile, ref, fixed_stats=stats, done=done, **kw)
         if kind == "decode":
@@ -416,7 +423,7 @@ class TiledVAE:
         self.last_staged_peak = max(exact.staged_peak, ex.staged_peak)
         return out
 
-    def _estimate(self, kind: str, part: Program, x, ref: str, tile: int, staging: str):
+    def _estimate(self, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int):
         """Step 2 of `_fast_tiles`: (id(GroupNorm) -> (mean, var), sampled tile index -> output core)."""
         from .geometry import TileGrid
 
@@ -426,14 +433,14 @@ class TiledVAE:
         tiles = sample_tiles(grid, self._sample("tiles"))
         adjust = None
         if self.fast_low:
-            adjust = self._low_pass_stats(kind, part, x, ref, tile, staging, [t.core for t in tiles])
+            adjust = self._low_pass_stats(kind, part, x, ref, tile, staging, [t.core for t in tiles], slack)
         if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
             return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, self.stage_dir,
-                                     self.query_chunk, adjust=adjust)
+                                     self.query_chunk, adjust=adjust, heap_slack=slack)
         return sampled_tile_stats(part, x, ref, tiles, fixed, self.query_chunk, adjust=adjust)
 
     def _low_pass_stats(self, kind: str, part: Program, x, ref: str, tile: int, staging: str,
-                        cores: list) -> dict[int, Any]:
+                        cores: list, slack: int) -> dict[int, Any]:
         """Exact statistics of the high-resolution part run `fast_low` times smaller, over the whole image
         and over the sampled tiles' cores (for the difference / ratio correction).
 
@@ -447,7 +454,7 @@ class TiledVAE:
         lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
         ex = Executor(low, tile, low_ref, attention=self.attention, staging=staging, device=x.device,
                       query_chunk=self.query_chunk, progress=self.progress, stage_dir=self.stage_dir,
-                      probes=[map_box(c, full, lo) for c in cores])
+                      probes=[map_box(c, full, lo) for c in cores], heap_slack=slack)
         ex.run(small, emit=lambda box, value: None)  # only its statistics are wanted
         return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
                 for op in low.ops if op.kind == "group_norm"}
@@ -546,6 +553,10 @@ class TiledVAE:
                     max(q.working for q in passes), max(q.attention_bytes for q in passes),
                     last.output_bytes, max(q.peak for q in passes))
         plan.passes = passes if k is not None else []
+        if st == "disk" and self._device().type == "cpu":  # freed heap the trims leave resident
+            room = TRIM_FREE if self.memory_budget is None else self.memory_budget - plan.peak
+            plan.heap_slack = max(0, min(TRIM_FREE, room))
+            plan.peak += plan.heap_slack
         return plan
 
     def _fast_passes(self, kind: str, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
