@@ -348,8 +348,8 @@ class TiledVAE:
         ref = p.input if kind == "decode" else p.output
         if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
             return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
-        slack = TRIM_FREE
-        if self.memory_budget is not None and staging == "disk":
+        slack = TRIM_FREE  # freed host heap disk staging keeps; budgeted only where the budget is host memory
+        if self.memory_budget is not None and staging == "disk" and t.device.type == "cpu":
             slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
         split = self._fast_split(p, kind)
         if split is not None:
@@ -464,18 +464,19 @@ class TiledVAE:
         import torch
         import torch.nn.functional as F
 
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
+        tensor = isinstance(x, torch.Tensor)
+        shape = tuple(x.shape) if tensor else tuple(x)
         if kind == "decode":
             low, left = _low_program(part, self.fast_low)
             size = (-(-shape[-2] // left), -(-shape[-1] // left))  # avg_pool2d with ceil_mode
-            if isinstance(x, torch.Tensor):
-                x = F.avg_pool2d(x, left, ceil_mode=True) if left > 1 else x
-            return low, (x if isinstance(x, torch.Tensor) else (*shape[:2], *size)), low.input
+            if tensor and left > 1:
+                x = F.avg_pool2d(x, left, ceil_mode=True)
+            return low, (x if tensor else (*shape[:2], *size)), low.input
         f = self._factor("encode")
         size = tuple(max(f, round(d / self.fast_low / f) * f) for d in shape[-2:])
-        if isinstance(x, torch.Tensor):
+        if tensor:
             x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-        return part, (x if isinstance(x, torch.Tensor) else (*shape[:2], *size)), ref
+        return part, (x if tensor else (*shape[:2], *size)), ref
 
     def _sample(self, estimator: str) -> float:
         """fast_sample, or the estimator's default: half of the tiles (decode: sampled tiles are final
