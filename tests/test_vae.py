@@ -154,7 +154,7 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
     trim = executor._trim_heap
     monkeypatch.setattr(executor, "_trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
     out = tv.decode(z).sample
-    assert seen and set(seen) == {5 << 20}  # every trim of the run (head, low pass, sampled, other tiles)
+    assert seen and set(seen) == {5 << 20}  # every trim of every executor of the run
     if mode == "exact":
         with torch.no_grad():
             assert (out - vae.decode(z).sample).abs().max() <= 1e-4
@@ -303,7 +303,7 @@ def test_fast_encode_tile_estimator_beats_crops_and_is_exact_sampling_every_tile
     for est in ("crops", "tiles"):
         tv = tw.TiledVAE(vae, tile_size=4, mode="fast", fast_estimator=est, progress=False)
         err[est] = float((tv.encode(x).latent_dist.mean - ref).abs().max())
-    assert 1e-3 < err["tiles"] < err["crops"]
+    assert 1e-3 < err["tiles"] < err["crops"]  # measured: tiles 0.16, crops 0.76 (latent mean abs 0.26)
     for st in ("host", "disk"):
         tv = tw.TiledVAE(vae, tile_size=4, mode="fast", fast_sample=1.0, fast_low=0, staging=st,
                          progress=False)
