@@ -160,19 +160,11 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
             assert (out - vae.decode(z).sample).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("fast_low", [2, 0])
-@pytest.mark.parametrize("staging", ["host", "disk"])
-def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, fast_low, staging):
+def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
+    """Lists the run fills: every staged allocation (value, shape, bytes), every Executor.run's output
+    shape (None when it streamed its output away)."""
     from tilewise import executor
 
-    vae = kl_vae("sd")
-    tv = tw.TiledVAE(vae, tile_size=4, mode="fast", staging=staging, fast_low=fast_low, progress=False)
-    z = structured_latent(1, 4, 13, 11)
-    plan = tv.plan(tuple(z.shape))
-    low = ["low pass"] if fast_low else []
-    names = ["exact latent-resolution head", *low, "sampled tiles", "other tiles"]
-    assert [q.name for q in plan.passes] == names
-    assert ("pass low pass" in str(plan)) == bool(fast_low)
     staged, returned = [], []
     alloc, run = executor.Staging.alloc, executor.Executor.run
 
@@ -187,6 +179,22 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
 
     monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
     monkeypatch.setattr(executor.Executor, "run", record_run)
+    return staged, returned
+
+
+@pytest.mark.parametrize("fast_low", [2, 0])
+@pytest.mark.parametrize("staging", ["host", "disk"])
+def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, fast_low, staging):
+
+    vae = kl_vae("sd")
+    tv = tw.TiledVAE(vae, tile_size=4, mode="fast", staging=staging, fast_low=fast_low, progress=False)
+    z = structured_latent(1, 4, 13, 11)
+    plan = tv.plan(tuple(z.shape))
+    low = ["low pass"] if fast_low else []
+    names = ["exact latent-resolution head", *low, "sampled tiles", "other tiles"]
+    assert [q.name for q in plan.passes] == names
+    assert ("pass low pass" in str(plan)) == bool(fast_low)
+    staged, returned = _record_stages_and_runs(monkeypatch)
     tv.decode(z)
     assert staged == [(s.value, s.shape, s.bytes) for s in plan.stages]
     assert staged and plan.staged_peak <= sum(s[2] for s in staged)
@@ -200,7 +208,6 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
 
 @pytest.mark.parametrize("staging", ["host", "disk"])
 def test_fast_encode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, staging):
-    from tilewise import executor
 
     vae = kl_vae("sd")
     tv = tw.TiledVAE(vae, tile_size=2, mode="fast", staging=staging, progress=False)
@@ -209,22 +216,9 @@ def test_fast_encode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
     names = ["low pass", "sampled tiles", "other tiles", "exact latent-resolution tail"]
     assert [q.name for q in plan.passes] == names
     assert plan.passes[0].held == 3 * 16 * 16 * 4  # 56x48 resized 4x smaller to multiples of 8: 16x16
-    staged, returned = [], []
-    alloc, run = executor.Staging.alloc, executor.Executor.run
-
-    def record_alloc(self, name, shape, dtype, rows=None):
-        staged.append((name, tuple(shape)))
-        return alloc(self, name, shape, dtype, rows)
-
-    def record_run(self, x, emit=None):
-        out = run(self, x, emit)
-        returned.append(None if out is None else tuple(out.shape))
-        return out
-
-    monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
-    monkeypatch.setattr(executor.Executor, "run", record_run)
+    staged, returned = _record_stages_and_runs(monkeypatch)
     tv.encode(x)
-    assert staged == [(s.value, s.shape) for s in plan.stages]
+    assert [st[:2] for st in staged] == [(s.value, s.shape) for s in plan.stages]
     assert returned == [None, plan.passes[2].output_shape, plan.output_shape]  # low pass streams away
     sampled, other = plan.passes[1:3]
     assert sampled.tiles + other.tiles == 12 and sampled.tiles == 6  # 4x3 grid (7x6 latent, tile 2)
