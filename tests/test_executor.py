@@ -111,6 +111,64 @@ def test_row_banded_convolutions_stay_exact():
         assert (out - vae.decoder(z)).abs().max() <= 1e-4
 
 
+def _conv_rows(monkeypatch) -> list:
+    """Record the output rows x columns every convolution computes."""
+    from tilewise.locality.program import Conv
+
+    work, run = [], Conv.run
+
+    def counted(self, ctx, inputs, have, box, shapes):
+        work.append((box[1] - box[0]) * (box[3] - box[2]) * self.weight.shape[0])
+        return run(self, ctx, inputs, have, box, shapes)
+
+    monkeypatch.setattr(Conv, "run", counted)
+    return work
+
+
+@pytest.mark.parametrize("kind,staging", [("decode", "disk"), ("decode", "host"), ("encode", "device")])
+def test_row_bands_carry_convolution_rows_and_stay_exact(monkeypatch, kind, staging):
+    # band_bytes=1: every local segment runs each tile in bands of one reference row; the convolutions
+    # compute each row of the tile once (rows the band before made are carried), other ops recompute
+    vae = kl_vae("sd3")
+    work = _conv_rows(monkeypatch)
+    with torch.no_grad():
+        if kind == "decode":
+            x = structured_latent(1, 16, 9, 7)
+            p, ref, untiled = lower(vae.decoder), "input", vae.decoder(x)
+        else:
+            x = torch.randn(1, 3, 56, 72, generator=torch.Generator().manual_seed(4)).clamp(-1, 1)
+            p, ref, untiled = lower(vae.encoder), "output", vae.encoder(x)
+        runs = {}
+        for band in (None, 1):
+            work.clear()
+            ex = Executor(p, 4, getattr(p, ref), staging=staging, band_bytes=band, progress=False)
+            runs[band] = (ex.run(x), sum(work), len(work))
+    (whole, w_work, w_calls), (banded, b_work, b_calls) = runs[None], runs[1]
+    assert b_calls > 2 * w_calls  # it did run in bands
+    assert b_work == w_work  # and no convolution row twice
+    assert (banded - whole).abs().max() <= 1e-5
+    assert (banded - untiled).abs().max() <= 1e-4
+
+
+def test_row_bands_stream_to_emit_exactly_once():
+    vae = kl_vae("sd")
+    z = structured_latent(1, 4, 9, 7)
+    p = lower(vae.decoder)
+    got = torch.full((1, 3, 72, 56), float("nan"))
+    seen = torch.zeros(72, 56)
+    boxes = []
+
+    def emit(box, value):
+        got[..., box[0]:box[1], box[2]:box[3]] = value
+        seen[box[0]:box[1], box[2]:box[3]] += 1
+        boxes.append(box)
+
+    with torch.no_grad():
+        Executor(p, 4, p.input, band_bytes=1, progress=False).run(z, emit=emit)
+        assert bool((seen == 1).all()) and len(boxes) == 9 * 2  # each latent row of both tile columns
+        assert (got - vae.decoder(z)).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_disk_staging_round_trips_boxes_and_row_bands(tmp_path, dtype, monkeypatch):
     """Disk-staged values: boxes written (in chunks of rows) read back equal, unwritten parts read as
@@ -162,13 +220,15 @@ def test_sampled_tile_statistics_staged_on_disk_equal_the_together_run_and_exact
     fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
     together = sampled_tile_stats(tail, h, tail.input, tiles, fixed)
     staged = staged_tile_stats(tail, h, tail.input, tiles, fixed, "disk", "cpu", str(tmp_path))
-    assert set(together[0]) == set(staged[0]) == fixed
+    banded = staged_tile_stats(tail, h, tail.input, tiles, fixed, "disk", "cpu", str(tmp_path), band_bytes=1)
+    assert set(together[0]) == set(staged[0]) == set(banded[0]) == fixed
     for i in fixed:
-        for a, b in zip(together[0][i], staged[0][i], strict=True):
+        for a, b, c in zip(together[0][i], staged[0][i], banded[0][i], strict=True):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()  # float32 sums
+            assert torch.allclose(a, c, rtol=1e-5, atol=1e-6), (a - c).abs().max()
     shape = tuple(ref.shape[-2:])
     for t in tiles:
         y0, y1, x0, x1 = map_box(t.core, (9, 11), shape)
-        for done in (together[1], staged[1]):
+        for done in (together[1], staged[1], banded[1]):
             assert (done[t.index] - ref[..., y0:y1, x0:x1]).abs().max() <= 1e-4
     assert not list(tmp_path.iterdir())  # the staged files are gone

@@ -101,6 +101,9 @@ def _mallinfo2_struct():
 # 71 s / 431.
 TRIM_FREE = 192 << 20
 
+# Local segments whose tile holds more than this (three largest values) run in row bands of about this much.
+BAND_BYTES = 32 << 20
+
 
 _LIBC = None
 _MALLINFO2 = None
@@ -343,6 +346,7 @@ class Executor:
     group: Any = None  # torch.distributed group: tile rows sharded over its ranks (tilewise.sharding)
     staged_peak: int = 0  # most staged bytes this process held at once in the last run
     heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
+    band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (run_bands)
 
     _bands = None  # RowBands of the current run with a process group
     _out_lo = 0  # first output row held by this process
@@ -370,6 +374,7 @@ class Executor:
         ctx = ExecContext(stats=dict(self.fixed_stats), query_chunk=self.query_chunk,
                           conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
+        self._band_cache, self._unit = {}, x.shape[0] * x.element_size()
         stage = Staging(self.staging, self.device, self.stage_dir)
         self._bands, self._batch = self._shard(segs, shapes), x.shape[0]
         out, out_v = None, self.program.output
@@ -547,18 +552,33 @@ class Executor:
                 for v, core in cores.items():
                     self._store(v, core, vals, stage, trackers, out, emit, seg)
             elif cores:
-                vals = self._run_tile(seg, stage, shapes, ctx, cores, last)
-                for v, core in cores.items():
-                    self._store(v, core, vals, stage, trackers, out, emit, seg)
+                for part, vals in self._run_tile(seg, stage, shapes, ctx, tile.core, last):
+                    for v, core in part.items():
+                        self._store(v, core, vals, stage, trackers, out, emit, seg)
             vals = None  # this tile's values die now, not while the next tile runs
             if stage.where == "disk":  # the memory-bounded staging: at most heap_slack of freed heap stays
                 _trim_heap(self.heap_slack)  # (never trimmed otherwise: re-faulting cost ~7% of a decode)
             bar.update(1)
 
-    def _run_tile(self, seg, stage, shapes, ctx, cores, last) -> dict[str, Any]:
-        """The segment's ops on one tile, each on the box it needs (back-propagated from the cores)."""
-        need = back_propagate(seg.ops, cores, shapes)
-        return run_boxes(seg, stage, ctx, need, shapes, last, keep=cores, slack=self.heap_slack)
+    def _run_tile(self, seg, stage, shapes, ctx, core: Box, last):
+        """The segment's ops on one tile (reference box `core`), each on the box it needs (back-propagated
+        from the cores of the segment's outputs): yields (cores, values) per row band of the tile."""
+        return run_bands(seg, stage, ctx, self._tile_bands(seg, core, shapes), shapes, last,
+                         slack=self.heap_slack)
+
+    def _tile_bands(self, seg, core: Box, shapes) -> list[dict[str, Box]]:
+        """The cores of the segment's outputs in one tile, cut in row bands (local segments whose tiles
+        hold more than band_bytes; one band otherwise). Band cores of a value partition its tile core."""
+        key = id(seg)
+        if key not in self._band_cache:
+            rows = None
+            if seg.kind == "local" and self.band_bytes:
+                tile = max(self._grid(shapes), key=lambda t: box_area(t.core))
+                cores = {v: map_box(tile.core, shapes[self.ref], shapes[v]) for v in seg.outputs}
+                need = back_propagate(seg.ops, cores, shapes)
+                rows = band_rows(need, self.program.channels(), self._unit, tile.core, self.band_bytes)
+            self._band_cache[key] = rows
+        return tile_bands(core, seg.outputs, shapes, self.ref, self._band_cache[key])
 
     def _store(self, v, core, vals, stage, trackers, out, emit, seg) -> None:
         """Write the core of value v to its staged tensor (or the output), merging its statistics."""
@@ -595,6 +615,96 @@ def _all_finite(c) -> bool:
     return bool(s.isfinite()) or bool(c.isfinite().all())
 
 
+def box_area(box: Box) -> int:
+    return max(0, box[1] - box[0]) * max(0, box[3] - box[2])
+
+
+def working_bytes(need: dict[str, Box], chans: dict[str, int], unit: int) -> int:
+    """Working-set estimate of ops run on the boxes `need`: its three largest values (unit: bytes per
+    element times batch)."""
+    sizes = sorted((box_area(b) * chans[v] * unit for v, b in need.items()), reverse=True)
+    return sum(sizes[:3])
+
+
+def band_rows(need: dict[str, Box], chans: dict[str, int], unit: int, core: Box,
+              band_bytes: int | None) -> int | None:
+    """Reference rows per band of the tile `core` so that a band holds about band_bytes (None: the
+    tile's boxes `need` hold no more than that, or no band size is set)."""
+    total = working_bytes(need, chans, unit)
+    if not band_bytes or total <= band_bytes:
+        return None
+    return max(1, (core[1] - core[0]) * band_bytes // total)
+
+
+def tile_bands(core: Box, outputs, shapes, ref: str, band: int | None) -> list[dict[str, Box]]:
+    """Per band of `band` rows of the reference box `core` (top to bottom; None: the whole box), the
+    non-empty boxes of `outputs` it maps to."""
+    y0, y1, x0, x1 = core
+    step = y1 - y0 if band is None else max(1, band)
+    bands = []
+    for a in range(y0, y1, max(step, 1)):
+        part = (a, min(a + step, y1), x0, x1)
+        cores = {v: map_box(part, shapes[ref], shapes[v]) for v in outputs}
+        cores = {v: b for v, b in cores.items() if not box_empty(b)}
+        if cores:
+            bands.append(cores)
+    return bands
+
+
+def run_bands(seg: Segment, stage: Staging, ctx, bands: list, shapes, last: dict[str, int],
+              slack: int = TRIM_FREE, needs: list[dict[str, Box]] | None = None):
+    """A segment's ops on one tile given as row bands of its output cores (top to bottom): yields
+    (cores, values) per band: value -> (tensor, box). A value is dropped after its last reader (`last`,
+    from last_use) unless it is one of the band's cores; with disk staging the heap is trimmed after an
+    op once `slack` bytes of it are free. `needs`: each band's boxes, when not back-propagated from its
+    cores (the values kept are then those named in `bands`).
+
+    Each band runs on the boxes back-propagated from its cores. A convolution computes only the rows of
+    its output the band before did not and reuses the rows that band computed (carried over, cloned);
+    the other ops (pointwise, GroupNorm with known statistics, add, resampling) recompute the overlap,
+    same values. So the tile's convolutions do the tile's work once, halo rows included, while the
+    memory is one band's boxes plus the carried rows.
+    """
+    import torch
+
+    needs = needs or [back_propagate(seg.ops, cores, shapes) for cores in bands]
+    carry: dict[str, tuple[Any, Box]] = {}  # conv output -> (rows the next band reuses, their box)
+    trim = stage.where == "disk"
+    for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
+        nxt = needs[j + 1] if j + 1 < len(needs) else {}
+        vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
+        # views of staged memory (host / device staging, the program input) are never overwritten; a box
+        # read from disk is this band's own copy, which an op may overwrite where it dies
+        staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
+        for i, op in enumerate(seg.ops):
+            d = op.dst
+            if d not in need:
+                continue
+            box = need[d]
+            c = carry.pop(d, None)
+            if c is not None and (c[1][0] != box[0] or c[1][2:] != box[2:]):
+                c = None  # (columns differ: a band without some output; recompute)
+            if c is None:
+                run_op(seg.ops, i, ctx, vals, need, shapes, last, keep=cores, shared=staged)
+            elif c[1][1] >= box[1]:  # every row carried
+                vals[d] = (sub_tensor(c[0], c[1], box), box)
+                for s in set(op.src):
+                    if last.get(s) == i and s not in cores:
+                        del vals[s]
+            else:
+                run_op(seg.ops, i, ctx, vals, {d: (c[1][1], *box[1:])}, shapes, last, keep=cores,
+                       shared=staged)
+                vals[d] = (torch.cat([c[0], vals[d][0]], dim=-2), box)
+            if op.kind == "conv" and not op._pointwise() and d in nxt and nxt[d][0] < box[1] \
+                    and nxt[d][2:] == box[2:]:  # (a 1x1 convolution runs on its whole input box anyway)
+                keep_box = (nxt[d][0], box[1], box[2], box[3])
+                carry[d] = (sub_tensor(*vals[d], keep_box).clone(), keep_box)
+            if trim:
+                _trim_heap(slack)
+        yield cores, vals
+        del vals
+
+
 def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, last: dict[str, int],
               keep, slack: int = TRIM_FREE) -> dict[str, Any]:
     """A segment's ops, each on its `need` box, from its staged inputs: value -> (tensor, box).
@@ -602,17 +712,7 @@ def run_boxes(seg: Segment, stage: Staging, ctx, need: dict[str, Box], shapes, l
     A value is dropped after its last reader (`last`, from last_use) unless it is in `keep`. With disk
     staging the heap is trimmed after an op once `slack` bytes of it are free.
     """
-    vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
-    # views of staged memory (host / device staging, the program input) are never overwritten; a box read
-    # from disk is this tile's own copy, which an op may overwrite where it dies
-    staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
-    trim = stage.where == "disk"
-    for i, op in enumerate(seg.ops):
-        if op.dst in need:
-            run_op(seg.ops, i, ctx, vals, need, shapes, last, keep, shared=staged)
-            if trim:
-                _trim_heap(slack)
-    return vals
+    return next(run_bands(seg, stage, ctx, [keep], shapes, last, slack, needs=[need]))[1]
 
 
 @dataclass
@@ -721,7 +821,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
 def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], staging: str = "disk",
                       device: Any = "cpu", stage_dir: str | None = None, query_chunk: int = 4096,
                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
-                      heap_slack: int = TRIM_FREE):
+                      heap_slack: int = TRIM_FREE, band_bytes: int | None = BAND_BYTES):
     """`sampled_tile_stats` segment by segment with the sampled tiles' values staged between GroupNorms.
 
     Same values and statistics; memory is one tile's working set at a time (plus the staged regions, which
@@ -731,6 +831,8 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     them to full-size staged tensors of which only those regions are ever touched. A GroupNorm's
     statistics are merged over the sampled cores read back from staging before its segment runs.
     """
+    import torch
+
     shapes = program.shapes(tuple(x.shape[-2:]))
     chans = program.channels()
     out_v = program.output
@@ -762,17 +864,27 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                 if v != out_v:
                     stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
             ops_last = last_use(seg.ops, seg.outputs)
+            made = {v for op in seg.ops for v in (op.dst, *op.src)}
+            unit = x.shape[0] * x.element_size()
             for t, need in zip(tiles, needs, strict=True):
-                vals = run_boxes(seg, stage, ctx, need, shapes, ops_last, keep=seg.outputs, slack=heap_slack)
-                for v in seg.outputs:
-                    if v == out_v:
-                        done[t.index] = vals[v][0]
-                    elif v in vals:
-                        stage.write(v, need[v], vals[v][0])
-                        core = map_box(t.core, shapes[ref], shapes[v])
-                        for g in readers.get(v, ()) if not box_empty(core) else ():
-                            accs.setdefault((v, g), GroupStats(g)).add(sub_tensor(*vals[v], core))
-                del vals
+                seg_need = {v: need[v] for v in made if v in need}
+                boxes, bneeds = _tile_band_needs(program, t.core, ref, seg_need, need, shapes, chans, unit,
+                                                 band_bytes)
+                outs = []
+                run = run_bands(seg, stage, ctx, [seg.outputs] * len(boxes), shapes, ops_last, heap_slack,
+                                bneeds)
+                for box, bneed, (_, vals) in zip(boxes, bneeds, run, strict=True):
+                    for v in seg.outputs:
+                        if v == out_v:
+                            outs.append(vals[v][0])
+                        elif v in vals:
+                            stage.write(v, bneed[v], vals[v][0])
+                            core = map_box(box, shapes[ref], shapes[v])
+                            for g in readers.get(v, ()) if not box_empty(core) else ():
+                                accs.setdefault((v, g), GroupStats(g)).add(sub_tensor(*vals[v], core))
+                    del vals
+                if outs:
+                    done[t.index] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
                 _trim_heap(heap_slack)
             for v in [v for v, j in last.items() if j == i and v != program.input]:
                 stage.free(v)
@@ -781,6 +893,20 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles (staged on %s)", len(fixed),
                 len(tiles), staging)
     return {i: s for i, s in ctx.stats.items() if i in fixed}, done
+
+
+def _tile_band_needs(program: Program, core: Box, ref: str, seg_need: dict[str, Box], need: dict[str, Box],
+                     shapes, chans, unit: int, band_bytes: int | None) -> tuple[list[Box], list[dict]]:
+    """A sampled tile's reference core cut in row bands for one segment (whose boxes are `seg_need`), and
+    each band's boxes back-propagated through the whole program (one band: the tile's `need`)."""
+    rows = band_rows(seg_need, chans, unit, core, band_bytes)
+    if rows is None:
+        return [core], [need]
+    y0, y1, x0, x1 = core
+    boxes = [(a, min(a + rows, y1), x0, x1) for a in range(y0, y1, rows)]
+    out = program.output
+    return boxes, [back_propagate(program.ops, {out: map_box(b, shapes[ref], shapes[out])}, shapes)
+                   for b in boxes]
 
 
 def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str) -> GroupStats:
