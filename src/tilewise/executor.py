@@ -7,6 +7,9 @@ exact per-(batch, group) statistics of every value a later GroupNorm normalises 
 tile cores (float64, Chan et al. pairwise update). A global attention op is a segment of its own: keys
 and values of all tokens first, then the queries of each tile in chunks. GroupNorms given fixed
 statistics (fast mode) are pointwise and cut nothing, so a run of them executes tile by tile end to end.
+A local segment whose tile holds more than `BAND_BYTES` runs the tile in row bands (`run_bands`): each
+band computes the rows of every convolution output the band before did not and carries the overlap
+rows over, so the convolutions do the tile's work once while the memory is one band's.
 Fast-mode statistics come from `sampled_tile_stats` (a stratified subset of the real tiles, run op by op
 together; their outputs are kept and the tiled pass skips them). Disk staging stores channels-last
 files read and written with positional I/O (one contiguous run per row of a tile's box), so staged data
@@ -102,6 +105,8 @@ def _mallinfo2_struct():
 TRIM_FREE = 192 << 20
 
 # Local segments whose tile holds more than this (three largest values) run in row bands of about this much.
+# Measured in-process at 1024 px, 32-latent tiles, disk staging: exact decode 121 s / 180 MiB peak growth
+# with whole tiles, 115 s / 175 MiB in bands; fast decode's sampled-tile pass peak 325 -> 254 MiB.
 BAND_BYTES = 32 << 20
 
 
