@@ -160,6 +160,27 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
             assert (out - vae.decode(z).sample).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_fast_disk_keeps_less_heap_for_whole_tiles_and_trims_between_passes(monkeypatch, kind):
+    from tilewise import executor
+    from tilewise import vae as vae_mod
+
+    seen, passes = [], []
+    trim = executor._trim_heap
+    monkeypatch.setattr(executor, "_trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
+    monkeypatch.setattr(vae_mod, "_trim_heap", lambda min_free=0: passes.append(min_free) or trim(min_free))
+    tv = tw.TiledVAE(kl_vae("sd"), tile_size=4, mode="fast", staging="disk", progress=False)
+    if kind == "decode":
+        tv.decode(structured_latent(1, 4, 13, 11))
+    else:
+        tv.encode(_white((1, 3, 104, 88), 3).clamp(-1, 1))
+    # the other tiles' executor keeps WHOLE_TILE_SLACK, every other pass TRIM_FREE; the heap goes back
+    # between the passes (decode: after the exact head and the estimate; encode: after the estimate and
+    # the other tiles)
+    assert set(seen) == {executor.TRIM_FREE, vae_mod.WHOLE_TILE_SLACK}
+    assert passes == [0, 0]
+
+
 def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
     """Lists the run fills: every staged allocation (value, shape, bytes), every Executor.run's output
     shape (None when it streamed its output away)."""
