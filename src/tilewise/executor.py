@@ -572,12 +572,12 @@ class Executor:
                          slack=self.heap_slack)
 
     def _tile_bands(self, seg, core: Box, shapes) -> list[dict[str, Box]]:
-        """The cores of the segment's outputs in one tile, cut in row bands (local segments whose tiles
+        """The cores of the segment's outputs in one tile, cut in row bands (row-local segments whose tiles
         hold more than band_bytes; one band otherwise). Band cores of a value partition its tile core."""
         key = id(seg)
         if key not in self._band_cache:
             rows = None
-            if seg.kind == "local" and self.band_bytes:
+            if row_local(seg) and self.band_bytes:
                 tile = max(self._grid(shapes), key=lambda t: box_area(t.core))
                 cores = {v: map_box(tile.core, shapes[self.ref], shapes[v]) for v in seg.outputs}
                 need = back_propagate(seg.ops, cores, shapes)
@@ -618,6 +618,12 @@ def _all_finite(c) -> bool:
 
     s = c.sum(dtype=torch.float32) if c.dtype in (torch.float16, torch.bfloat16) else c.sum()
     return bool(s.isfinite()) or bool(c.isfinite().all())
+
+
+def row_local(seg: Segment) -> bool:
+    """Whether a segment may run in row bands: a local one without attention (attention="tile" attends
+    over the box it is given, so a band would change what it sees)."""
+    return seg.kind == "local" and all(op.kind != "attention" for op in seg.ops)
 
 
 def box_area(box: Box) -> int:
@@ -874,7 +880,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
             for t, need in zip(tiles, needs, strict=True):
                 seg_need = {v: need[v] for v in made if v in need}
                 boxes, bneeds = _tile_band_needs(program, t.core, ref, seg_need, need, shapes, chans, unit,
-                                                 band_bytes)
+                                                 band_bytes if row_local(seg) else None)
                 outs = []
                 run = run_bands(seg, stage, ctx, [seg.outputs] * len(boxes), shapes, ops_last, heap_slack,
                                 bneeds)

@@ -22,6 +22,7 @@ from .executor import (
     band_rows,
     estimate_stats,
     map_box,
+    row_local,
     sample_tiles,
     sampled_tile_stats,
     staged_tile_stats,
@@ -690,7 +691,7 @@ class TiledVAE:
         convs = [op for op in seg.ops if op.kind == "conv"]
         cost = {id(op): op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] for op in convs}
         rows = None
-        if banded and not together and seg.kind == "local":
+        if banded and not together and row_local(seg):
             big = max(grid, key=lambda t: _area(t.core))
             cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
             rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, BAND_BYTES)
