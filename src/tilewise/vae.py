@@ -39,7 +39,7 @@ ATTENTIONS = ("global", "tile")
 FAST_SAMPLE = {"tiles": 0.5, "crops": 0.25}  # fast_sample=None: the default of each estimator
 # Freed heap kept while fast mode's other tiles run whole with disk staging (their tile-sized buffers are
 # mmapped and never reused from the heap). In-process at 1024 px, that pass with 192 / 64 / 32 MiB kept:
-# decode 51 s / 376 MiB peak growth, 55 s / 265, 55 s / 265; encode 24 s / 366, -, 25 s / 270.
+# decode 51 s / 376 MiB peak growth, 55 s / 265, 55 s / 265; encode 24 s / 366, 26 s / 270, 25 s / 270.
 WHOLE_TILE_SLACK = 64 << 20
 
 
