@@ -581,7 +581,7 @@ class TiledVAE:
         if st == "disk" and self._device().type == "cpu":  # freed heap the trims leave resident
             room = TRIM_FREE if self.memory_budget is None else self.memory_budget - plan.peak
             plan.heap_slack = max(0, min(TRIM_FREE, room))
-            plan.peak += plan.heap_slack
+            plan.peak = max(q.peak + _pass_slack(q, plan.heap_slack) for q in passes)
         return plan
 
     def _fast_passes(self, kind: str, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
@@ -709,6 +709,12 @@ class TiledVAE:
                          for b in tile_bands(tile.core, seg.outputs, shapes, ref, rows)[:2])
             working = working + wk if together else max(working, wk)
         return done, working
+
+
+def _pass_slack(q: Pass, slack: int) -> int:
+    """Freed heap a pass keeps with disk staging: fast mode's other tiles (run whole) at most
+    WHOLE_TILE_SLACK, every other pass the plan's slack."""
+    return min(slack, WHOLE_TILE_SLACK) if q.name == "other tiles" else slack
 
 
 def _area(box) -> int:
