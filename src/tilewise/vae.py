@@ -20,6 +20,7 @@ from .executor import (
     Executor,
     _trim_heap,
     band_rows,
+    box_area,
     estimate_stats,
     map_box,
     row_local,
@@ -421,7 +422,8 @@ class TiledVAE:
         if kind == "decode":
             exact = Executor(first, tile, first.input, **kw)
             h = exact.run(x)
-            _trim_heap(0) if trim else None
+            if trim:
+                _trim_heap(0)
             part, part_in, ref = second, h, second.input
         else:
             part, part_in, ref = first, x, first.output
@@ -429,7 +431,8 @@ class TiledVAE:
         if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
             stats, done = self._estimate(kind, part, part_in, ref, tile, staging, slack)
         stats = _broadcast_stats(stats, part, group)
-        _trim_heap(0) if trim else None
+        if trim:
+            _trim_heap(0)
         # the other tiles run end to end, whole: row bands would recompute the pointwise ops on the
         # receptive field's overlap rows (measured at 1024 px: decode 60 s instead of 51 for this pass).
         # Their whole-tile buffers come from mmap, not the heap, so less free heap is worth keeping.
@@ -440,7 +443,8 @@ class TiledVAE:
         else:
             h = ex.run(part_in)
             done.clear()  # (the sampled tiles' outputs are in h now)
-            _trim_heap(0) if trim else None
+            if trim:
+                _trim_heap(0)
             exact = Executor(second, tile, second.output, **kw)
             out = exact.run(h, emit=emit)
         self.last_staged_peak = max(exact.staged_peak, ex.staged_peak)
@@ -616,7 +620,7 @@ class TiledVAE:
             sp.work = work
         # (else sampled_tile_stats: every sampled tile's values at once, op by op)
         out_hw = sp.output_shape[-2:]
-        kept = sum(math.prod(sp.output_shape[:2]) * _area(map_box(t.core, (rh, rw), out_hw)) * item
+        kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, (rh, rw), out_hw)) * item
                    for t in grid if t.index in sampled)
         sp.output_bytes, sp.peak = kept, sp.peak - sp.output_bytes + kept
         passes.append(self._held(sp, held))
@@ -692,7 +696,7 @@ class TiledVAE:
         cost = {id(op): op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] for op in convs}
         rows = None
         if banded and not together and row_local(seg):
-            big = max(grid, key=lambda t: _area(t.core))
+            big = max(grid, key=lambda t: box_area(t.core))
             cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
             rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, BAND_BYTES)
         done, working = 0, 0
@@ -702,7 +706,7 @@ class TiledVAE:
             cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
             cores = {v: c for v, c in cores.items() if not box_empty(c)}
             need = back_propagate(seg.ops, cores, shapes)
-            done += sum(cost[id(op)] * _area(need[op.dst]) for op in convs if op.dst in need)
+            done += sum(cost[id(op)] * box_area(need[op.dst]) for op in convs if op.dst in need)
             wk = working_bytes(need, chans, unit)
             if rows is not None:
                 wk = max(working_bytes(back_propagate(seg.ops, b, shapes), chans, unit)
@@ -715,10 +719,6 @@ def _pass_slack(q: Pass, slack: int) -> int:
     """Freed heap a pass keeps with disk staging: fast mode's other tiles (run whole) at most
     WHOLE_TILE_SLACK, every other pass the plan's slack."""
     return min(slack, WHOLE_TILE_SLACK) if q.name == "other tiles" else slack
-
-
-def _area(box) -> int:
-    return (box[1] - box[0]) * (box[3] - box[2])
 
 
 def _conv_work(p: Program, shapes) -> int:
