@@ -61,7 +61,7 @@ def _staged_peak(group, tile: int) -> int:
     from test_vae_support import kl_vae
 
     import tilewise as tw
-    from tilewise.executor import Executor
+    from tilewise.vae.executor import Executor
 
     tv = tw.TiledVAE(kl_vae("sdxl"), progress=False)
     p = tv.program("decode")
@@ -142,7 +142,7 @@ def test_tiled_vae_on_n_ranks_equals_single_process(world, reference):
     assert sum(peaks) >= one  # every row is held by some rank
     # and the per-rank plan predicts exactly what each rank staged
     import tilewise as tw
-    from tilewise.sharding import plan_ranks
+    from tilewise.vae import plan_ranks
 
     tv = tw.TiledVAE(kl_vae("sdxl"), tile_size=4)
     assert [rp.staged_peak for rp in plan_ranks(tv, (1, 4, 24, 6), world)] == peaks

@@ -6,8 +6,10 @@ torch = pytest.importorskip("torch")
 
 from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
-from tilewise.executor import Executor, GroupStats, NonFiniteError, _all_finite, map_box  # noqa: E402
 from tilewise.locality import lower  # noqa: E402
+from tilewise.locality.ops import map_box  # noqa: E402
+from tilewise.vae.executor import Executor, NonFiniteError, _all_finite  # noqa: E402
+from tilewise.vae.stats import GroupStats  # noqa: E402
 
 
 def test_chan_merge_equals_whole_tensor_statistics():
@@ -47,7 +49,7 @@ def test_finite_check_uses_the_sum_and_survives_its_overflow():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.05)])
 def test_group_norm_with_given_statistics_equals_torch(dtype, tol):
-    from tilewise.locality.program import apply_group_norm
+    from tilewise.locality.ops import apply_group_norm
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(2, 12, 9, 7, generator=g) * 2 + 4).to(dtype)
@@ -121,7 +123,7 @@ def test_row_banded_convolutions_stay_exact():
 
 def _conv_rows(monkeypatch) -> list:
     """Record the output rows x columns every convolution computes."""
-    from tilewise.locality.program import Conv
+    from tilewise.locality.ops import Conv
 
     work, run = [], Conv.run
 
@@ -176,7 +178,7 @@ def test_row_bands_leave_tile_attention_whole():
 def test_disk_staging_round_trips_boxes_and_row_bands(tmp_path, dtype, monkeypatch):
     """Disk-staged values: boxes written (in chunks of rows) read back equal, unwritten parts read as
     zeros, a rank's band of rows is addressed in global rows, and the files are gone after close."""
-    from tilewise.executor import DiskValue, Staging
+    from tilewise.vae.staging import DiskValue, Staging
 
     monkeypatch.setattr(DiskValue, "_CHUNK", 3 * 5 * 4 * 2)  # a few rows per write chunk
     x = torch.randn(2, 5, 9, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -204,10 +206,10 @@ def test_sampled_tile_statistics_staged_on_disk_equal_the_together_run_and_exact
     # the decoder cut at a GroupNorm that reads the part's input (its statistics come from the staged
     # input, the later ones as the tiles write); with every tile sampled both runs are exact
     import tilewise as tw
-    from tilewise.executor import sample_tiles, sampled_tile_stats, staged_tile_stats
     from tilewise.geometry import TileGrid
     from tilewise.locality.program import Program
-    from tilewise.vae import _crossing
+    from tilewise.vae.estimators import sample_tiles, sampled_tile_stats, staged_tile_stats
+    from tilewise.vae.fast import _crossing
 
     p = tw.TiledVAE(kl_vae("sd")).program("decode")
     after = max(i for i, op in enumerate(p.ops) if op.kind == "attention")

@@ -87,8 +87,10 @@ def test_probe_rejects_bad_position():
 
 def _staged_run(program, x, tile_box):
     """run_boxes of the whole program as one segment on one box, its input staged on the host."""
-    from tilewise.executor import Staging, run_boxes
-    from tilewise.locality.program import RunContext, back_propagate, last_use
+    from tilewise.locality.ops import RunContext
+    from tilewise.locality.program import back_propagate, last_use
+    from tilewise.vae.bands import run_boxes
+    from tilewise.vae.staging import Staging
 
     seg = split_segments(program, lambda op: False)[0]
     shapes = program.shapes(tuple(x.shape[-2:]))
@@ -109,16 +111,8 @@ def test_working_memory_reuse_keeps_values_and_inputs():
     staged value, also through an identity activation that aliases its input."""
     import torch.nn.functional as F
 
-    from tilewise.locality.program import (
-        Add,
-        Conv,
-        GroupNorm,
-        Pointwise,
-        Program,
-        Resample,
-        RunContext,
-        sub_tensor,
-    )
+    from tilewise.locality.ops import Add, Conv, GroupNorm, Pointwise, Resample, RunContext, sub_tensor
+    from tilewise.locality.program import Program
 
     g = torch.Generator().manual_seed(5)
 
@@ -166,7 +160,7 @@ def test_working_memory_reuse_keeps_values_and_inputs():
 
 
 def test_upsampled_crop_equals_materialised():
-    from tilewise.locality.program import Upsampled
+    from tilewise.locality.ops import Upsampled
 
     x = torch.randn(1, 3, 5, 6)
     full = torch.nn.functional.interpolate(x[..., 1:5, 2:6], scale_factor=2.0, mode="nearest")

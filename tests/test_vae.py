@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from test_vae_support import kl_vae, structured_latent, tiny_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.executor import Executor  # noqa: E402
+from tilewise.vae.executor import Executor  # noqa: E402
 
 
 def _white(shape, seed=0):
@@ -138,12 +138,12 @@ def test_plan_budget_picks_tile_and_staging():
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeypatch, mode):
-    from tilewise import executor
+    from tilewise.vae import staging
 
     vae = kl_vae("sd")
     z = structured_latent(1, 4, 13, 11)
     free = tw.TiledVAE(vae, tile_size=4, mode=mode, staging="disk", progress=False).plan(tuple(z.shape))
-    assert free.heap_slack == executor.TRIM_FREE and "heap slack" in str(free)
+    assert free.heap_slack == staging.TRIM_FREE and "heap slack" in str(free)
     host = tw.TiledVAE(vae, tile_size=4, mode=mode, staging="host", progress=False).plan(tuple(z.shape))
     assert host.heap_slack == 0
     live = max(q.peak for q in free.passes) if free.passes else free.peak - free.heap_slack
@@ -152,8 +152,8 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
     plan = tv.plan(tuple(z.shape))
     assert (plan.tile_size, plan.heap_slack, plan.peak) == (4, 5 << 20, budget)
     seen = []
-    trim = executor._trim_heap
-    monkeypatch.setattr(executor, "_trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
+    trim = staging.trim_heap
+    monkeypatch.setattr(staging, "trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
     out = tv.decode(z).sample
     assert seen and set(seen) == {5 << 20}  # every trim of every executor of the run
     if mode == "exact":
@@ -163,13 +163,13 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
 
 @pytest.mark.parametrize("kind", ["decode", "encode"])
 def test_fast_disk_keeps_less_heap_for_whole_tiles_and_trims_between_passes(monkeypatch, kind):
-    from tilewise import executor
-    from tilewise import vae as vae_mod
+    from tilewise.vae import fast, staging
 
     seen, passes = [], []
-    trim = executor._trim_heap
-    monkeypatch.setattr(executor, "_trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
-    monkeypatch.setattr(vae_mod, "_trim_heap", lambda min_free=0: passes.append(min_free) or trim(min_free))
+    trim = staging.trim_heap
+    # every executor's trims go through Staging.trim -> staging.trim_heap; fast mode's between its passes
+    monkeypatch.setattr(staging, "trim_heap", lambda min_free=0: seen.append(min_free) or trim(min_free))
+    monkeypatch.setattr(fast, "trim_heap", lambda min_free=0: passes.append(min_free) or trim(min_free))
     tv = tw.TiledVAE(kl_vae("sd"), tile_size=4, mode="fast", staging="disk", progress=False)
     if kind == "decode":
         tv.decode(structured_latent(1, 4, 13, 11))
@@ -178,17 +178,17 @@ def test_fast_disk_keeps_less_heap_for_whole_tiles_and_trims_between_passes(monk
     # the other tiles' executor keeps WHOLE_TILE_SLACK, every other pass TRIM_FREE; the heap goes back
     # between the passes (decode: after the exact head and the estimate; encode: after the estimate and
     # the other tiles)
-    assert set(seen) == {executor.TRIM_FREE, vae_mod.WHOLE_TILE_SLACK}
+    assert set(seen) == {staging.TRIM_FREE, fast.WHOLE_TILE_SLACK}
     assert passes == [0, 0]
 
 
 def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
     """Lists the run fills: every staged allocation (value, shape, bytes), every Executor.run's output
     shape (None when it streamed its output away)."""
-    from tilewise import executor
+    from tilewise.vae import executor, staging
 
     staged, returned = [], []
-    alloc, run = executor.Staging.alloc, executor.Executor.run
+    alloc, run = staging.Staging.alloc, executor.Executor.run
 
     def record_alloc(self, name, shape, dtype, rows=None):
         staged.append((name, tuple(shape), torch.empty(shape, dtype=dtype).nbytes))
@@ -199,7 +199,7 @@ def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
         returned.append(None if out is None else tuple(out.shape))
         return out
 
-    monkeypatch.setattr(executor.Staging, "alloc", record_alloc)
+    monkeypatch.setattr(staging.Staging, "alloc", record_alloc)
     monkeypatch.setattr(executor.Executor, "run", record_run)
     return staged, returned
 
@@ -227,8 +227,8 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
     assert sampled.tiles + other.tiles == 12 and sampled.tiles == 6  # 4x3 grid, a 3x2 stratified sample
     assert max(q.peak for q in plan.passes) >= other.held + other.output_bytes
     # with disk staging each pass keeps the plan's heap slack, the other tiles (run whole) at most 64 MiB
-    from tilewise.executor import TRIM_FREE
-    from tilewise.vae import WHOLE_TILE_SLACK
+    from tilewise.vae.fast import WHOLE_TILE_SLACK
+    from tilewise.vae.staging import TRIM_FREE
 
     kept = {q.name: plan.heap_slack for q in plan.passes}
     kept["other tiles"] = min(plan.heap_slack, WHOLE_TILE_SLACK)

@@ -532,7 +532,8 @@ def plan(
     typer.echo(str(p))
     owner = None
     if ranks > 1:
-        from .sharding import RowBands, plan_ranks
+        from .vae.plan import plan_ranks
+        from .vae.sharding import RowBands
 
         for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=p.tile_size):
             typer.echo(f"  {rp}")

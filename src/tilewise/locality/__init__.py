@@ -2,7 +2,8 @@
 
 from .analysis import ProbeResult, Report, analyze, probe_receptive_field
 from .lowering import LoweringError, chain, lower, lower_conv
-from .program import Add, AttentionCore, Conv, GroupNorm, Op, Pointwise, Program, Resample, RunContext
+from .ops import Add, AttentionCore, Conv, GroupNorm, Op, Pointwise, Resample, RunContext
+from .program import Program
 
 __all__ = ["Add", "AttentionCore", "Conv", "GroupNorm", "LoweringError", "Op", "Pointwise", "Program",
            "ProbeResult", "Report", "Resample", "RunContext", "analyze", "chain", "lower", "lower_conv",

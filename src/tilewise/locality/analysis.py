@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .program import Box, Op, Program, Segment, back_propagate, split_segments
+from .ops import Box, Op
+from .program import Program, Segment, back_propagate, split_segments
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .program import Add, AttentionCore, Conv, GroupNorm, Op, Pointwise, Program, Resample
+from .ops import Add, AttentionCore, Conv, GroupNorm, Op, Pointwise, Resample
+from .program import Program
 
 
 class LoweringError(ValueError):

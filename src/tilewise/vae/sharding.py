@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .locality.program import back_propagate, box_empty
+from ..locality.ops import box_empty, map_box
+from ..locality.program import back_propagate
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class RowBands:
     @classmethod
     def build(cls, grid, rank: int, world: int) -> RowBands:
         """Contiguous runs of the grid's tile rows, balanced by core height."""
-        from .distributed import shard
+        from ..distributed import shard
 
         rows: dict[int, Rows] = {}
         for t in grid:
@@ -74,8 +75,6 @@ class RowBands:
 
     def plan_segments(self, segs, shapes, grid, ref: str, skip: set[str]) -> None:
         """Rows of each staged input every rank's tiles read, per segment (back-propagated from cores)."""
-        from .executor import map_box
-
         for i, seg in enumerate(segs):
             inputs = [v for v in seg.inputs if v not in skip]
             if not inputs:
@@ -169,7 +168,7 @@ def exchange_rows(stage, value: str, plan: list[tuple[int, int, Rows]], rank: in
     import torch
     import torch.distributed as dist
 
-    from .distributed import _comm_device, _global
+    from ..distributed import _comm_device, _global
 
     shape, dtype, where = stage.info(value)
     width = shape[-1]
@@ -194,7 +193,7 @@ def merge_group_stats(acc, group, batch: int) -> None:
     """Replace a rank's GroupStats by the exact merge over all ranks (Chan, rank order, float64)."""
     import torch
 
-    from .distributed import all_merge_moments
+    from ..distributed import all_merge_moments
 
     if acc.mean is None:
         zeros = torch.zeros(batch, acc.groups, dtype=torch.float64)
@@ -208,7 +207,7 @@ def merge_group_stats(acc, group, batch: int) -> None:
 
 def gather_rows(band, rows: Rows, size: int, group):
     """Every rank's output band concatenated top to bottom: the full output on every rank."""
-    from .distributed import all_gather_cat
+    from ..distributed import all_gather_cat
 
     full = all_gather_cat(band, group, dim=-2)
     if full.shape[-2] != size:
@@ -221,7 +220,7 @@ def stream_rows(band, rows: Rows, bands: RowBands, size: int, emit, group, chunk
     import torch
     import torch.distributed as dist
 
-    from .distributed import _comm_device, _global
+    from ..distributed import _comm_device, _global
 
     rank = bands.rank
     device = _comm_device(group, band.device)
@@ -236,56 +235,3 @@ def stream_rows(band, rows: Rows, bands: RowBands, size: int, emit, group, chunk
                 buf = torch.empty((*band.shape[:-2], y1 - y, band.shape[-1]), dtype=band.dtype, device=device)
                 dist.recv(buf, src=_global(group, src), group=group)
                 emit((y, y1, 0, band.shape[-1]), buf.to(band.device))
-
-
-@dataclass
-class RankPlan:
-    """What one rank of an exact TiledVAE run will hold: its rows, tiles and staged bytes."""
-
-    rank: int
-    rows: Rows  # reference (latent) rows of its tile cores
-    tiles: int
-    staged_peak: int  # most staged bytes (its bands of full-size values plus halo rows) alive at once
-
-    def __str__(self) -> str:
-        from .memory import format_bytes
-
-        return (f"rank {self.rank}: latent rows [{self.rows[0]}, {self.rows[1]}), {self.tiles} tiles, "
-                f"staged at most {format_bytes(self.staged_peak)}")
-
-
-def plan_ranks(tv, shape: tuple[int, ...], world: int, kind: str = "decode", tile_size: int | None = None,
-               dtype=None) -> list[RankPlan]:
-    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
-    import torch
-
-    from .executor import Executor
-
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
-    if tv.mode != "exact":
-        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode!r}")
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    ex = Executor(p, tile_size or tv.tile_size, ref, attention=tv.attention, progress=False)
-    shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
-    segs = ex.segments()
-    grid = ex._grid(shapes)
-    last = ex._last_reader(segs)
-    item = torch.empty((), dtype=dtype or tv.vae.dtype).element_size()
-    plans = []
-    for r in range(world):
-        bands = RowBands.build(grid, r, world)
-        bands.plan_segments(segs, shapes, grid, ref, skip={p.input})
-        alive: dict[str, int] = {}
-        peak = 0
-        for i, seg in enumerate(segs):
-            for v in seg.outputs:
-                if v != p.output:
-                    lo, hi = bands.stored_rows(v, shapes[v][0])
-                    alive[v] = int(shape[0]) * chans[v] * (hi - lo) * shapes[v][1] * item
-            peak = max(peak, sum(alive.values()))
-            for v in [v for v, j in last.items() if j == i]:
-                alive.pop(v, None)
-        plans.append(RankPlan(r, bands.owned[r], len(bands.tiles[r]), peak))
-    return plans

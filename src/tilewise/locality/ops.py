@@ -1,0 +1,390 @@
+"""The primitive ops of a tile program and their locality; boxes, and how sync ops get their inputs.
+
+A value is a (B, C, H, W) tensor. Every op knows, for an output box of its destination value, which box
+of each source value it reads (`input_boxes`, unclipped: parts outside the image are the conv's zero
+padding), and can compute any output box from source tensors that cover at least the clipped input
+boxes (`run`). Running every op on the full box is the untiled forward; running it on a tile's box with
+explicit zero padding only where the box leaves the image is what makes tiles exact at image borders.
+`RunContext` says where the sync ops (GroupNorm statistics, attention keys and values) take theirs from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open
+
+def clip_box(box: Box, shape: tuple[int, int]) -> Box:
+    """Intersect a box with the image [0, H) x [0, W)."""
+    y0, y1, x0, x1 = box
+    h, w = shape
+    return max(y0, 0), min(y1, h), max(x0, 0), min(x1, w)
+
+
+def union_box(a: Box | None, b: Box) -> Box:
+    """Bounding box of two boxes."""
+    if a is None:
+        return b
+    return min(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3])
+
+
+def box_empty(box: Box) -> bool:
+    """True when the box holds no pixel."""
+    return box[1] <= box[0] or box[3] <= box[2]
+
+
+def box_area(box: Box) -> int:
+    """Pixels in a box (0 when empty)."""
+    return max(0, box[1] - box[0]) * max(0, box[3] - box[2])
+
+
+def map_box(box: Box, ref: tuple[int, int], shape: tuple[int, int]) -> Box:
+    """Map a box on the reference grid to a value of another resolution (floor of the scaled edges)."""
+    y0, y1, x0, x1 = box
+    return y0 * shape[0] // ref[0], y1 * shape[0] // ref[0], x0 * shape[1] // ref[1], x1 * shape[1] // ref[1]
+
+
+def sub_tensor(t, have: Box, want: Box):
+    """Slice the `want` box out of tensor `t` that covers box `have` (want must lie inside have)."""
+    if want[0] < have[0] or want[1] > have[1] or want[2] < have[2] or want[3] > have[3]:
+        raise AssertionError(f"box {want} is not inside the computed box {have}")
+    if isinstance(t, Upsampled):
+        return t.crop(have, want)
+    return t[..., want[0] - have[0] : want[1] - have[0], want[2] - have[2] : want[3] - have[2]]
+
+
+@dataclass
+class Upsampled:
+    """A nearest-upsampled box not materialised: `crop` computes just the part a reader asks for.
+
+    Used when a Resample's only reader is the convolution right after it (diffusers' Upsample2D): the
+    convolution reads its input in row bands, so only a band of the upsampled value ever exists
+    (at 1024 px the upsampled tile is ~70 MiB; the band a few MiB). Values are those of Resample.run.
+    """
+
+    source: Any  # tensor covering box `src_box` of the resample's input
+    src_box: Box
+    scale: int
+
+    def crop(self, have: Box, want: Box):
+        import torch.nn.functional as F
+
+        s = self.scale
+        need = (want[0] // s, (want[1] - 1) // s + 1, want[2] // s, (want[3] - 1) // s + 1)
+        x = sub_tensor(self.source, self.src_box, need)
+        x = F.interpolate(x, scale_factor=float(s), mode="nearest")
+        return sub_tensor(x, (need[0] * s, need[1] * s, need[2] * s, need[3] * s), want)
+
+
+@dataclass
+class Op:
+    """A primitive op reading values `src` and writing value `dst`; `name` is the module path."""
+
+    src: tuple[str, ...]
+    dst: str
+    name: str
+
+    sync = False  # needs the whole spatial domain (GroupNorm statistics, global attention)
+    kind = "op"
+
+    def out_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        """Spatial shape of dst from the shapes of src."""
+        return shapes[0]
+
+    def out_channels(self, channels: list[int]) -> int:
+        """Channel count of dst from the channel counts of src."""
+        return channels[0]
+
+    def input_boxes(self, box: Box) -> list[Box]:
+        """Unclipped box of each source needed to compute `box` of dst (identity for pointwise ops)."""
+        return [box for _ in self.src]
+
+    def run(self, ctx: RunContext, inputs: list[Any], have: list[Box], box: Box, shapes: list):
+        """Compute `box` of dst from source tensors covering boxes `have`."""
+        raise NotImplementedError
+
+    def run_in_place(self, ctx: RunContext, inputs: list[Any], have: list[Box], box: Box, shapes: list):
+        """`run`, allowed to overwrite inputs[0] (the caller's last use of it); same values. Ops that
+        can (pointwise activations, GroupNorm in float32) save a tensor of working memory."""
+        return self.run(ctx, inputs, have, box, shapes)
+
+    def describe(self) -> str:
+        """One line for the analysis table."""
+        return self.kind
+
+
+@dataclass
+class Conv(Op):
+    """2-D convolution, zero padding (top, bottom, left, right) made explicit per tile."""
+
+    weight: Any = None
+    bias: Any = None
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    groups: int = 1
+    kind = "conv"
+
+    @property
+    def kernel(self) -> tuple[int, int]:
+        return int(self.weight.shape[-2]), int(self.weight.shape[-1])
+
+    def out_shape(self, shapes):
+        (h, w), (kh, kw) = shapes[0], self.kernel
+        t, b, l, r = self.padding
+        oh = (h + t + b - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + l + r - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+        return oh, ow
+
+    def out_channels(self, channels):
+        return int(self.weight.shape[0])
+
+    def input_boxes(self, box):
+        y0, y1, x0, x1 = box
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        t, _, l, _ = self.padding
+        return [(y0 * sh - t, (y1 - 1) * sh + dh * (kh - 1) + 1 - t,
+                 x0 * sw - l, (x1 - 1) * sw + dw * (kw - 1) + 1 - l)]
+
+    def run(self, ctx, inputs, have, box, shapes):
+        if self._pointwise() and not isinstance(inputs[0], Upsampled):
+            # a 1x1 projection needs no workspace: run it on the whole input as stored (cropping the
+            # input first would copy it) and view the box out of the result
+            import torch.nn.functional as F
+
+            y = F.conv2d(inputs[0], self.weight, self.bias, 1, 0, 1, self.groups)
+            return sub_tensor(y, have[0], box)
+        rows = box[1] - box[0]
+        per_row = (box[3] - box[2]) * self.weight.shape[1] * self.kernel[0] * self.kernel[1] * 4
+        band = max(1, ctx.conv_workspace // max(per_row, 1)) if ctx.conv_workspace else rows
+        if band >= rows:
+            return self._run_box(inputs[0], have[0], box, shapes[0])
+        import torch
+
+        # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike.
+        # Bands are copied into one preallocated output (a list and torch.cat would hold it twice).
+        out = None
+        for y in range(box[0], box[1], band):
+            part = self._run_box(inputs[0], have[0], (y, min(y + band, box[1]), box[2], box[3]), shapes[0])
+            if out is None:
+                fmt = torch.channels_last if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1 \
+                    else torch.contiguous_format
+                out = torch.empty((*part.shape[:-2], rows, part.shape[-1]), dtype=part.dtype,
+                                  device=part.device, memory_format=fmt)
+            out[..., y - box[0] : y - box[0] + part.shape[-2], :].copy_(part)
+        return out
+
+    def _pointwise(self) -> bool:
+        """A 1x1 convolution with stride 1 and no padding (a per-pixel channel projection)."""
+        return self.kernel == (1, 1) and self.stride == (1, 1) and not any(self.padding)
+
+    def _run_box(self, x, have, box, shape):
+        import torch.nn.functional as F
+
+        need = self.input_boxes(box)[0]
+        inner = clip_box(need, shape)
+        x = sub_tensor(x, have, inner)
+        pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
+        if any(pad):
+            x = F.pad(x, pad)
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def describe(self):
+        (kh, kw), t = self.kernel, self.padding
+        return f"conv {kh}x{kw} s{self.stride[0]} d{self.dilation[0]} pad{t}"
+
+
+@dataclass
+class Resample(Op):
+    """Nearest-neighbour upsampling by an integer factor (diffusers Upsample2D, TAESD nn.Upsample)."""
+
+    scale: int = 2
+    kind = "resample"
+
+    def out_shape(self, shapes):
+        return shapes[0][0] * self.scale, shapes[0][1] * self.scale
+
+    def input_boxes(self, box):
+        y0, y1, x0, x1 = box
+        s = self.scale
+        return [(y0 // s, (y1 - 1) // s + 1, x0 // s, (x1 - 1) // s + 1)]
+
+    def run(self, ctx, inputs, have, box, shapes):
+        return Upsampled(inputs[0], have[0], self.scale).crop(box, box)
+
+    def lazy(self, inputs, have):
+        """The output as an `Upsampled` (for a convolution that reads it band by band)."""
+        return Upsampled(inputs[0], have[0], self.scale)
+
+    def describe(self):
+        return f"upsample x{self.scale} nearest"
+
+
+@dataclass
+class Pointwise(Op):
+    """A per-position function (activation, affine rescale, TAESD clamp, channel-mixing 1x1 linear)."""
+
+    fn: Callable | None = None
+    label: str = ""
+    channels: int | None = None
+    fn_: Callable | None = None  # the in-place form of fn (same values), when there is one
+    kind = "pointwise"
+
+    def out_channels(self, channels):
+        return channels[0] if self.channels is None else self.channels
+
+    def run(self, ctx, inputs, have, box, shapes):
+        return self.fn(sub_tensor(inputs[0], have[0], box))
+
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        if self.fn_ is None:
+            return self.run(ctx, inputs, have, box, shapes)
+        return self.fn_(sub_tensor(inputs[0], have[0], box))
+
+    def describe(self):
+        return self.label or "pointwise"
+
+
+@dataclass
+class Add(Op):
+    """Residual sum (a + b) / scale."""
+
+    scale: float = 1.0
+    kind = "add"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        y = sub_tensor(inputs[0], have[0], box) + sub_tensor(inputs[1], have[1], box)
+        return y if self.scale == 1.0 else y / self.scale
+
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        y = sub_tensor(inputs[0], have[0], box).add_(sub_tensor(inputs[1], have[1], box))
+        return y if self.scale == 1.0 else y.div_(self.scale)
+
+    def describe(self):
+        return "add" if self.scale == 1.0 else f"add /{self.scale:g}"
+
+
+@dataclass
+class GroupNorm(Op):
+    """GroupNorm: a sync op, its statistics are per (batch, group) over the whole spatial domain."""
+
+    groups: int = 32
+    eps: float = 1e-6
+    weight: Any = None
+    bias: Any = None
+    sync = True
+    kind = "group_norm"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        x = sub_tensor(inputs[0], have[0], box)
+        stats = ctx.group_stats(self, x, box, shapes[0])
+        if stats is None:
+            import torch.nn.functional as F
+
+            return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias)
+
+    def run_in_place(self, ctx, inputs, have, box, shapes):
+        import torch
+
+        x = sub_tensor(inputs[0], have[0], box)
+        stats = ctx.group_stats(self, x, box, shapes[0])
+        if stats is None or x.dtype != torch.float32:  # (half precision rounds once, out of place)
+            return self.run(ctx, inputs, have, box, shapes)
+        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias, out=x)
+
+    def describe(self):
+        return f"group_norm G={self.groups}"
+
+
+@dataclass
+class AttentionCore(Op):
+    """diffusers Attention after its GroupNorm: q, k, v projections, softmax attention, out proj, residual.
+
+    src = (normed, residual). Global by default: every query attends to every spatial token.
+    """
+
+    heads: int = 1
+    to_q: Any = None
+    to_k: Any = None
+    to_v: Any = None
+    to_out: Any = None
+    residual: bool = True
+    rescale: float = 1.0
+    sync = True
+    kind = "attention"
+
+    def run(self, ctx, inputs, have, box, shapes):
+        n = sub_tensor(inputs[0], have[0], box)
+        kv = ctx.attention_kv(self, n, box)
+        y = self.attend(n, *kv, chunk=ctx.query_chunk)  # a new tensor: the residual adds in place
+        if self.residual:
+            y = y.add_(sub_tensor(inputs[1], have[1], box))
+        return y.div_(self.rescale) if self.rescale != 1.0 else y
+
+    def keys_values(self, n):
+        """(B, heads, N, d) keys and values of the tokens of n (B, C, h, w)."""
+        t = n.flatten(2).transpose(1, 2)
+        return self._heads(self.to_k(t)), self._heads(self.to_v(t))
+
+    def _heads(self, t):
+        b, n, c = t.shape
+        return t.view(b, n, self.heads, c // self.heads).transpose(1, 2)
+
+    def attend(self, n, k, v, chunk: int = 4096):
+        """Queries of n (B, C, h, w) attend to k, v in query chunks; returns to_out(attn) as (B, C, h, w)."""
+        import torch
+        import torch.nn.functional as F
+
+        b, c, h, w = n.shape
+        q = self._heads(self.to_q(n.flatten(2).transpose(1, 2)))
+        outs = [F.scaled_dot_product_attention(q[:, :, i : i + chunk], k, v)
+                for i in range(0, q.shape[2], chunk)]
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        o = o.transpose(1, 2).reshape(b, h * w, -1).to(q.dtype)
+        return self.to_out[1](self.to_out[0](o)).transpose(1, 2).reshape(b, -1, h, w)
+
+    def describe(self):
+        return f"attention heads={self.heads}"
+
+
+def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
+    """GroupNorm with given per-(batch, group) mean and variance (float64), as torch's CPU kernel computes
+    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result).
+    out=x (float32 only) overwrites x with the same values."""
+    import torch
+
+    mean, var = stats
+    b, c = x.shape[:2]
+    a = (var + eps).rsqrt().repeat_interleave(c // groups, dim=1)  # (B, C) float64
+    s = -a * mean.repeat_interleave(c // groups, dim=1)
+    if weight is not None:
+        a, s = a * weight.to(a.dtype), s * weight.to(a.dtype)
+        if bias is not None:
+            s = s + bias.to(a.dtype)
+    view, dt = (b, c) + (1,) * (x.ndim - 2), torch.promote_types(x.dtype, torch.float32)
+    if out is not None:
+        return out.mul_(a.to(dt).view(view)).add_(s.to(dt).view(view))
+    y = x * a.to(dt).view(view)  # a new tensor (fp16 / bf16 x promote to float32): add in place
+    return y.add_(s.to(dt).view(view)).to(x.dtype)
+
+
+@dataclass
+class RunContext:
+    """How sync ops behave during a run: GroupNorm statistics and attention keys/values."""
+
+    stats: dict[int, Any] = field(default_factory=dict)  # id(op) -> (mean, var) to apply; absent -> native
+    kv: dict[int, Any] = field(default_factory=dict)  # id(op) -> (k, v); absent -> keys of the box itself
+    query_chunk: int = 4096
+    conv_workspace: int = 0  # bytes of im2col workspace one conv call may use (0: unbounded)
+
+    def group_stats(self, op, x, box, shape):
+        """The statistics to apply for a GroupNorm op, or None for torch's own over x."""
+        return self.stats.get(id(op))
+
+    def attention_kv(self, op, n, box):
+        """Keys and values the queries of box attend to."""
+        kv = self.kv.get(id(op))
+        return kv if kv is not None else op.keys_values(n)

@@ -1,0 +1,287 @@
+"""TiledVAE: exact (or fast, named-approximate) tiled decode and encode of diffusers VAEs.
+
+A wrapper, never a patch: it holds the VAE, lowers its encoder and decoder (with quant convs) into tile
+programs once, and offers `decode` / `encode` with the signatures and return types of
+`AutoencoderKL.decode` / `.encode` (and AutoencoderTiny's), so `pipe.vae = TiledVAE(pipe.vae)` works.
+Every other attribute (config, dtype, device, scaling/shift factors, ...) reads through to the VAE.
+This file is the face: settings, checks, the public calls; `plan` plans, `executor` runs exact mode,
+`fast` runs fast mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..locality.lowering import chain, lower, lower_conv
+from ..locality.program import Program
+from .bands import BAND_BYTES
+from .executor import Executor
+from .fast import crop_stats, fast_split, run_fast
+from .plan import Plan, choose, make_plan
+from .staging import STAGINGS, TRIM_FREE
+
+logger = logging.getLogger(__name__)
+
+MODES = ("exact", "fast")
+ATTENTIONS = ("global", "tile")
+
+
+class TiledVAE:
+    """Wrap an AutoencoderKL / AutoencoderTiny: tile-by-tile decode and encode, exact by default."""
+
+    def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
+                 memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
+                 progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
+                 stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float | None = None,
+                 fast_estimator: str = "tiles", fast_low: int = 4, process_group: Any = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if staging not in ("auto", *STAGINGS):
+            raise ValueError(f"staging must be 'auto' or one of {STAGINGS}, got {staging!r}")
+        if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+            raise ValueError(f"tile_size must be a positive int (latent pixels), got {tile_size!r}")
+        if query_chunk < 1:
+            raise ValueError(f"query_chunk must be >= 1, got {query_chunk!r}")
+        self.__dict__["vae"] = vae
+        self.tile_size, self.mode, self.attention = tile_size, mode, attention
+        self.memory_budget = None
+        if memory_budget is not None:
+            from ..memory import parse_bytes
+
+            self.memory_budget = parse_bytes(memory_budget)
+        self.staging, self.retry_on_oom, self.progress = staging, retry_on_oom, progress
+        self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
+        if fast_estimator not in ("tiles", "crops"):
+            raise ValueError(f"fast_estimator must be 'tiles' or 'crops', got {fast_estimator!r}")
+        if fast_sample is not None and not 0 < fast_sample <= 1:
+            raise ValueError(f"fast_sample must be None (the estimator's default) or in (0, 1], "
+                             f"got {fast_sample!r}")
+        self.fast_crop, self.fast_sample, self.fast_estimator = fast_crop, fast_sample, fast_estimator
+        if isinstance(fast_low, bool) or not isinstance(fast_low, int) or fast_low < 0:
+            raise ValueError(f"fast_low must be an int >= 0 (0: no low-resolution pass), got {fast_low!r}")
+        self.fast_low = fast_low
+        if isinstance(process_group, str) and process_group != "default":
+            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
+                             f"got {process_group!r}")
+        if process_group is not None and retry_on_oom:
+            raise ValueError("retry_on_oom=True is single-process only (a retry on one rank would "
+                             "desynchronise the others): drop it or process_group")
+        self.process_group = process_group
+        self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
+        self._programs: dict[str, Program] = {}
+
+    # -- pass-through -------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["vae"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
+                                             "retry_on_oom", "progress", "color_fix", "query_chunk",
+                                             "stage_dir", "_programs", "fast_crop", "fast_sample",
+                                             "fast_estimator", "fast_low", "process_group",
+                                             "last_staged_peak"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.vae, name, value)
+
+    def __repr__(self) -> str:
+        return (f"TiledVAE({type(self.vae).__name__}, tile_size={self.tile_size}, mode={self.mode!r}, "
+                f"attention={self.attention!r}, staging={self.staging!r})")
+
+    def to(self, *args, **kwargs) -> TiledVAE:
+        """Move the wrapped VAE (parameters keep their identity, so the programs follow)."""
+        self.vae.to(*args, **kwargs)
+        return self
+
+    def __call__(self, sample, *args, **kwargs):
+        return self.forward(sample, *args, **kwargs)
+
+    def forward(self, sample, sample_posterior: bool = False, return_dict: bool = True, generator=None):
+        """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths."""
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        if self.is_tiny:  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
+            enc = self.encode(sample).latents
+            z = self.vae.unscale_latents(self.vae.scale_latents(enc).mul_(255).round_().byte() / 255.0)
+        else:
+            posterior = self.encode(sample).latent_dist
+            z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
+        dec = self.decode(z).sample
+        return DecoderOutput(sample=dec) if return_dict else (dec,)
+
+    # -- programs -----------------------------------------------------------------------------------
+
+    @property
+    def is_tiny(self) -> bool:
+        return type(self.vae).__name__ == "AutoencoderTiny"
+
+    def program(self, kind: str) -> Program:
+        """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
+        if kind not in self._programs:
+            if kind == "decode":
+                p = lower(self.vae.decoder)
+                pq = getattr(self.vae, "post_quant_conv", None)
+                self._programs[kind] = chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
+            elif kind == "encode":
+                p = lower(self.vae.encoder)
+                q = getattr(self.vae, "quant_conv", None)
+                self._programs[kind] = chain(p, lower_conv(q, "quant_conv")) if q is not None else p
+            else:
+                raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+        return self._programs[kind]
+
+    def factor(self, kind: str) -> int:
+        """Image pixels per latent pixel."""
+        p = self.program(kind)
+        shapes = p.shapes((64, 64))
+        ratio = shapes[p.output][0] / 64
+        return round(ratio) if kind == "decode" else round(1 / ratio)
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def _check(self, t, kind: str) -> None:
+        import torch
+
+        p = self.program(kind)
+        what = "latent z" if kind == "decode" else "image x"
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what} must be a (B, C, H, W) tensor, got {shape}")
+        if t.shape[1] != p.in_channels:
+            raise ValueError(f"{what} has {t.shape[1]} channels, the VAE {kind}r expects {p.in_channels} "
+                             f"(shape {tuple(t.shape)})")
+        if min(t.shape) == 0:
+            raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
+        if kind == "encode":
+            f = self.factor("encode")
+            h, w = t.shape[-2:]
+            if h % f or w % f:
+                raise ValueError(f"image height and width must be multiples of {f} for encode, got {h}x{w}; "
+                                 f"pad or crop to {h - h % f or f}x{w - w % f or f}")
+        if torch.is_grad_enabled() and t.requires_grad:
+            raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
+                               "would break backward(); use the wrapped VAE directly to train")
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def decode(self, z, return_dict: bool = True, generator=None):
+        """Decode latents tile by tile; returns DecoderOutput(sample=...) like AutoencoderKL.decode."""
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        self._check(z, "decode")
+        sample = self._run("decode", z)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def encode(self, x, return_dict: bool = True):
+        """Encode images tile by tile; returns AutoencoderKLOutput(latent_dist=...) (or the Tiny output)."""
+        self._check(x, "encode")
+        h = self._run("encode", x)
+        if self.is_tiny:
+            from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+
+            return AutoencoderTinyOutput(latents=h) if return_dict else (h,)
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        posterior = DiagonalGaussianDistribution(h)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def decode_to(self, z, sink) -> None:
+        """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
+
+        With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
+        rows), the others pass sink=None.
+        """
+        self._check(z, "decode")
+        if z.shape[0] != 1:
+            raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
+        rank = _rank(self._group())
+        if (sink is None) != (rank != 0):
+            raise ValueError(f"rank {rank}: " + ("only rank 0 writes the image: pass sink=None here" if rank
+                                                 else "decode_to needs a sink (PNG, TIFF, memmap), got None"))
+        f = self.factor("decode")
+        want = (z.shape[-2] * f, z.shape[-1] * f)
+        if sink is not None and (sink.height, sink.width) != want:
+            raise ValueError(f"sink is {sink.height}x{sink.width} but the decoded image is "
+                             f"{want[0]}x{want[1]}")
+
+        def emit(box, value):
+            sink.write(box[0], box[2], value[0].float())
+
+        self._run("decode", z, emit=emit)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def _run(self, kind: str, t, emit=None):
+        """Run the program, halving the tile on out-of-memory when retry_on_oom is set."""
+        import torch
+
+        tile, staging = choose(self, kind, tuple(t.shape))
+        while True:
+            try:
+                with torch.no_grad():
+                    return self._run_once(kind, t, tile, staging, emit)
+            except torch.OutOfMemoryError:
+                if not self.retry_on_oom or tile <= 1:
+                    raise
+                logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d", kind, tile,
+                               tile // 2)
+                tile //= 2
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    def _executor(self, kind: str, t, tile: int, staging: str, slack: int) -> Executor:
+        p = self.program(kind)
+        ref = p.input if kind == "decode" else p.output
+        group = self._group()
+        fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
+        # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
+        return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
+                        fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
+                        stage_dir=self.stage_dir, group=group, heap_slack=slack,
+                        band_bytes=None if self.mode == "fast" else BAND_BYTES)
+
+    def _group(self):
+        """The resolved process group (None: single process)."""
+        from ..distributed import resolve_group
+
+        return resolve_group(self.process_group)
+
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit):
+        p = self.program(kind)
+        shapes = p.shapes(tuple(t.shape[-2:]))
+        ref = p.input if kind == "decode" else p.output
+        if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
+            return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
+        slack = TRIM_FREE  # freed host heap disk staging keeps; budgeted only where the budget is host memory
+        if self.memory_budget is not None and staging == "disk" and t.device.type == "cpu":
+            slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
+        split = fast_split(self, p, kind)
+        if split is not None:
+            out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
+                                                  self._group())
+            return out
+        ex = self._executor(kind, t, tile, staging, slack)
+        out = ex.run(t, emit=emit)
+        self.last_staged_peak = ex.staged_peak
+        return out
+
+    def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
+             staging: str | None = None) -> Plan:
+        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
+
+        Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
+        latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
+        encode's exact latent-resolution tail.
+        """
+        return make_plan(self, shape, kind, tile_size, staging)
+
+
+def _rank(group) -> int:
+    """This process's rank in group (0 without one)."""
+    from ..distributed import rank_world
+
+    return rank_world(group)[0]
