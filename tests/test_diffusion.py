@@ -31,7 +31,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput  # no
 
 from tilewise.blending import weight_window  # noqa: E402
 from tilewise.diffusion import Region, TiledDenoiser, upscale  # noqa: E402
-from tilewise.diffusion.fusion import spot_offset  # noqa: E402
+from tilewise.diffusion.pieces import spot_offset  # noqa: E402
 from tilewise.diffusion.regions import region_weights  # noqa: E402
 from tilewise.geometry import TileGrid, box_slices  # noqa: E402
 

@@ -273,7 +273,7 @@ def generate(
 def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> None:
     """Measure one UNet call at a few latent sizes (the real model's cost curve for the report)."""
     from .buckets import profile_buckets
-    from .diffusion.fusion import downsampling_factor
+    from .diffusion.adapters.unet import downsampling_factor
 
     unet = loaded.pipe.unet
     emb = loaded.encode("", "")["prompt_embeds"]

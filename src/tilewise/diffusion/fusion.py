@@ -1,5 +1,9 @@
 """TiledDenoiser: predict on latent tiles, fuse into one prediction, let the pipeline's scheduler step it.
 
+The fusion core: pieces (`pieces`), weights, conditioning rows and regions, batching, sharding over
+ranks, accumulation. How the wrapped model is called on a tile is its family's adapter (`adapters`):
+the core never names a model argument.
+
 Methods (one signature, variant options after it):
 - "multidiffusion": uniform average over overlapping windows (Bar-Tal et al. 2023, MultiDiffusion eq. 5).
 - "mixture": Gaussian tile weights centred at ((h-1)/2, (w-1)/2), variance `var` in units of the tile side
@@ -15,77 +19,22 @@ Methods (one signature, variant options after it):
 from __future__ import annotations
 
 import logging
-import random
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..blending import Accumulator, weight_window
 from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, resolve_group, shard
-from ..geometry import Box, TileGrid, as_pair, box_slices
+from ..geometry import TileGrid, as_pair, box_slices
+from .adapters import Call, adapter_for
+from .pieces import Piece, plan_pieces
 from .regions import Region, region_weights
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("multidiffusion", "mixture", "spot", "halo")
-MICRO_CONDITIONING = ("tile", "pipeline")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One UNet call's spatial unit: the box it reads and the box of the output it contributes to."""
-
-    index: int
-    read: Box
-    out: Box
-
-    @property
-    def crop(self) -> tuple[slice, slice]:
-        """Slices cutting `out` from a prediction computed on `read`."""
-        ry, rx = self.read[0], self.read[2]
-        y0, y1, x0, x1 = self.out
-        return slice(y0 - ry, y1 - ry), slice(x0 - rx, x1 - rx)
-
-
-def downsampling_factor(unet: torch.nn.Module) -> int:
-    """2 ** (number of downsampling blocks) for a diffusers UNet; 1 for a model without block_out_channels."""
-    config = getattr(unet, "config", None)
-    blocks = getattr(config, "block_out_channels", None) if config is not None else None
-    return 2 ** (len(blocks) - 1) if blocks else 1
-
-
-def spot_offset(seed: int, timestep: torch.Tensor | float, tile: tuple[int, int]) -> tuple[int, int]:
-    """SpotDiffusion shift (dy, dx) in [0, tile): a pure function of the seed and the timestep value."""
-    t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
-    rng = random.Random(f"tilewise-spot:{seed}:{round(t * 1000)}")
-    return rng.randrange(tile[0]), rng.randrange(tile[1])
-
-
-def _shifted_axis(length: int, tile: int, shift: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """SpotDiffusion partition of one axis: (window, core) pairs, cores cut at shift + k * tile."""
-    if length <= tile:
-        return [((0, length), (0, length))]
-    bounds = sorted({0, length, *range(shift, length, tile)})
-    pairs = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        start = min(a, length - tile) if b - a < tile and a > 0 else a
-        pairs.append(((start, start + tile), (a, b)))
-    return pairs
-
-
-def _grow_aligned(read: Box, shape: tuple[int, int], align: int) -> Box:
-    """Grow a read box inside the image until its sides are multiples of `align` (when the image allows)."""
-    out = list(read)
-    for axis, n in enumerate(shape):
-        lo, hi = out[2 * axis], out[2 * axis + 1]
-        need = -(hi - lo) % align
-        grow_hi = min(need, n - hi)
-        lo, hi = max(0, lo - (need - grow_hi)), hi + grow_hi
-        out[2 * axis], out[2 * axis + 1] = lo, hi
-    return out[0], out[1], out[2], out[3]
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -155,8 +104,11 @@ class TiledDenoiser(torch.nn.Module):
         self.overlap = as_pair(overlap, "overlap")
         self.halo = halo if halo is None or halo == "probe" else as_pair(halo, "halo")
         self.batch_size, self.var, self.seed, self.order = batch_size, var, seed, order
-        self.micro_conditioning, self.vae_scale_factor, self.cfg = micro_conditioning, vae_scale_factor, cfg
-        self.align = downsampling_factor(unet) if align is None else align
+        self.vae_scale_factor, self.cfg = vae_scale_factor, cfg
+        # how this model family is called on a tile (tilewise.diffusion.adapters)
+        self.adapter = adapter_for(unet, micro_conditioning=micro_conditioning,
+                                   vae_scale_factor=vae_scale_factor)
+        self.align = self.adapter.align(unet) if align is None else align
         self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.regions = regions
         self.progress = progress
@@ -222,9 +174,6 @@ class TiledDenoiser(torch.nn.Module):
             raise ValueError("method='halo' needs halo=<latent pixels> (receptive-field radius) or 'probe'")
         if self.halo not in (None, "probe") and min(self.halo) < 0:
             raise ValueError(f"halo must be >= 0, got {self.halo}")
-        if not (callable(self.micro_conditioning) or self.micro_conditioning in MICRO_CONDITIONING):
-            raise ValueError(f"micro_conditioning must be one of {MICRO_CONDITIONING} or a callable, "
-                             f"got {self.micro_conditioning!r}")
         if self.cfg not in (True, False, "auto"):
             raise ValueError(f"cfg must be True, False or 'auto', got {self.cfg!r}")
         if self.method == "mixture" and not self.var > 0:
@@ -252,20 +201,8 @@ class TiledDenoiser(torch.nn.Module):
         """The pieces of one call on a height x width latent (spot: shifted by the timestep's offset)."""
         if self.method == "halo" and self.halo == "probe":
             raise ValueError("halo='probe' is measured on the first call; plan() needs a numeric halo")
-        tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
-        if self.method == "spot":
-            dy, dx = spot_offset(self.seed, timestep, self.tile_size)
-            ys, xs = _shifted_axis(height, tile[0], dy), _shifted_axis(width, tile[1], dx)
-            return [Piece(i, (wy[0], wy[1], wx[0], wx[1]), (cy[0], cy[1], cx[0], cx[1]))
-                    for i, ((wy, cy), (wx, cx)) in enumerate((y, x) for y in ys for x in xs)]
-        # a side the tile does not fit is one window, and has no overlap
-        overlap = tuple(0 if self.method == "halo" or t >= n else o
-                        for t, o, n in zip(self.tile_size, self.overlap, (height, width), strict=True))
-        halo = self.halo if self.method == "halo" else 0
-        grid = TileGrid(height, width, tile, overlap=overlap, halo=halo or 0, order=self.order)
-        if self.method == "halo":
-            return [Piece(t.index, _grow_aligned(t.read, (height, width), self.align), t.core) for t in grid]
-        return [Piece(t.index, t.window, t.window) for t in grid]
+        return plan_pieces(self.method, height, width, self.tile_size, self.overlap, self.halo, self.align,
+                           self.order, self.seed, timestep)
 
     def count(self, height: int, width: int) -> int:
         """Tiles per call on a height x width latent (spot: at offset 0; a shifted partition may add one)."""
@@ -274,18 +211,18 @@ class TiledDenoiser(torch.nn.Module):
             return len(TileGrid(height, width, tile))
         return len(self.plan(height, width))
 
-    def _probe_halo(self, sample: torch.Tensor, timestep: Any, cond: dict) -> tuple[int, int]:
+    def _probe_halo(self, call: Call) -> tuple[int, int]:
         """halo='probe': the receptive-field radius measured by perturbing one latent pixel (first call)."""
         from ..locality import probe_receptive_field
 
-        B = sample.shape[0]
+        sample, B = call.sample, call.sample.shape[0]
         row = torch.zeros(1, dtype=torch.long)
-        kwargs = {k: _take_rows(v, row, B, 1) for k, v in cond.items()}
-        t = _take_rows(timestep, row, B, 1)
+        t = _take_rows(call.timestep, row, B, 1)
 
         def model(x: torch.Tensor) -> torch.Tensor:
-            out = self.unet(x, t, return_dict=False, **kwargs)
-            return out[0] if isinstance(out, (tuple, list)) else out
+            cond = {k: _take_rows(v, row, B, 1) for k, v in call.cond.items()}
+            box = (0, x.shape[-2], 0, x.shape[-1])
+            return self.adapter.predict(self.unet, call, x, t, cond, [box], 1)
 
         result = probe_receptive_field(model, sample[:1])
         if result.radius is None:
@@ -303,47 +240,21 @@ class TiledDenoiser(torch.nn.Module):
         return self._weights[(kind, shape)].to(device)
 
     # ---- forward -----------------------------------------------------------------------------------------
-    def forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor | float | int,
-        encoder_hidden_states: torch.Tensor | None = None,
-        class_labels: torch.Tensor | None = None,
-        timestep_cond: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cross_attention_kwargs: dict[str, Any] | None = None,
-        added_cond_kwargs: dict[str, torch.Tensor] | None = None,
-        down_block_additional_residuals: tuple[torch.Tensor] | None = None,
-        mid_block_additional_residual: torch.Tensor | None = None,
-        down_intrablock_additional_residuals: tuple[torch.Tensor] | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        return_dict: bool = True,
-    ):
-        """Predict on every tile (batched), fuse into one prediction for the whole latent."""
-        if any(r is not None for r in (down_block_additional_residuals, mid_block_additional_residual,
-                                       down_intrablock_additional_residuals)):
-            raise NotImplementedError("ControlNet / adapter residuals are spatial and are not tiled yet; "
-                                      "run them untiled or tile the control image per tile")
-        H, W = self._check_latent(sample)
-        cond = {"encoder_hidden_states": encoder_hidden_states, "class_labels": class_labels,
-                "timestep_cond": timestep_cond, "attention_mask": attention_mask,
-                "cross_attention_kwargs": cross_attention_kwargs, "added_cond_kwargs": added_cond_kwargs,
-                "encoder_attention_mask": encoder_attention_mask}
-        cond = {k: v for k, v in cond.items() if v is not None}
+    def forward(self, *args: Any, **kwargs: Any):
+        """The wrapped model's call: predict on every tile (batched), fuse into one prediction for the whole
+        latent, returned as the model returns it."""
+        call = self.adapter.parse(self.unet, args, kwargs)
+        H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
-            self.halo = self._probe_halo(sample, timestep, cond)
-        pieces = self.plan(H, W, timestep)
-        fused = self._fuse(sample, timestep, cond, pieces)
-        if not return_dict:
-            return (fused,)
-        from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+            self.halo = self._probe_halo(call)
+        fused = self._fuse(call, self.plan(H, W, call.timestep))
+        return self.adapter.output(call, fused)
 
-        return UNet2DConditionOutput(sample=fused)
-
-    def _fuse(self, sample: torch.Tensor, timestep: Any, cond: dict, pieces: list[Piece]) -> torch.Tensor:
+    def _fuse(self, call: Call, pieces: list[Piece]) -> torch.Tensor:
         """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated per batch (and over ranks)."""
+        sample = call.sample
         B, (H, W) = sample.shape[0], sample.shape[-2:]
-        runs = self._runs(sample, cond)
+        runs = self._runs(sample)
         group = resolve_group(self.process_group)
         if group is not None:
             pieces = self._shard(pieces, runs, group)
@@ -353,7 +264,7 @@ class TiledDenoiser(torch.nn.Module):
         dtype = torch.float32 if group is None else torch.float64
         bar = self._bar(len(pieces))
         for chunk in _batches(pieces, self.batch_size):
-            outs = self._run_chunk(sample, timestep, cond, chunk, runs)
+            outs = self._run_chunk(call, chunk, runs)
             for p in chunk:
                 pred = self._combine(p, outs, runs, B, sample.device)[(..., *p.crop)]
                 if whole:
@@ -402,7 +313,7 @@ class TiledDenoiser(torch.nn.Module):
         return tqdm(total=total, desc="tiles", leave=False)
 
     # ---- conditioning runs: the pipeline prompt and each region -----------------------------------------
-    def _runs(self, sample: torch.Tensor, cond: dict) -> dict:
+    def _runs(self, sample: torch.Tensor) -> dict:
         """Row sets: all rows, the unconditional half and the conditional half (regions only)."""
         B = sample.shape[0]
         rows = torch.arange(B)
@@ -428,7 +339,7 @@ class TiledDenoiser(torch.nn.Module):
         jobs = [(0, "all")] if 0 in active else ([(0, "uncond")] if len(runs["uncond"]) else [])
         return jobs + [(k, "cond") for k in active if k > 0]
 
-    def _run_chunk(self, sample, timestep, cond, chunk, runs) -> dict:
+    def _run_chunk(self, call: Call, chunk, runs) -> dict:
         """Run the model once per (conditioning, row set) on all pieces of the chunk that need it."""
         groups: dict[tuple[int, str, tuple[int, int]], list[Piece]] = defaultdict(list)
         for p in chunk:
@@ -438,57 +349,22 @@ class TiledDenoiser(torch.nn.Module):
         outs = {}
         for (k, rows_name, _), ps in groups.items():
             rows = runs[rows_name]
-            y = self._call(sample, timestep, cond, ps, k, rows)
+            y = self._call(call, ps, k, rows)
             for p, part in zip(ps, y.split(len(rows)), strict=True):
                 outs[(p.index, k, rows_name)] = part
         return outs
 
-    def _call(self, sample, timestep, cond, ps: list[Piece], k: int, rows: torch.Tensor) -> torch.Tensor:
-        """One model call on the pieces `ps`, rows `rows`, with conditioning k."""
+    def _call(self, call: Call, ps: list[Piece], k: int, rows: torch.Tensor) -> torch.Tensor:
+        """One model call on the pieces `ps`, rows `rows`, conditioning k (0: the prompt, k: region k - 1)."""
+        sample = call.sample
         B = sample.shape[0]
         part = sample.index_select(0, rows.to(sample.device))
         x = torch.cat([part[(..., *box_slices(p.read))] for p in ps])
-        kwargs = {name: _take_rows(v, rows, B, len(ps)) for name, v in cond.items()}
-        t = _take_rows(timestep, rows, B, len(ps))
+        cond = {name: _take_rows(v, rows, B, len(ps)) for name, v in call.cond.items()}
+        t = _take_rows(call.timestep, rows, B, len(ps))
         if k > 0:
-            self._apply_region(kwargs, self.regions[k - 1], len(rows) * len(ps))
-        self._apply_micro_conditioning(kwargs, ps, len(rows), sample.shape[-2:])
-        out = self.unet(x, t, return_dict=False, **kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
-
-    def _apply_region(self, kwargs: dict, region: Region, n: int) -> None:
-        """Replace the (conditional) prompt embeddings by the region's, per row."""
-        ref = kwargs.get("encoder_hidden_states")
-        emb = region.prompt_embeds if ref is None else region.prompt_embeds.to(ref.device, ref.dtype)
-        kwargs["encoder_hidden_states"] = _expand_rows(emb, n, "prompt_embeds")
-        if region.pooled_prompt_embeds is not None:
-            added = dict(kwargs.get("added_cond_kwargs") or {})
-            pooled = region.pooled_prompt_embeds
-            if "text_embeds" in added:
-                pooled = pooled.to(added["text_embeds"].device, added["text_embeds"].dtype)
-            added["text_embeds"] = _expand_rows(pooled, n, "pooled_prompt_embeds")
-            kwargs["added_cond_kwargs"] = added
-
-    def _apply_micro_conditioning(self, kwargs: dict, ps: list[Piece], n_rows: int, hw) -> None:
-        """SDXL: per-tile `time_ids` (original size, crop top-left, target size) for what the tile is."""
-        added = kwargs.get("added_cond_kwargs")
-        if not added or "time_ids" not in added or self.micro_conditioning == "pipeline":
-            return
-        ids = added["time_ids"]
-        if ids.ndim != 2 or ids.shape[-1] != 6:
-            return
-        s = self.vae_scale_factor
-        image_px = (hw[0] * s, hw[1] * s)
-        parts = []
-        for i, p in enumerate(ps):
-            rows = ids[i * n_rows : (i + 1) * n_rows]
-            box_px = tuple(c * s for c in p.read)
-            if callable(self.micro_conditioning):
-                parts.append(self.micro_conditioning(rows, box_px, image_px))
-            else:
-                offset = torch.tensor([0, 0, box_px[0], box_px[2], 0, 0]).to(rows)
-                parts.append(rows + offset)
-        kwargs["added_cond_kwargs"] = {**added, "time_ids": torch.cat(parts)}
+            self.adapter.apply_region(cond, self.regions[k - 1], len(rows) * len(ps))
+        return self.adapter.predict(self.unet, call, x, t, cond, [p.read for p in ps], len(rows))
 
     def _combine(self, p: Piece, outs: dict, runs: dict, B: int, device) -> torch.Tensor:
         """The piece's prediction: unconditional rows from the prompt, conditional rows blended by region."""
@@ -508,13 +384,3 @@ class TiledDenoiser(torch.nn.Module):
             v_cond = v[n_unc:] if rows_name == "all" else v
             pred[n_unc:] += a[k].to(v.dtype) * v_cond
         return pred
-
-
-def _expand_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
-    if t.shape[0] == n:
-        return t
-    if t.shape[0] == 1:
-        return t.expand(n, *t.shape[1:])
-    if n % t.shape[0] == 0:
-        return t.repeat(n // t.shape[0], *([1] * (t.ndim - 1)))
-    raise ValueError(f"Region.{name} has batch {t.shape[0]}; expected 1 or a divisor of {n} rows")

@@ -1,0 +1,37 @@
+"""Model adapters: how one model family is called on one tile, behind one contract the fusion core uses.
+
+The fusion core (`tilewise.diffusion.fusion`) knows latent grids, pieces, weights and conditioning rows;
+it never names a model's arguments. An adapter does, in four steps of every call:
+
+1. `parse(model, args, kwargs) -> Call`: the pipeline's call as a (B, C, H, W) latent grid, the
+   timestep, the per-row conditioning (tensors whose leading dim is the batch: split into row sets and
+   repeated per tile) and what goes to every tile unchanged.
+2. `apply_region(cond, region, n)`: a regional prompt's embeddings in place of the prompt's.
+3. `predict(model, call, x, t, cond, boxes, rows) -> prediction`: the model on a batch of tiles `x`
+   (n tiles x `rows` rows, all of one size) cut at the grid boxes `boxes`, with the conditioning the
+   tiles need there (e.g. SDXL's crop micro-conditioning, a transformer's positions of those tokens).
+4. `output(call, fused)`: the fused (B, C, H, W) prediction in the model's own return type.
+
+`adapter_for(model, **options)` picks the family from the model class and refuses an unsupported one
+in one line naming the supported classes. The UNet adapter is the last family and takes any other
+module with the UNet's call, `model(sample, timestep, encoder_hidden_states=..., return_dict=False)`.
+"""
+
+from __future__ import annotations
+
+from .base import Adapter, Call
+from .unet import UNetAdapter
+
+__all__ = ["Adapter", "Call", "UNetAdapter", "adapter_for"]
+
+FAMILIES: list[type[Adapter]] = [UNetAdapter]  # tried in order: the UNet adapter, the fallback, last
+
+
+def adapter_for(model, **options) -> Adapter:
+    """The adapter of the model's family (the first whose `accepts` does), built with `options`."""
+    for cls in FAMILIES:
+        if cls.accepts(model):
+            return cls(**options)
+    supported = ", ".join(c for cls in FAMILIES for c in cls.classes)
+    raise ValueError(f"TiledDenoiser cannot wrap a {type(model).__name__}: supported model classes are "
+                     f"{supported}")
