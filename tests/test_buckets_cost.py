@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tilewise.buckets import BucketPlanner, BucketProfile, BucketTiming, choose_buckets, profile_buckets
-from tilewise.buckets.cost import feasible
+from tilewise.buckets.choice import feasible
 
 SIDE = st.integers(1, 8).map(lambda n: n * 16)
 BUCKET = st.tuples(SIDE, SIDE)

@@ -6,8 +6,9 @@ inside the functions that need them.
 
 from .assign import Assignment, aspect_error
 from .batching import Batch, BatchPlan, batch_by_bucket
-from .cost import BucketChoice, BucketProfile, BucketTiming, choose_buckets, plot_costs, profile_buckets
+from .choice import BucketChoice, choose_buckets
 from .planner import BucketPlanner, grid_buckets
+from .profiler import BucketProfile, BucketTiming, plot_costs, profile_buckets
 
 __all__ = [
     "Assignment",

@@ -1,0 +1,73 @@
+"""The `buckets` command: bucket set, assignments with explanations, measured profile and choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .options import Policy, Report, parse_size
+from .report import finish_report, run_folder
+
+
+def buckets(
+    request: Annotated[list[str] | None, typer.Option(help="requested WxH; repeatable")] = None,
+    area: Annotated[int, typer.Option(min=64, help="pixel budget of a bucket")] = 256 * 256,
+    step: Annotated[int, typer.Option(min=8, help="bucket sides are multiples of this")] = 32,
+    max_aspect: Annotated[float, typer.Option(min=1.0)] = 4.0,
+    policy: Annotated[Policy, typer.Option()] = Policy.pad,
+    k: Annotated[int, typer.Option(min=1, help="buckets to choose by measured cost")] = 4,
+    profile: Annotated[bool, typer.Option(help="time the embedded UNet at each bucket")] = True,
+    repeats: Annotated[int, typer.Option(min=1)] = 3,
+    plot: Annotated[Path | None, typer.Option(help="cost vs tokens plot PNG")] = None,
+    report: Report = None,
+) -> None:
+    """Bucket set, assignments with explanations, measured profile, chosen buckets and the cost plot.
+
+    Example: tilewise buckets --request 800x1200 --request 2048x512 --policy pad --k 3 --plot cost.png
+    """
+    from ..buckets import BucketPlanner, choose_buckets, profile_buckets
+
+    requests = [parse_size(r) for r in (request or ["800x1200", "1200x800", "2048x512", "512x512"])]
+    planner = BucketPlanner(area=area, step=step, max_aspect=max_aspect)
+    typer.echo(
+        f"{len(planner.buckets)} buckets under {area} px (step {step}): "
+        + ", ".join(f"{w}x{h}" for w, h in planner.buckets[:12])
+        + (" ..." if len(planner.buckets) > 12 else "")
+    )
+    scaled = []
+    for w, h in requests:
+        s = min(1.0, (area / (w * h)) ** 0.5)
+        sw, sh = max(step, int(w * s / step) * step), max(step, int(h * s / step) * step)
+        scaled.append((sw, sh))
+        a = planner.assign(sw, sh, policy=policy.value)
+        typer.echo(f"- {w}x{h} (as {sw}x{sh}) -> bucket {a.bucket[0]}x{a.bucket[1]}: {a.explain()}")
+    if not profile:
+        return
+    import torch
+
+    from ..pipelines import load_pipeline
+
+    loaded = load_pipeline(None)
+    unet = loaded.pipe.unet
+    emb = loaded.encode("", "")["prompt_embeds"]
+
+    def step_fn(x):
+        return unet(x, 500, encoder_hidden_states=emb.expand(len(x), -1, -1)).sample
+
+    candidates = sorted(set(planner.buckets))
+    prof = profile_buckets(step_fn, candidates, guidance=5.0, repeats=repeats, dtype=torch.float32)
+    typer.echo(prof.table())
+    choice = choose_buckets(scaled, prof, min(k, len(candidates)), policy=policy.value)
+    typer.echo(choice.table())
+    run_dir = run_folder(report, {"command": "buckets", "requests": request, "area": area, "k": k})
+    for q in [p for p in (plot, run_dir / "costs.png" if run_dir else None) if p is not None]:
+        prof.plot(str(q))
+        typer.echo(f"wrote {q}")
+    if run_dir is not None:
+        (run_dir / "costs.json").write_text(
+            json.dumps([{"tokens": t.tokens, "seconds": t.median} for t in prof.timings], indent=2)
+        )
+    finish_report(run_dir)

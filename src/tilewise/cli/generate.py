@@ -1,0 +1,194 @@
+"""Commands that run the denoiser: `generate` (text to image at any size) and `upscale` (tiled img2img)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .options import Config, Device, DType, Method, Mode, Model, Nproc, Quiet, Report, Scheduler
+from .ranks import join_ranks
+from .report import finish_report, run_folder, write_plan
+
+
+def generate(
+    prompt: Annotated[str, typer.Option(help="prompt for the whole image")],
+    out: Annotated[Path, typer.Option(help="output .png / .tif / .npy (streamed, written atomically)")],
+    width: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 1024,
+    height: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 512,
+    region: Annotated[
+        list[str] | None, typer.Option(help="'x0,y0,x1,y1:prompt' in pixels; repeatable")
+    ] = None,
+    negative: Annotated[str, typer.Option(help="negative prompt")] = "",
+    method: Annotated[Method, typer.Option(help="tile fusion of the denoiser")] = Method.mixture,
+    tile: Annotated[int, typer.Option(min=1, help="denoiser tile, latent px")] = 16,
+    overlap: Annotated[int, typer.Option(min=0, help="denoiser tile overlap, latent px")] = 4,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="tiles per UNet call (default 32 embedded, else 4)")
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, max=1000)] = 20,
+    guidance: Annotated[float, typer.Option(min=0.0, help="classifier-free guidance scale")] = 5.0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
+    scheduler: Annotated[Scheduler, typer.Option()] = Scheduler.ddim,
+    vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    vae_mode: Annotated[
+        Mode, typer.Option(help="exact = equals the untiled decode; fast = estimated statistics")
+    ] = Mode.exact,
+    model: Model = None,
+    config: Config = None,
+    device: Device = "cpu",
+    dtype: DType = "float32",
+    report: Report = None,
+    quiet: Quiet = False,
+    nproc: Nproc = 1,
+) -> None:
+    """Text to image at any size: tiled denoising, then tiled VAE decoding streamed to the output file.
+
+    Example: tilewise generate --prompt grass --width 2048 --height 512
+    --region "0,0,1024,512:brick" --region "1024,0,2048,512:gravel" --out wide.png
+    """
+    from ..pipelines import generate as run
+    from ..pipelines import load_pipeline, parse_region
+
+    regions = [parse_region(r) for r in region or []]
+    group, rank = join_ranks(nproc)
+    quiet = quiet or rank != 0
+    loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    res = run(
+        loaded,
+        prompt,
+        width,
+        height,
+        negative=negative,
+        regions=regions,
+        method=method.value,
+        tile_size=tile,
+        overlap=overlap,
+        batch_size=batch_size,
+        steps=steps,
+        seed=seed,
+        guidance=guidance,
+        vae_tile=vae_tile,
+        vae_mode=vae_mode.value,
+        out=str(out),
+        progress=not quiet,
+        process_group=group,
+    )
+    total = time.perf_counter() - t0
+    if rank != 0:
+        return
+    typer.echo(
+        f"wrote {out} ({width}x{height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
+        f"({res.unet_tiles_per_call} UNet tiles per call), decode {res.seconds['decode']:.1f}s"
+    )
+    run_dir = run_folder(
+        report,
+        {
+            "command": "generate",
+            "prompt": prompt,
+            "regions": region or [],
+            "size": [width, height],
+            "method": method.value,
+            "tile": tile,
+            "overlap": overlap,
+            "steps": steps,
+            "seed": seed,
+            "model": loaded.source,
+            "seconds": res.seconds,
+            "output": str(out),
+        },
+    )
+    if run_dir is not None:
+        from ..geometry import TileGrid
+
+        f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
+        TileGrid(height // f, width // f, tile, overlap=overlap).draw(str(run_dir / "tiles.png"), scale=f)
+        write_plan(run_dir, res.vae_plan)
+        _write_unet_costs(run_dir, loaded, guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
+    finish_report(run_dir)
+
+
+def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> None:
+    """Measure one UNet call at a few latent sizes (the real model's cost curve for the report)."""
+    from ..buckets import profile_buckets
+    from ..diffusion.adapters.unet import downsampling_factor
+
+    unet = loaded.pipe.unet
+    emb = loaded.encode("", "")["prompt_embeds"]
+
+    def step(x):
+        return unet(x, 500, encoder_hidden_states=emb.expand(len(x), -1, -1)).sample
+
+    k = downsampling_factor(unet)
+    sides = sorted({max(k, -(-s // k) * k) for s in sizes})
+    buckets = [(s * f, s * f) for s in sides]
+    prof = profile_buckets(step, buckets, guidance=guidance, repeats=2, device=unet.device, latent_factor=f,
+                           channels=unet.config.in_channels, disable=True)
+    (run_dir / "costs.json").write_text(json.dumps(
+        [{"tokens": t.tokens, "seconds": t.median, "label": "UNet call"} for t in prof.timings], indent=2))
+
+
+def upscale(
+    image: Annotated[Path, typer.Argument(help="input image")],
+    out: Annotated[Path, typer.Option(help="output image")],
+    scale: Annotated[float, typer.Option(min=0.01, help="output size = scale x input size")] = 2.0,
+    strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="how much to re-noise")] = 0.3,
+    prompt: Annotated[str, typer.Option(help="prompt for the denoiser")] = "",
+    method: Annotated[Method, typer.Option()] = Method.mixture,
+    tile: Annotated[int, typer.Option(min=1, help="denoiser tile, latent px")] = 16,
+    overlap: Annotated[int, typer.Option(min=0, help="latent px")] = 4,
+    steps: Annotated[int, typer.Option(min=1)] = 20,
+    guidance: Annotated[float, typer.Option(min=0.0)] = 5.0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
+    vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    model: Model = None,
+    config: Config = None,
+    device: Device = "cpu",
+    dtype: DType = "float32",
+    quiet: Quiet = False,
+    nproc: Nproc = 1,
+) -> None:
+    """Tiled img2img upscaling: Lanczos resize, tiled encode, partial noise, tiled denoise, tiled decode.
+
+    Example: tilewise upscale photo.png --scale 2 --strength 0.3 --prompt brick --out photo_2x.png
+    """
+    from PIL import Image
+
+    from ..diffusion import upscale as run
+    from ..pipelines import load_pipeline
+    from ..sinks import open_sink
+
+    group, rank = join_ranks(nproc)
+    quiet = quiet or rank != 0
+    loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
+    cond = loaded.encode(prompt or "", "")
+    with Image.open(image) as im:
+        src = im.convert("RGB")
+    result = run(
+        loaded.pipe,
+        src,
+        scale=scale,
+        strength=strength,
+        tile_size=tile,
+        overlap=overlap,
+        method=method.value,
+        vae_tile_size=vae_tile,
+        num_inference_steps=steps,
+        seed=seed,
+        guidance_scale=guidance,
+        disable=quiet,
+        process_group=group,
+        **cond,
+    )
+    if rank != 0:
+        return
+    import numpy as np
+
+    arr = np.asarray(result)
+    with open_sink(str(out), arr.shape[0], arr.shape[1], 3) as sink:
+        sink.write(0, 0, arr)
+    typer.echo(f"wrote {out} ({arr.shape[1]}x{arr.shape[0]}) from {src.width}x{src.height}")

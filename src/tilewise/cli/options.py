@@ -1,0 +1,85 @@
+"""The typed options the commands share: choice enums, annotated option types, and the WxH parser."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class Method(str, Enum):
+    multidiffusion = "multidiffusion"
+    mixture = "mixture"
+    spot = "spot"
+
+
+class Mode(str, Enum):
+    exact = "exact"
+    fast = "fast"
+
+
+class Staging(str, Enum):
+    auto = "auto"
+    device = "device"
+    host = "host"
+    disk = "disk"
+
+
+class Scheduler(str, Enum):
+    ddim = "ddim"
+    euler = "euler"
+    euler_a = "euler_a"
+    dpm = "dpm"
+
+
+class Policy(str, Enum):
+    pad = "pad"
+    resize = "resize"
+    crop = "crop"
+    auto = "auto"
+
+
+Model = Annotated[
+    Path | None,
+    typer.Option(
+        help="diffusers pipeline folder or .safetensors checkpoint (default: the embedded model), "
+        "e.g. --model sd15-folder or --model sd15.safetensors --config sd15-folder"
+    ),
+]
+Config = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="diffusers pipeline folder (model_index.json, configs, tokenizer) of the same architecture "
+        "as a single-file --model; needed offline, e.g. --model sd15.safetensors --config sd15-folder",
+    ),
+]
+Device = Annotated[str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1")]
+DType = Annotated[
+    str, typer.Option(help="float32 | float16 | bfloat16 (keep the VAE in float32 on fp16 overflow)")
+]
+Report = Annotated[
+    Path | None,
+    typer.Option("--report", help="write a run folder with plan, pictures and an HTML report here"),
+]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")]
+Nproc = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="processes to split the tiles over (one per GPU), launched with torchrun on this machine; "
+        "rank 0 writes the output. Several machines: run torchrun yourself, e.g. torchrun --nnodes 2 "
+        "--nproc-per-node 8 --rdzv-endpoint HOST:29500 -m tilewise.cli generate ...",
+    ),
+]
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'WxH' -> (W, H)."""
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"size {text!r} must look like WIDTHxHEIGHT, e.g. 1024x768") from None
+    return w, h

@@ -1,0 +1,45 @@
+"""--nproc: join torchrun's process group, or relaunch this command under torchrun on N local ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import typer
+
+logger = logging.getLogger("tilewise.cli")
+
+
+def join_ranks(nproc: int) -> tuple[object, int]:
+    """(process group, rank): under torchrun join its group; with --nproc > 1 relaunch under torchrun.
+
+    The relaunch runs `python -m torch.distributed.run --standalone --nproc-per-node N -m tilewise.cli
+    ARGS` (ARGS without --nproc) and exits with its status: torchrun stops every rank when one fails.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        from ..distributed import init_from_env
+
+        rank, _ = init_from_env()
+        return "default", rank
+    if nproc > 1:
+        import subprocess
+
+        from ..distributed import torchrun_command
+
+        cmd = torchrun_command(sys.argv[1:], nproc)
+        logger.info("launching %d ranks: %s", nproc, " ".join(cmd))
+        code = subprocess.call(cmd)
+        if code:
+            raise RankFailure(f"{nproc} ranks under torchrun: exit status {code} (the failing rank's "
+                              "error is printed above)", code)
+        raise typer.Exit(0)
+    return None, 0
+
+
+class RankFailure(RuntimeError):
+    """A torchrun launch whose ranks failed (their errors were printed by the ranks themselves)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,283 @@
+"""Commands of the tiled VAE: `decode`, `encode`, `analyze` (tileability), `plan`, `compare` (vs untiled)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .options import Config, Device, Mode, Model, Nproc, Quiet, Report, Staging, parse_size
+from .ranks import join_ranks
+from .report import finish_report, run_folder, write_plan
+
+
+def decode(
+    latents: Annotated[Path, typer.Argument(help=".safetensors with a 'latents' tensor (pipeline-scaled)")],
+    out: Annotated[Path, typer.Option(help="output .png / .tif / .npy")],
+    mode: Annotated[Mode, typer.Option()] = Mode.exact,
+    tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    budget: Annotated[
+        str | None, typer.Option(help="memory budget, e.g. 2GiB: picks tile and staging")
+    ] = None,
+    staging: Annotated[Staging, typer.Option()] = Staging.auto,
+    bits: Annotated[int, typer.Option(help="8 or 16 bits per channel")] = 8,
+    model: Model = None,
+    config: Config = None,
+    device: Device = "cpu",
+    report: Report = None,
+    quiet: Quiet = False,
+    nproc: Nproc = 1,
+) -> None:
+    """Decode latents tile by tile, streamed to the output file.
+
+    Example: tilewise decode latents.safetensors --out image.tif --mode exact --budget 2GiB
+    """
+    from ..pipelines import decode_file, load_pipeline
+
+    group, rank = join_ranks(nproc)
+    quiet = quiet or rank != 0
+    loaded = load_pipeline(model, config=config, device=device)
+    plan = decode_file(
+        loaded,
+        str(latents),
+        str(out),
+        tile_size=tile,
+        mode=mode.value,
+        budget=budget,
+        staging=staging.value,
+        bits=bits,
+        progress=not quiet,
+        process_group=group,
+    )
+    if rank != 0:
+        return
+    typer.echo(str(plan))
+    typer.echo(f"wrote {out}")
+    run_dir = run_folder(
+        report, {"command": "decode", "latents": str(latents), "mode": mode.value, "output": str(out)}
+    )
+    write_plan(run_dir, plan)
+    finish_report(run_dir)
+
+
+def encode(
+    image: Annotated[Path, typer.Argument(help="input image (sides multiples of 8)")],
+    out: Annotated[Path, typer.Option(help="output latents .safetensors")],
+    mode: Annotated[Mode, typer.Option()] = Mode.exact,
+    tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    budget: Annotated[str | None, typer.Option(help="memory budget, e.g. 2GiB")] = None,
+    staging: Annotated[Staging, typer.Option()] = Staging.auto,
+    model: Model = None,
+    config: Config = None,
+    device: Device = "cpu",
+    quiet: Quiet = False,
+    nproc: Nproc = 1,
+) -> None:
+    """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
+
+    Example: tilewise encode photo.png --out latents.safetensors
+    """
+    from ..pipelines import encode_file, load_pipeline
+
+    group, rank = join_ranks(nproc)
+    quiet = quiet or rank != 0
+    loaded = load_pipeline(model, config=config, device=device)
+    plan = encode_file(
+        loaded,
+        str(image),
+        str(out),
+        tile_size=tile,
+        mode=mode.value,
+        budget=budget,
+        staging=staging.value,
+        progress=not quiet,
+        process_group=group,
+    )
+    if rank != 0:
+        return
+    typer.echo(str(plan))
+    typer.echo(f"wrote {out}")
+
+
+def analyze(
+    size: Annotated[int, typer.Option(min=8, help="latent side used for the analysis and the probe")] = 32,
+    model: Model = None,
+    config: Config = None,
+    device: Device = "cpu",
+) -> None:
+    """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet.
+
+    Example: tilewise analyze --size 32
+    """
+    import torch
+
+    from ..locality import analyze as static
+    from ..locality import probe_receptive_field
+    from ..pipelines import load_pipeline
+
+    loaded = load_pipeline(model, config=config, device=device)
+    vae, unet = loaded.pipe.vae, loaded.pipe.unet
+    f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, vae.config.latent_channels, size, size, generator=g).to(device)
+    x = torch.randn(1, vae.config.in_channels, size * f, size * f, generator=g).to(device)
+    for name, module, example in (("VAE decoder", vae.decoder, z), ("VAE encoder", vae.encoder, x)):
+        typer.echo(f"== {name} ==")
+        typer.echo(str(static(module, example)))
+        typer.echo(str(probe_receptive_field(module, example)))
+    typer.echo("== UNet (probe at timestep 500, prompt embeddings zero) ==")
+    cond = loaded.encode("", "")["prompt_embeds"]
+
+    class _Step(torch.nn.Module):
+        def forward(self, s):
+            return unet(s, 500, encoder_hidden_states=cond.expand(len(s), -1, -1)).sample
+
+    lz = torch.randn(1, unet.config.in_channels, size, size, generator=g).to(device)
+    typer.echo(str(probe_receptive_field(_Step(), lz)))
+    typer.echo(
+        "The UNet's self-attention reaches the whole latent: tiled denoising is an approximation "
+        "(global composition can change); choose it separately from the exact tiled VAE."
+    )
+
+
+def plan(
+    width: Annotated[int, typer.Option(min=8, help="image width in pixels")] = 2048,
+    height: Annotated[int, typer.Option(min=8, help="image height in pixels")] = 2048,
+    kind: Annotated[str, typer.Option(help="decode | encode")] = "decode",
+    tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    mode: Annotated[Mode, typer.Option()] = Mode.exact,
+    budget: Annotated[
+        str | None, typer.Option(help="memory budget, e.g. 2GiB: picks tile and staging")
+    ] = None,
+    staging: Annotated[Staging, typer.Option()] = Staging.auto,
+    image: Annotated[
+        Path | None, typer.Option("--image", help="draw the tile grid and halos to this PNG")
+    ] = None,
+    over: Annotated[Path | None, typer.Option(help="picture to draw the grid over")] = None,
+    ranks: Annotated[
+        int, typer.Option(min=1, help="also plan N processes (--nproc N): rows, tiles, staged bytes per rank")
+    ] = 1,
+    model: Model = None,
+    config: Config = None,
+    report: Report = None,
+) -> None:
+    """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
+
+    Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
+    """
+    from ..geometry import TileGrid
+    from ..pipelines import load_pipeline
+    from ..vae import TiledVAE
+
+    if kind not in ("decode", "encode"):
+        raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+    loaded = load_pipeline(model, config=config)
+    vae = loaded.pipe.vae
+    f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
+    if width % f or height % f:
+        raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
+    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value)
+    shape = (
+        (1, vae.config.latent_channels, height // f, width // f)
+        if kind == "decode"
+        else (1, vae.config.in_channels, height, width)
+    )
+    p = tv.plan(shape, kind=kind)
+    typer.echo(str(p))
+    owner = None
+    if ranks > 1:
+        from ..vae.plan import plan_ranks
+        from ..vae.sharding import RowBands
+
+        for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=p.tile_size):
+            typer.echo(f"  {rp}")
+        lat = (height // f, width // f)
+        g = TileGrid(*lat, (min(p.tile_size, lat[0]), min(p.tile_size, lat[1])), order="serpentine")
+        bands = RowBands.build(g, 0, ranks)
+        owner = {i: r for r in range(ranks) for i in bands.tiles[r]}
+    run_dir = run_folder(report, {"command": "plan", "size": [width, height], "kind": kind})
+    pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
+    if pictures:
+        import numpy as np
+
+        backdrop = None
+        if over is not None:
+            from PIL import Image
+
+            with Image.open(over) as im:
+                backdrop = np.asarray(im.convert("RGB").resize((width, height)))
+        grid = TileGrid(height // f, width // f, p.tile_size, order="serpentine")
+        for q in pictures:
+            grid.draw(str(q), image=backdrop, scale=f, owner=owner)
+            typer.echo(f"wrote {q}")
+    write_plan(run_dir, p)
+    finish_report(run_dir)
+
+
+def compare(
+    size: Annotated[str, typer.Option(help="latent size WxH")] = "64x64",
+    pattern: Annotated[str, typer.Option(help="white | structured latent")] = "structured",
+    tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 16,
+    mode: Annotated[Mode, typer.Option()] = Mode.exact,
+    heatmap: Annotated[Path | None, typer.Option(help="write the error heatmap PNG here")] = None,
+    diffusers_tiling: Annotated[bool, typer.Option(help="also measure diffusers' enable_tiling")] = True,
+    model: Model = None,
+    config: Config = None,
+    report: Report = None,
+    quiet: Quiet = False,
+) -> None:
+    """Tiled vs untiled decode of the same latent: max/mean error, PSNR, seam score, tone drift, heatmap.
+
+    Example: tilewise compare --size 96x64 --tile 16 --mode fast --heatmap err.png
+    """
+    import torch
+
+    from ..geometry import TileGrid
+    from ..metrics import compare as measure
+    from ..metrics import error_heatmap, save_heatmap_png
+    from ..patterns import structured_latent, white_latent
+    from ..pipelines import load_pipeline
+    from ..vae import TiledVAE
+
+    if pattern not in ("white", "structured"):
+        raise ValueError(f"pattern must be 'white' or 'structured', got {pattern!r}")
+    w, h = parse_size(size)
+    loaded = load_pipeline(model, config=config)
+    vae = loaded.pipe.vae
+    f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
+    shape = (1, vae.config.latent_channels, h, w)
+    z = (white_latent if pattern == "white" else structured_latent)(shape, seed=0).to(vae.dtype)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        got = TiledVAE(vae, tile_size=tile, mode=mode.value, progress=not quiet).decode(z).sample
+    grid = TileGrid(h * f, w * f, tile * f)
+    rows = {"tilewise " + mode.value: measure(got, ref, tiles=grid, data_range=2.0)}
+    if diffusers_tiling:
+        import copy
+
+        dv = copy.deepcopy(vae)
+        dv.enable_tiling()
+        dv.tile_latent_min_size, dv.tile_sample_min_size = tile, tile * f
+        with torch.no_grad():
+            rows["diffusers enable_tiling"] = measure(dv.decode(z).sample, ref, tiles=grid, data_range=2.0)
+    for name, c in rows.items():
+        seam = "-" if c.seam_score is None else f"{c.seam_score:.3f} (untiled {c.seam_score_reference:.3f})"
+        typer.echo(
+            f"{name:<26} max {c.max_abs:.3g}  mean {c.mean_abs:.3g}  PSNR {c.psnr:.1f} dB  "
+            f"seam {seam}  tone drift {c.tone_drift:.3g}"
+        )
+    run_dir = run_folder(report, {"command": "compare", "size": size, "pattern": pattern, "tile": tile})
+    targets = [q for q in (heatmap, run_dir / "heatmap.png" if run_dir else None) if q is not None]
+    for q in targets:
+        save_heatmap_png(
+            error_heatmap(got, ref),
+            str(q),
+            grid_or_boxes=grid,
+            title=f"|tiled - untiled|, {mode.value}, tile {tile} latent px",
+        )
+        typer.echo(f"wrote {q}")
+    if run_dir is not None:
+        (run_dir / "errors.json").write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
+    finish_report(run_dir)

@@ -1,0 +1,108 @@
+"""A single checkpoint file (.safetensors, .ckpt) via diffusers' from_single_file; no weight left out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def load_single_file(path: Path, config: str | os.PathLike | None, local_files_only: bool):
+    """One original-format checkpoint through diffusers' from_single_file, configured by a local folder."""
+    if config is None:
+        if local_files_only:
+            # diffusers would infer the model family and fetch its configs from the Hub (it even turns
+            # local_files_only off to do so): refuse here, in one line, instead
+            raise ValueError(
+                f"--model {str(path)!r} is a single checkpoint: loading it offline needs --config FOLDER, "
+                "a local diffusers pipeline folder of the same architecture (model_index.json, component "
+                "configs, tokenizer), or downloads allowed (load_pipeline(..., local_files_only=False))"
+            )
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+        cls = StableDiffusionXLPipeline if "xl" in path.name.lower() else StableDiffusionPipeline
+        return cls.from_single_file(str(path), local_files_only=False)
+    folder = Path(config)
+    cls = _pipeline_class(folder)
+    from diffusers.loaders.single_file_utils import SingleFileComponentError
+
+    try:
+        pipe = cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
+    except (RuntimeError, SingleFileComponentError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        if isinstance(e, RuntimeError) and not lines[0].startswith("Error(s) in loading state_dict"):
+            raise
+        detail = lines[1] if isinstance(e, RuntimeError) and len(lines) > 1 else lines[0]
+        raise ValueError(
+            f"--model {str(path)!r} does not fit the architecture of --config {str(folder)!r}: {detail}"
+        ) from e
+    _check_complete(pipe, path, folder)
+    return pipe
+
+
+def _checkpoint_shapes(path: Path) -> dict:
+    """Every tensor of a checkpoint file as a meta tensor of its shape (weights are not loaded)."""
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    import zipfile
+
+    state = torch.load(path, map_location="meta", weights_only=True, mmap=zipfile.is_zipfile(path))
+    while "state_dict" in state:
+        state = state["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_complete(pipe, path: Path, folder: Path) -> None:
+    """Every UNet, VAE and CLIP-L text-encoder weight was in the checkpoint (diffusers' key conversion rerun
+    on shapes only): diffusers loads with strict=False, so a weight the file lacks stays random."""
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_ldm_unet_checkpoint,
+        convert_ldm_vae_checkpoint,
+    )
+
+    ckpt = _checkpoint_shapes(path)
+    found = {}
+    if type(getattr(pipe, "unet", None)).__name__ == "UNet2DConditionModel":
+        found["unet"] = convert_ldm_unet_checkpoint(ckpt, pipe.unet.config)
+    if type(getattr(pipe, "vae", None)).__name__ == "AutoencoderKL":
+        found["vae"] = convert_ldm_vae_checkpoint(ckpt, pipe.vae.config)
+    clip = convert_ldm_clip_checkpoint(ckpt)  # empty for OpenCLIP layouts (SD 2.x), not checked here
+    if clip and type(getattr(pipe, "text_encoder", None)).__name__.startswith("CLIPTextModel"):
+        found["text_encoder"] = clip
+    for name, converted in found.items():
+        have = {k.removeprefix("text_model.") for k, v in converted.items() if v is not None}
+        want = {k.removeprefix("text_model.") for k in getattr(pipe, name).state_dict()}
+        missing = sorted(want - have)
+        if missing:
+            raise ValueError(
+                f"--model {str(path)!r} lacks {len(missing)} of the {len(want)} {name} weights that --config "
+                f"{str(folder)!r} describes (e.g. {missing[0]!r}); they would stay random: give the config "
+                "folder of the checkpoint's own architecture"
+            )
+
+
+def _pipeline_class(folder: Path):
+    """The pipeline class a diffusers folder names in model_index.json ('_class_name')."""
+    import json
+
+    import diffusers
+
+    index = folder / "model_index.json"
+    if not folder.is_dir() or not index.is_file():
+        what = "does not exist" if not folder.exists() else "has no model_index.json"
+        raise ValueError(
+            f"--config {str(folder)!r} {what}: give a diffusers pipeline folder (model_index.json, "
+            "component configs, tokenizer) of the checkpoint's architecture"
+        )
+    name = json.loads(index.read_text()).get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    if cls is None or not hasattr(cls, "from_single_file"):
+        raise ValueError(
+            f"{str(index)!r} names pipeline class {name!r}, which diffusers cannot load from a single file"
+        )
+    return cls
