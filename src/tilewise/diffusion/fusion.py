@@ -28,6 +28,7 @@ import torch
 from ..blending import Accumulator, weight_window
 from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, resolve_group, shard
 from ..geometry import TileGrid, as_pair, box_slices
+from ..wrapper import ModelWrapper
 from .adapters import Call, adapter_for
 from .pieces import Piece, plan_pieces
 from .regions import Region, region_weights
@@ -56,8 +57,12 @@ def _take_rows(value: Any, rows: torch.Tensor, n_rows: int, repeats: int) -> Any
     return value
 
 
-class TiledDenoiser(torch.nn.Module):
+class TiledDenoiser(ModelWrapper):
     """Tiled diffusion wrapper: same call signature and return type as the wrapped diffusers denoiser.
+
+    An nn.Module holding the model as its submodule `unet` (whatever its family); it presents the model
+    (`tilewise.wrapper`): `pipe.to(...)` moves it, `pipe.save_pretrained` saves it as stock diffusers does,
+    and attributes (config, add_embedding, ...) and helpers (FreeU, attention processors) read through.
 
     `tile_size`, `overlap`, `halo` are in latent pixels; tiles are `tile_size` windows (the whole side when
     the latent is smaller), whose size must be a multiple of the UNet's downsampling factor. `batch_size`
@@ -73,6 +78,8 @@ class TiledDenoiser(torch.nn.Module):
     every rank returns the same prediction, equal to the single-process one; ranks must get the same
     inputs (same seed: the pipeline draws noise from one global generator).
     """
+
+    wrapped = "unet"
 
     def __init__(
         self,
@@ -98,7 +105,6 @@ class TiledDenoiser(torch.nn.Module):
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
             kind = type(unet).__name__
             raise ValueError(f"unet must be a denoiser nn.Module (not already tiled), got {kind}")
-        self.unet = unet
         self.method = method
         self.tile_size = as_pair(tile_size, "tile_size")
         self.overlap = as_pair(overlap, "overlap")
@@ -118,26 +124,7 @@ class TiledDenoiser(torch.nn.Module):
         self._validate()
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
         self._logged: set[tuple[int, int]] = set()
-
-    # ---- attribute pass-through: config, dtype, device, add_embedding, in_channels, ... -----------------
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            unet = self.__dict__["_modules"].get("unet")
-            if unet is None:
-                raise
-            return getattr(unet, name)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The wrapped model's dtype."""
-        return self.unet.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """The wrapped model's device."""
-        return self.unet.device
+        self._wrap(unet)  # last: the settings above stay the wrapper's
 
     @property
     def regions(self) -> list[Region]:

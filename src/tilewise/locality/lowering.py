@@ -111,10 +111,17 @@ def _resnet(b: _Builder, r, x: str, where: str) -> str:
 
 
 def _attention(b: _Builder, a, x: str, where: str) -> str:
-    """diffusers Attention (AttnProcessor / AttnProcessor2_0, self-attention over spatial tokens)."""
-    from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+    """diffusers Attention (AttnProcessor / AttnProcessor2_0, self-attention over spatial tokens; with
+    FusedAttnProcessor2_0 the same attention from one fused projection: its to_q / to_k / to_v remain)."""
+    from diffusers.models.attention_processor import (
+        Attention,
+        AttnProcessor,
+        AttnProcessor2_0,
+        FusedAttnProcessor2_0,
+    )
 
-    if type(a) is not Attention or type(a.processor) not in (AttnProcessor, AttnProcessor2_0):
+    if type(a) is not Attention or type(a.processor) not in (AttnProcessor, AttnProcessor2_0,
+                                                              FusedAttnProcessor2_0):
         raise _unsupported(a.processor if type(a) is Attention else a, where)
     if a.spatial_norm is not None or a.norm_q is not None or a.norm_k is not None or a.is_cross_attention:
         raise _unsupported(a, where)

@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from ..locality.lowering import chain, lower, lower_conv
 from ..locality.program import Program
+from ..wrapper import ModelWrapper
 from .bands import BAND_BYTES
 from .executor import Executor
 from .fast import crop_stats, fast_split, run_fast
@@ -27,8 +30,15 @@ MODES = ("exact", "fast")
 ATTENTIONS = ("global", "tile")
 
 
-class TiledVAE:
-    """Wrap an AutoencoderKL / AutoencoderTiny: tile-by-tile decode and encode, exact by default."""
+class TiledVAE(ModelWrapper):
+    """Wrap an AutoencoderKL / AutoencoderTiny: tile-by-tile decode and encode, exact by default.
+
+    An nn.Module holding the VAE as its submodule `vae`; it presents the VAE (`tilewise.wrapper`):
+    `pipe.to(...)` moves it, `pipe.save_pretrained` saves the VAE as stock diffusers does.
+    """
+
+    wrapped = "vae"
+    _transient = ("_programs",)  # lowered programs hold lambdas: rebuilt on first use after a copy
 
     def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
@@ -45,7 +55,10 @@ class TiledVAE:
             raise ValueError(f"tile_size must be a positive int (latent pixels), got {tile_size!r}")
         if query_chunk < 1:
             raise ValueError(f"query_chunk must be >= 1, got {query_chunk!r}")
-        self.__dict__["vae"] = vae
+        if not isinstance(vae, torch.nn.Module) or isinstance(vae, TiledVAE):
+            raise ValueError(f"vae must be a diffusers VAE module (not already tiled), "
+                             f"got {type(vae).__name__}")
+        super().__init__()
         self.tile_size, self.mode, self.attention = tile_size, mode, attention
         self.memory_budget = None
         if memory_budget is not None:
@@ -71,34 +84,27 @@ class TiledVAE:
                              "desynchronise the others): drop it or process_group")
         self.process_group = process_group
         self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
-        self._programs: dict[str, Program] = {}
-
-    # -- pass-through -------------------------------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["vae"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__ or name in ("tile_size", "mode", "attention", "memory_budget", "staging",
-                                             "retry_on_oom", "progress", "color_fix", "query_chunk",
-                                             "stage_dir", "_programs", "fast_crop", "fast_sample",
-                                             "fast_estimator", "fast_low", "process_group",
-                                             "last_staged_peak"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.vae, name, value)
+        self._wrap(vae)  # (moves and casts keep parameter identity, so the lowered programs follow)
 
     def __repr__(self) -> str:
         return (f"TiledVAE({type(self.vae).__name__}, tile_size={self.tile_size}, mode={self.mode!r}, "
                 f"attention={self.attention!r}, staging={self.staging!r})")
 
-    def to(self, *args, **kwargs) -> TiledVAE:
-        """Move the wrapped VAE (parameters keep their identity, so the programs follow)."""
-        self.vae.to(*args, **kwargs)
-        return self
+    def enable_tiling(self, *args, **kwargs) -> None:
+        """diffusers' tiling is not used through this wrapper: tilewise's tiling is active already."""
+        logger.info("TiledVAE: enable_tiling() ignored, tilewise's %s tiling is active (tile %d latent px)",
+                    self.mode, self.tile_size)
 
-    def __call__(self, sample, *args, **kwargs):
-        return self.forward(sample, *args, **kwargs)
+    def enable_slicing(self, *args, **kwargs) -> None:
+        """Batch slicing is not needed: tiles bound the memory whatever the batch."""
+        logger.info("TiledVAE: enable_slicing() ignored, tilewise's %s tiling is active (tile %d latent px)",
+                    self.mode, self.tile_size)
+
+    def disable_tiling(self) -> None:
+        logger.info("TiledVAE: disable_tiling() ignored; decode with the wrapped VAE (tv.vae) to run untiled")
+
+    def disable_slicing(self) -> None:
+        logger.info("TiledVAE: disable_slicing() ignored (tilewise's tiling is active)")
 
     def forward(self, sample, sample_posterior: bool = False, return_dict: bool = True, generator=None):
         """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths."""
@@ -121,6 +127,8 @@ class TiledVAE:
 
     def program(self, kind: str) -> Program:
         """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
+        if "_programs" not in self.__dict__:
+            self.__dict__["_programs"] = {}
         if kind not in self._programs:
             if kind == "decode":
                 p = lower(self.vae.decoder)
@@ -156,12 +164,12 @@ class TiledVAE:
                              f"(shape {tuple(t.shape)})")
         if min(t.shape) == 0:
             raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
-        if kind == "encode":
-            f = self.factor("encode")
-            h, w = t.shape[-2:]
-            if h % f or w % f:
-                raise ValueError(f"image height and width must be multiples of {f} for encode, got {h}x{w}; "
-                                 f"pad or crop to {h - h % f or f}x{w - w % f or f}")
+        h, w = t.shape[-2:]
+        shapes = p.shapes((h, w))
+        small = next((op for op in p.ops if min(shapes[op.dst]) < 1), None)
+        if small is not None:
+            raise ValueError(f"{what} of {h}x{w} is too small for the VAE {kind}r: {small.name} would have "
+                             f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
         if torch.is_grad_enabled() and t.requires_grad:
             raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
                                "would break backward(); use the wrapped VAE directly to train")
