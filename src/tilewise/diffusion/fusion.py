@@ -72,6 +72,9 @@ class TiledDenoiser(torch.nn.Module):
     and the weighted value and weight buffers (float64) are summed over the ranks before normalising, so
     every rank returns the same prediction, equal to the single-process one; ranks must get the same
     inputs (same seed: the pipeline draws noise from one global generator).
+    `positions` (transformers: SD3, Flux, Flux.2, Qwen-Image, Z-Image): "global" gives each tile's tokens
+    the positional inputs they have in the untiled call; "tile" those of an image the tile's size, as
+    today's tiled-diffusion tools do (for comparison). A UNet has none: both compute the same.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TiledDenoiser(torch.nn.Module):
         align: int | None = None,
         progress: bool = False,
         process_group: Any = None,
+        positions: str = "global",
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
@@ -107,7 +111,8 @@ class TiledDenoiser(torch.nn.Module):
         self.vae_scale_factor, self.cfg = vae_scale_factor, cfg
         # how this model family is called on a tile (tilewise.diffusion.adapters)
         self.adapter = adapter_for(unet, micro_conditioning=micro_conditioning,
-                                   vae_scale_factor=vae_scale_factor)
+                                   vae_scale_factor=vae_scale_factor, positions=positions)
+        self.positions = positions
         self.align = self.adapter.align(unet) if align is None else align
         self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.regions = regions
