@@ -48,9 +48,9 @@ def test_one_tile_covering_the_latent_equals_the_stock_pipeline(name):
 
 
 @pytest.mark.parametrize("positions", ["global", "tile"])
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, "flux-fill"])
 def test_several_tiles_run_and_do_not_depend_on_tile_batch_size(name, positions):
-    pipe, kw = FAMILIES[name]()
+    pipe, kw = (FAMILIES | VARIANTS)[name]()
     ref = run(pipe, kw)
     model = pipe.transformer
     outs = []

@@ -158,6 +158,21 @@ def flux_kontext():
     return kontext, dict(kw, image=image(), _auto_resize=False, max_area=32 * 32)
 
 
+def flux_fill():
+    """Fill: every token carries the masked image's and the mask's channels (16 + 16 + 4 at VAE scale 1)."""
+    import numpy as np
+    import PIL.Image
+    from diffusers import FluxFillPipeline
+
+    pipe, kw = flux()
+    fill = FluxFillPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=None, tokenizer=None,
+                            text_encoder_2=None, tokenizer_2=None,
+                            transformer=flux_transformer(in_channels=36))
+    mask = np.zeros((32, 32), dtype="uint8")
+    mask[8:24, 8:24] = 255
+    return fill, dict(kw, image=image(), mask_image=PIL.Image.fromarray(mask))
+
+
 def flux2_klein():
     from diffusers import Flux2KleinPipeline
 
@@ -168,5 +183,5 @@ def flux2_klein():
 
 
 FAMILIES = {"sd3": sd3, "flux": flux, "flux2": flux2, "qwen": qwen, "zimage": zimage}
-VARIANTS = {"sd3-img2img": sd3_img2img, "flux-img2img": flux_img2img, "flux-kontext": flux_kontext,
-            "flux2-klein": flux2_klein}
+VARIANTS = {"sd3-img2img": sd3_img2img, "flux-img2img": flux_img2img, "flux-fill": flux_fill,
+            "flux-kontext": flux_kontext, "flux2-klein": flux2_klein}
