@@ -183,6 +183,9 @@ def test_bad_positions_and_refused_inputs():
     model, args, kwargs = captured("flux")
     with pytest.raises(ValueError, match="positions must be one of \\('global', 'tile'\\), got 'local'"):
         TiledDenoiser(model, positions="local")
+    with pytest.raises(ValueError, match="tile_size 7 along height is not a multiple of the transformer's "
+                                         "patch side in latent pixels, 2; use 6 or 8"):
+        TiledDenoiser(model, tile_size=7, overlap=2)
     den = TiledDenoiser(model, **TILED)
     with pytest.raises(NotImplementedError, match="controlnet_block_samples .* not tiled yet"):
         den(*args, **kwargs, controlnet_block_samples=[torch.zeros(1)])

@@ -171,8 +171,8 @@ class TiledDenoiser(torch.nn.Module):
                 raise ValueError(f"overlap {o} must satisfy 0 <= overlap < tile_size {t} along {axis}")
             if t % self.align:
                 lo, hi = t // self.align * self.align, -(-t // self.align) * self.align
-                raise ValueError(f"tile_size {t} along {axis} is not a multiple of the UNet's downsampling "
-                                 f"factor {self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
+                raise ValueError(f"tile_size {t} along {axis} is not a multiple of {self.adapter.align_name} "
+                                 f"{self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.method == "halo" and self.halo is None:
@@ -193,7 +193,7 @@ class TiledDenoiser(torch.nn.Module):
                              f"{tuple(sample.shape)}")
         H, W = sample.shape[-2:]
         if H < self.align or W < self.align:
-            raise ValueError(f"latent {H}x{W} is smaller than the UNet's downsampling factor {self.align}; "
+            raise ValueError(f"latent {H}x{W} is smaller than {self.adapter.align_name} {self.align}; "
                              f"height and width must be >= {self.align} latent pixels")
         if (H < self.tile_size[0] or W < self.tile_size[1]) and (H, W) not in self._logged:
             self._logged.add((H, W))

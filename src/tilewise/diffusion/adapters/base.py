@@ -32,6 +32,7 @@ class Adapter:
 
     family = ""
     classes: tuple[str, ...] = ()  # model class names this adapter calls
+    align_name = "the model's alignment"  # what `align` is, for error messages
 
     def __init__(self, positions: str = "global", **options: Any) -> None:
         # options meant for other families (micro_conditioning, vae_scale_factor) are not this one's

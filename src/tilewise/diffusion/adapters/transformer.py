@@ -95,6 +95,7 @@ def hooked(module, hook, *, pre: bool = False, with_kwargs: bool = False):
 class TransformerAdapter(Adapter):
     """The part of a transformer family's adapter that reads like every other (see the module docstring)."""
 
+    align_name = "the transformer's patch side in latent pixels,"
     sample_arg = "hidden_states"
     timestep_arg = "timestep"
     prompt_arg = "encoder_hidden_states"

@@ -32,6 +32,7 @@ class UNetAdapter(Adapter):
 
     family = "unet"
     classes = ("UNet2DConditionModel",)
+    align_name = "the UNet's downsampling factor"
 
     def __init__(self, micro_conditioning: str | Callable = "tile", vae_scale_factor: int = 8,
                  positions: str = "global", **options):

@@ -63,6 +63,8 @@ class ZImageAdapter(TransformerAdapter):
         from torch.nn.utils.rnn import pad_sequence
 
         call = super().parse(model, args, kwargs)
+        if "cap_feats" not in call.cond:
+            raise TypeError(f"TiledDenoiser.forward() for {type(model).__name__} needs cap_feats")
         caps = call.cond["cap_feats"]  # a list of (L_i, D): as a padded tensor, its rows split per tile
         call.cond["cap_feats"] = pad_sequence(list(caps), batch_first=True)
         call.cond["cap_lens"] = torch.tensor([len(c) for c in caps])
