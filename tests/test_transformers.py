@@ -205,6 +205,22 @@ def test_flux_kontext_image_is_cropped_per_tile_or_refused():
         run(pipe, {**kw, "image": kw["image"].resize((16, 16))})
 
 
+def test_flux2_reference_image_is_cropped_per_tile_or_refused():
+    from tiny_transformers import image
+
+    pipe, kw = FAMILIES["flux2"]()  # Flux.2 takes reference images of at least 64 px
+    kw = dict(kw, image=image(64))
+    ref = run(pipe, kw, px=64)
+    pipe.transformer = TiledDenoiser(pipe.transformer, tile_size=64)
+    assert np.abs(run(pipe, kw, px=64) - ref).max() <= 1e-5
+    pipe.transformer = TiledDenoiser(pipe.transformer.unet, tile_size=32, overlap=8)
+    out = run(pipe, kw, px=64)
+    assert np.isfinite(out).all() and np.abs(out - ref).max() > 1e-4
+    with pytest.raises(ValueError, match=r"conditioning image \(img_ids first id 10\) is a 48x48 token grid "
+                                         r"beside the 32x32 latent"):
+        run(pipe, {**kw, "image": image(96)}, px=64)
+
+
 def test_flux_fill_shaped_tokens_and_qwen_edit_reference_images():
     from tiny_transformers import flux_transformer, qwen_transformer
 
