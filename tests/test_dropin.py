@@ -27,8 +27,6 @@ torch.set_num_threads(1)
 NOT_YET = {
     "sd_controlnet": "issue 18: ControlNet residuals per tile",
     "sdxl_controlnet": "issue 18: ControlNet residuals per tile",
-    "sd3": "issue 17: transformer denoisers",
-    "flux": "issue 17: transformer denoisers",
 }
 # bf16 against the stock bf16 pipeline: the tiled decode rounds differently (statistics in float64, one
 # GroupNorm affine), so it may differ by up to bf16's own error of the stock pipeline against fp32
@@ -91,15 +89,15 @@ def test_save_pretrained_writes_the_wrapped_model_and_stock_loading_reads_it(nam
     build, run, attr = tp.CASES[name]
     ref = run(build())
     pipe = _tiled_vae(build())
-    if attr == "unet":
-        pipe.unet = tw.TiledDenoiser(pipe.unet, tile_size=64, overlap=0)
+    denoiser = getattr(pipe, attr)
+    setattr(pipe, attr, tw.TiledDenoiser(denoiser, tile_size=64, overlap=0))
     pipe.save_pretrained(tmp_path)
     index = json.loads((tmp_path / "model_index.json").read_text())
     vae_cls = type(pipe.vae.vae).__name__
     assert index["vae"] == ["diffusers", vae_cls]
     assert (tmp_path / "vae" / "config.json").exists() and list((tmp_path / "vae").glob("*.safetensors"))
-    if attr == "unet":
-        assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
+    assert index[attr] == ["diffusers", type(denoiser).__name__]
+    assert list((tmp_path / attr).glob("*.safetensors"))
     loaded = type(pipe).from_pretrained(tmp_path, **_nones(pipe))  # stock loading: plain diffusers modules
     assert type(loaded.vae).__name__ == vae_cls and not isinstance(loaded.vae, tw.TiledVAE)
     tp._ready(loaded)

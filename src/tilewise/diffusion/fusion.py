@@ -77,6 +77,9 @@ class TiledDenoiser(ModelWrapper):
     and the weighted value and weight buffers (float64) are summed over the ranks before normalising, so
     every rank returns the same prediction, equal to the single-process one; ranks must get the same
     inputs (same seed: the pipeline draws noise from one global generator).
+    `positions` (transformers: SD3, Flux, Flux.2, Qwen-Image, Z-Image): "global" gives each tile's tokens
+    the positional inputs they have in the untiled call; "tile" those of an image the tile's size, as
+    today's tiled-diffusion tools do (for comparison). A UNet has none: both compute the same.
     """
 
     wrapped = "unet"
@@ -100,6 +103,7 @@ class TiledDenoiser(ModelWrapper):
         align: int | None = None,
         progress: bool = False,
         process_group: Any = None,
+        positions: str = "global",
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
@@ -113,7 +117,8 @@ class TiledDenoiser(ModelWrapper):
         self.vae_scale_factor, self.cfg = vae_scale_factor, cfg
         # how this model family is called on a tile (tilewise.diffusion.adapters)
         self.adapter = adapter_for(unet, micro_conditioning=micro_conditioning,
-                                   vae_scale_factor=vae_scale_factor)
+                                   vae_scale_factor=vae_scale_factor, positions=positions)
+        self.positions = positions
         self.align = self.adapter.align(unet) if align is None else align
         self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.regions = regions
@@ -153,8 +158,8 @@ class TiledDenoiser(ModelWrapper):
                 raise ValueError(f"overlap {o} must satisfy 0 <= overlap < tile_size {t} along {axis}")
             if t % self.align:
                 lo, hi = t // self.align * self.align, -(-t // self.align) * self.align
-                raise ValueError(f"tile_size {t} along {axis} is not a multiple of the UNet's downsampling "
-                                 f"factor {self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
+                raise ValueError(f"tile_size {t} along {axis} is not a multiple of {self.adapter.align_name} "
+                                 f"{self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.method == "halo" and self.halo is None:
@@ -175,7 +180,7 @@ class TiledDenoiser(ModelWrapper):
                              f"{tuple(sample.shape)}")
         H, W = sample.shape[-2:]
         if H < self.align or W < self.align:
-            raise ValueError(f"latent {H}x{W} is smaller than the UNet's downsampling factor {self.align}; "
+            raise ValueError(f"latent {H}x{W} is smaller than {self.adapter.align_name} {self.align}; "
                              f"height and width must be >= {self.align} latent pixels")
         if (H < self.tile_size[0] or W < self.tile_size[1]) and (H, W) not in self._logged:
             self._logged.add((H, W))

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 200  # rows shown per table; the rest are counted, not dropped silently
 MAX_EXTRA_PNG_BYTES = 8 * 2**20  # other pictures larger than this are listed, not embedded
 X_KEYS = ("tokens", "area", "pixels", "positions", "size", "x")
-Y_KEYS = ("seconds", "time_s", "time", "ms", "y")
+Y_KEYS = ("seconds", "time_s", "time", "ms", "flops", "y")
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1200px;color:#222;padding:0 16px}

@@ -5,7 +5,8 @@ it never names a model's arguments. An adapter does, in four steps of every call
 
 1. `parse(model, args, kwargs) -> Call`: the pipeline's call as a (B, C, H, W) latent grid, the
    timestep, the per-row conditioning (tensors whose leading dim is the batch: split into row sets and
-   repeated per tile) and what goes to every tile unchanged.
+   repeated per tile), what goes to every tile unchanged, and the layout that packs a prediction back
+   (a transformer's token order and position ids).
 2. `apply_region(cond, region, n)`: a regional prompt's embeddings in place of the prompt's.
 3. `predict(model, call, x, t, cond, boxes, rows) -> prediction`: the model on a batch of tiles `x`
    (n tiles x `rows` rows, all of one size) cut at the grid boxes `boxes`, with the conditioning the
@@ -14,17 +15,25 @@ it never names a model's arguments. An adapter does, in four steps of every call
 
 `adapter_for(model, **options)` picks the family from the model class and refuses an unsupported one
 in one line naming the supported classes. The UNet adapter is the last family and takes any other
-module with the UNet's call, `model(sample, timestep, encoder_hidden_states=..., return_dict=False)`.
+module with the UNet's call, `model(sample, timestep, encoder_hidden_states=..., return_dict=False)`,
+except a diffusers transformer that no family calls.
 """
 
 from __future__ import annotations
 
-from .base import Adapter, Call
+from .base import POSITIONS, Adapter, Call
+from .flux import Flux2Adapter, FluxAdapter
+from .qwen import QwenImageAdapter
+from .sd3 import SD3Adapter
 from .unet import UNetAdapter
+from .zimage import ZImageAdapter
 
-__all__ = ["Adapter", "Call", "UNetAdapter", "adapter_for"]
+__all__ = ["POSITIONS", "Adapter", "Call", "FAMILIES", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter",
+           "SD3Adapter", "UNetAdapter", "ZImageAdapter", "adapter_for"]
 
-FAMILIES: list[type[Adapter]] = [UNetAdapter]  # tried in order: the UNet adapter, the fallback, last
+# tried in order: the UNet adapter, the fallback, last
+FAMILIES: list[type[Adapter]] = [SD3Adapter, FluxAdapter, Flux2Adapter, QwenImageAdapter, ZImageAdapter,
+                                 UNetAdapter]
 
 
 def adapter_for(model, **options) -> Adapter:
@@ -34,4 +43,4 @@ def adapter_for(model, **options) -> Adapter:
             return cls(**options)
     supported = ", ".join(c for cls in FAMILIES for c in cls.classes)
     raise ValueError(f"TiledDenoiser cannot wrap a {type(model).__name__}: supported model classes are "
-                     f"{supported}")
+                     f"{supported} (and modules called like a UNet)")

@@ -7,6 +7,8 @@ from typing import Any
 
 from ...geometry import Box
 
+POSITIONS = ("global", "tile")  # a tile's tokens get their positions in the image, or those of a tile
+
 
 @dataclass
 class Call:
@@ -17,18 +19,31 @@ class Call:
     cond: dict[str, Any] = field(default_factory=dict)  # per-row conditioning (leading dim = batch)
     shared: dict[str, Any] = field(default_factory=dict)  # passed to every tile unchanged
     return_dict: bool = True
+    layout: Any = None  # the adapter's own record of how the call's input maps to the grid (packing back)
 
 
 class Adapter:
-    """The contract of one model family (see the module docstring); subclasses implement every method."""
+    """The contract of one model family (see the module docstring); subclasses implement every method.
+
+    `positions` ("global" or "tile"): whether a tile's tokens get the positional inputs they have in the
+    whole image or those of an image the size of the tile (today's tiled-diffusion tools); families
+    without positional inputs compute the same either way.
+    """
 
     family = ""
     classes: tuple[str, ...] = ()  # model class names this adapter calls
+    align_name = "the model's alignment"  # what `align` is, for error messages
+
+    def __init__(self, positions: str = "global", **options: Any) -> None:
+        # options meant for other families (micro_conditioning, vae_scale_factor) are not this one's
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        self.positions = positions
 
     @classmethod
     def accepts(cls, model) -> bool:
-        """Whether this adapter calls `model` (by default: its class is one of `classes`)."""
-        return type(model).__name__ in cls.classes
+        """Whether this adapter calls `model` (by default: its class or a base class is in `classes`)."""
+        return any(c.__name__ in cls.classes for c in type(model).__mro__)
 
     def align(self, model) -> int:
         """Tile sides must be multiples of this many latent pixels (downsampling factor, patch size)."""
@@ -45,3 +60,14 @@ class Adapter:
 
     def output(self, call: Call, fused):
         raise NotImplementedError
+
+
+def expand_rows(t, n: int, name: str):
+    """A region's embeddings (batch 1 or a divisor of n) for n rows."""
+    if t.shape[0] == n:
+        return t
+    if t.shape[0] == 1:
+        return t.expand(n, *t.shape[1:])
+    if n % t.shape[0] == 0:
+        return t.repeat(n // t.shape[0], *([1] * (t.ndim - 1)))
+    raise ValueError(f"Region.{name} has batch {t.shape[0]}; expected 1 or a divisor of {n} rows")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Adapter, Call
+from .base import Adapter, Call, expand_rows
 
 MICRO_CONDITIONING = ("tile", "pipeline")
 # UNet2DConditionModel.forward's conditioning arguments after (sample, timestep), in its order
@@ -27,24 +27,16 @@ def downsampling_factor(unet) -> int:
     return 2 ** (len(blocks) - 1) if blocks else 1
 
 
-def expand_rows(t, n: int, name: str):
-    """A region's embeddings (batch 1 or a divisor of n) for n rows."""
-    if t.shape[0] == n:
-        return t
-    if t.shape[0] == 1:
-        return t.expand(n, *t.shape[1:])
-    if n % t.shape[0] == 0:
-        return t.repeat(n // t.shape[0], *([1] * (t.ndim - 1)))
-    raise ValueError(f"Region.{name} has batch {t.shape[0]}; expected 1 or a divisor of {n} rows")
-
-
 class UNetAdapter(Adapter):
     """diffusers UNets, and any denoiser module called like one (the fallback family)."""
 
     family = "unet"
     classes = ("UNet2DConditionModel",)
+    align_name = "the UNet's downsampling factor"
 
-    def __init__(self, micro_conditioning: str | Callable = "tile", vae_scale_factor: int = 8):
+    def __init__(self, micro_conditioning: str | Callable = "tile", vae_scale_factor: int = 8,
+                 positions: str = "global", **options):
+        super().__init__(positions)  # a UNet has no positional inputs: "global" and "tile" compute the same
         if not (callable(micro_conditioning) or micro_conditioning in MICRO_CONDITIONING):
             raise ValueError(f"micro_conditioning must be one of {MICRO_CONDITIONING} or a callable, "
                              f"got {micro_conditioning!r}")
@@ -52,7 +44,8 @@ class UNetAdapter(Adapter):
 
     @classmethod
     def accepts(cls, model) -> bool:
-        return True  # the fallback: any module called like a UNet
+        """The fallback: any module called like a UNet, except a diffusers transformer no family calls."""
+        return not type(model).__module__.startswith("diffusers.models.transformers.")
 
     def align(self, model) -> int:
         return downsampling_factor(model)
