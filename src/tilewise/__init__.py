@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "PNGSink": "sinks",
     "TIFFSink": "sinks",
     "open_sink": "sinks",
+    "open_video_sink": "video_sinks",
     # metrics and test patterns
     "compare": "metrics",
     "seam_score": "metrics",
