@@ -224,3 +224,21 @@ def test_drops_into_stock_qwen_image_pipelines_for_decode_and_encode():
         out = pipe(generator=torch.Generator().manual_seed(1), **call).images
         assert pipe.vae.plan((1, 4, 1, 10, 14)).grid == (4, 5)
         assert out.shape == ref.shape and (out - ref).abs().max() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["frames", "tiles"])
+def test_wan22_long_video_on_a_larger_grid_is_exact(order):
+    """Wan 2.2 (patchify, residual up/down blocks, DupUp3D / AvgDown3D) over 6 latent frames on a 3x4 grid,
+    caches and staged values on the host; encode of 17 frames (1 + 4 x 4)."""
+    vae = video_vae("wan2.2")
+    tv = tw.TiledVAE(vae, tile_size=4, progress=False)
+    z = _latent(6, 9, 13, seed=8)
+    p = tv.program("decode")
+    with torch.no_grad():
+        out = VideoExecutor(p, 4, p.input, staging="host", order=order, progress=False).run(z)
+        assert (out - vae.decode(z).sample).abs().max() <= TOL
+        x = _video(vae, 17, 6, 8, seed=9)
+        p = tv.program("encode")
+        enc = VideoExecutor(p, 3, p.output, staging="host", order=order, progress=False).run(x)
+        assert (enc - vae.encode(x).latent_dist.parameters).abs().max() <= TOL

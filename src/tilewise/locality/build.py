@@ -68,3 +68,15 @@ def in_place(fn: Callable) -> Callable | None:
 def pointwise(b: Builder, fn: Callable, label: str, x: str, where: str) -> str:
     """A per-position function (with its in-place form when torch has one)."""
     return b.emit(Pointwise, (x,), where, fn=fn, label=label, fn_=in_place(fn))
+
+
+def mid_block(b: Builder, m, x: str, where: str, resnet: Callable, attention: Callable,
+              strict: bool = True) -> str:
+    """A diffusers mid block (UNetMidBlock2D, WanMidBlock): resnet, then (attention, resnet) pairs; an
+    attention of None is skipped, as their forwards do (strict=False: as many pairs as zip makes)."""
+    x = resnet(b, m.resnets[0], x, f"{where}.resnets.0")
+    for i, (attn, res) in enumerate(zip(m.attentions, m.resnets[1:], strict=strict)):
+        if attn is not None:
+            x = attention(b, attn, x, f"{where}.attentions.{i}")
+        x = resnet(b, res, x, f"{where}.resnets.{i + 1}")
+    return x

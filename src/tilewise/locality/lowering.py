@@ -7,7 +7,7 @@ points to `probe_receptive_field`, which works on any module.
 
 from __future__ import annotations
 
-from .build import Builder, LoweringError, activation, pointwise, unsupported
+from .build import Builder, LoweringError, activation, mid_block, pointwise, unsupported
 from .ops import Add, AttentionCore, Conv, GroupNorm, Resample
 from .program import Program
 
@@ -88,12 +88,7 @@ def _mid_block(b: Builder, m, x: str, where: str) -> str:
 
     if type(m) is not UNetMidBlock2D:
         raise unsupported(m, where)
-    x = _resnet(b, m.resnets[0], x, f"{where}.resnets.0")
-    for i, (attn, res) in enumerate(zip(m.attentions, m.resnets[1:], strict=True)):
-        if attn is not None:
-            x = _attention(b, attn, x, f"{where}.attentions.{i}")
-        x = _resnet(b, res, x, f"{where}.resnets.{i + 1}")
-    return x
+    return mid_block(b, m, x, where, _resnet, _attention)
 
 
 def _downsample(b: Builder, d, x: str, where: str) -> str:

@@ -12,7 +12,7 @@ unpatchify and the clamp to [-1, 1]; patchify, encoder, quant_conv; and their ca
 
 from __future__ import annotations
 
-from .build import Builder, activation, pointwise, unsupported
+from .build import Builder, activation, mid_block, pointwise, unsupported
 from .ops import Add, Pointwise
 from .ops3d import (
     CausalConv3d,
@@ -141,12 +141,7 @@ def _mid(b: Builder, m, x: str, where: str) -> str:
     """WanMidBlock: resnet, then (attention, resnet) pairs."""
     if type(m) not in _classes("MidBlock"):
         raise unsupported(m, where)
-    x = _resblock(b, m.resnets[0], x, f"{where}.resnets.0")
-    for i, (attn, res) in enumerate(zip(m.attentions, m.resnets[1:], strict=False)):
-        if attn is not None:
-            x = _attention(b, attn, x, f"{where}.attentions.{i}")
-        x = _resblock(b, res, x, f"{where}.resnets.{i + 1}")
-    return x
+    return mid_block(b, m, x, where, _resblock, _attention, strict=False)
 
 
 def _dup_up(b: Builder, d, x: str, where: str) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ops import Op, RunContext, box_area, clip_box, sub_tensor
+from .ops import Op, Resample, RunContext, box_area, clip_box, sub_tensor
 
 
 def frames_of(op: Op, ts: list[int], step: int) -> int:
@@ -185,13 +185,8 @@ class FrameUpsample(Op):
     module: Any = None  # the upsampling module, run on folded frames
     kind = "upsample"
 
-    def out_shape(self, shapes):
-        return shapes[0][0] * self.scale, shapes[0][1] * self.scale
-
-    def input_boxes(self, box):
-        y0, y1, x0, x1 = box
-        s = self.scale
-        return [(y0 // s, (y1 - 1) // s + 1, x0 // s, (x1 - 1) // s + 1)]
+    out_shape = Resample.out_shape
+    input_boxes = Resample.input_boxes
 
     def run(self, ctx, inputs, have, box, shapes):
         need = self.input_boxes(box)[0]
