@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tilewise.video_sinks import FrameSequenceSink, NpyStackSink, TIFFStackSink, open_video_sink
+from tilewise.sinks.video import FrameSequenceSink, NpyStackSink, TIFFStackSink, open_video_sink
 
 
 def _frames(t, h, w, c=3, seed=0):

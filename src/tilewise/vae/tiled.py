@@ -216,7 +216,7 @@ class TiledVAE(ModelWrapper):
 
         With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
         rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
-        (`tilewise.video_sinks`), or its one frame into an image sink.
+        (`tilewise.sinks.video`), or its one frame into an image sink.
         """
         if self.is_video:
             return video_face.decode_to(self, z, sink)

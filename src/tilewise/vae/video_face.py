@@ -97,7 +97,7 @@ def encode(tv, x, return_dict: bool = True):
 
 
 def decode_to(tv, z, sink) -> None:
-    """Decode one latent video into a video sink (`tilewise.video_sinks`) frame block by frame block, or
+    """Decode one latent video into a video sink (`tilewise.sinks.video`) frame block by frame block, or
     a one-frame decode into an image sink; never holding the video."""
     check(tv, z, "decode")
     if z.shape[0] != 1:
@@ -108,7 +108,7 @@ def decode_to(tv, z, sink) -> None:
     if frames is None:  # an image sink: one frame
         if t != 1:
             raise ValueError(f"an image sink takes one frame, the decode makes {t}: use a video sink "
-                             f"(tilewise.video_sinks.open_video_sink)")
+                             f"(tw.open_video_sink)")
         if (sink.height, sink.width) != (h, w):
             raise ValueError(f"sink is {sink.height}x{sink.width} but the decoded image is {h}x{w}")
 

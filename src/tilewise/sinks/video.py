@@ -19,7 +19,7 @@ image sinks (`tilewise.sinks`) with a time axis:
 
 ``random_access`` says whether blocks may come in any order of frames (a tile-major run), or should
 come frame after frame (`tilewise.vae` then runs its causal steps outermost). ``open_video_sink`` picks
-the sink by the path.
+the sink by the path (also `tw.open_video_sink`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import publish, temporary_path
-from .sinks import first_gap, open_sink, to_hwc_uint
+from ..atomic import publish, temporary_path
+from . import open_sink
+from .coverage import first_gap
+from .pixels import to_hwc_uint
 
 DTYPES = {8: "uint8", 16: "uint16", 32: "float32"}
 
