@@ -142,7 +142,9 @@ class VideoExecutor:
             self._out = torch.empty((x.shape[0], self._chans[p.output], sum(t_out), h, w), dtype=x.dtype,
                                     device=self.device)
         self._store = _Store(self.staging, torch.device(self.device))
-        cache_home = torch.device("cpu") if self.staging == "host" else None
+        # host staging keeps the frame-major run's caches (every tile's) on the host; a tile-major run
+        # holds one tile's caches, on the device
+        cache_home = torch.device("cpu") if self.staging == "host" and self.order == "frames" else None
         self._ctx = StepContext(query_chunk=self.query_chunk, cache_device=cache_home)
         self._caches: dict[tuple[int, int], dict] = {}
         self._cache_alive, self.cache_peak = 0, 0

@@ -118,9 +118,10 @@ def count(p, shape, tile: int, ref: str, attention: str, staging: str, order: st
     h, w = shapes[p.output]
     out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
     out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
-    host = (caches + staged) if staging == "host" else 0
-    resident = 0 if staging == "host" else caches + staged
-    reads = max(per_unit.values(), default=0) if host else 0  # a tile's caches come to the device
+    cached_on_host = staging == "host" and order == "frames"  # (a tile-major run keeps its one tile's)
+    host = (caches if cached_on_host else 0) + (staged if staging == "host" else 0)
+    resident = (0 if cached_on_host else caches) + (0 if staging == "host" else staged)
+    reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
     return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
                 sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
                 cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
