@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "PNGSink": "sinks",
     "TIFFSink": "sinks",
     "open_sink": "sinks",
+    "open_video_sink": "sinks.video",
     # metrics and test patterns
     "compare": "metrics",
     "seam_score": "metrics",

@@ -149,11 +149,13 @@ class ProbeResult:
 
 def probe_receptive_field(module, example_input, position: tuple[int, int] | None = None,
                           delta: float = 1.0) -> ProbeResult:
-    """Perturb one input position (all channels) and measure which outputs change (bitwise diff)."""
+    """Perturb one input position (all channels, and all frames of a (B, C, T, H, W) video) and measure
+    which outputs change (bitwise diff)."""
     import torch
 
-    if example_input.ndim != 4:
-        raise ValueError(f"example_input must be (B, C, H, W), got shape {tuple(example_input.shape)}")
+    if example_input.ndim not in (4, 5):
+        raise ValueError(f"example_input must be (B, C, H, W) or a video (B, C, T, H, W), got shape "
+                         f"{tuple(example_input.shape)}")
     h, w = example_input.shape[-2:]
     py, px = position if position is not None else (h // 2, w // 2)
     if not (0 <= py < h and 0 <= px < w):

@@ -7,68 +7,19 @@ points to `probe_receptive_field`, which works on any module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from .ops import Add, AttentionCore, Conv, GroupNorm, Op, Pointwise, Resample
+from .build import Builder, LoweringError, activation, mid_block, pointwise, unsupported
+from .ops import Add, AttentionCore, Conv, GroupNorm, Resample
 from .program import Program
 
-
-class LoweringError(ValueError):
-    """The module contains a type this lowering does not know."""
+__all__ = ["LoweringError", "chain", "lower", "lower_conv"]  # LoweringError: defined in build, kept here
 
 
-class _Builder:
-    """Accumulates ops and hands out fresh value names."""
-
-    def __init__(self):
-        self.ops: list[Op] = []
-        self.count = 0
-
-    def emit(self, cls, src: tuple[str, ...], name: str, **kw) -> str:
-        self.count += 1
-        dst = f"v{self.count}"
-        self.ops.append(cls(src=src, dst=dst, name=name, **kw))
-        return dst
-
-
-def _unsupported(module, where: str) -> LoweringError:
-    return LoweringError(
-        f"cannot lower {type(module).__name__} at {where!r} into a tile program; known types: "
-        "AutoencoderKL Encoder/Decoder (group norm), AutoencoderTiny EncoderTiny/DecoderTiny. "
-        "Use tilewise.probe_receptive_field(module, example) to measure its locality empirically."
-    )
-
-
-def _activation(module, where: str) -> tuple[Callable, str]:
-    """Map an activation module to a function."""
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    table = {nn.SiLU: (F.silu, "silu"), nn.ReLU: (F.relu, "relu"), nn.Mish: (F.mish, "mish"),
-             nn.GELU: (F.gelu, "gelu"), nn.Identity: (lambda x: x, "identity")}
-    for cls, fn in table.items():
-        if type(module) is cls:
-            if cls is nn.GELU and module.approximate != "none":
-                return (lambda x: F.gelu(x, approximate=module.approximate)), "gelu tanh"
-            return fn
-    raise _unsupported(module, where)
-
-
-def _in_place(fn: Callable) -> Callable | None:
-    """The in-place form of an activation function (same values), or None when torch has none."""
-    import torch.nn.functional as F
-
-    if fn in (F.silu, F.relu, F.mish):
-        return lambda x: fn(x, inplace=True)
-    return None
-
-
-def _conv(b: _Builder, conv, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:
+def _conv(b: Builder, conv, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:
     """nn.Conv2d with zero padding (or the explicit asymmetric padding given)."""
     import torch.nn as nn
 
     if type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-        raise _unsupported(conv, where)
+        raise unsupported(conv, where)
     if padding is None:
         ph, pw = conv.padding
         padding = (ph, ph, pw, pw)
@@ -76,41 +27,37 @@ def _conv(b: _Builder, conv, x: str, where: str, padding: tuple[int, int, int, i
                   dilation=tuple(conv.dilation), padding=padding, groups=conv.groups)
 
 
-def _group_norm(b: _Builder, norm, x: str, where: str) -> str:
+def _group_norm(b: Builder, norm, x: str, where: str) -> str:
     import torch.nn as nn
 
     if type(norm) is not nn.GroupNorm:
-        raise _unsupported(norm, where)
+        raise unsupported(norm, where)
     return b.emit(GroupNorm, (x,), where, groups=norm.num_groups, eps=norm.eps,
                   weight=norm.weight if norm.affine else None, bias=norm.bias if norm.affine else None)
 
 
-def _pointwise(b: _Builder, fn: Callable, label: str, x: str, where: str) -> str:
-    return b.emit(Pointwise, (x,), where, fn=fn, label=label, fn_=_in_place(fn))
-
-
-def _resnet(b: _Builder, r, x: str, where: str) -> str:
+def _resnet(b: Builder, r, x: str, where: str) -> str:
     """diffusers ResnetBlock2D without time embedding: norm, act, conv, norm, act, conv, + shortcut."""
     from diffusers.models.resnet import ResnetBlock2D
 
     if type(r) is not ResnetBlock2D or r.upsample is not None or r.downsample is not None:
-        raise _unsupported(r, where)
+        raise unsupported(r, where)
     if r.time_emb_proj is not None or r.time_embedding_norm not in ("default", "group"):
-        raise _unsupported(r, where)
-    act, label = _activation(r.nonlinearity, f"{where}.nonlinearity")
+        raise unsupported(r, where)
+    act, label = activation(r.nonlinearity, f"{where}.nonlinearity")
     # the shortcut projection first: the block input then dies at norm1 (which may reuse its memory)
     # instead of living through both convolutions
     s = _conv(b, r.conv_shortcut, x, f"{where}.conv_shortcut") if r.conv_shortcut is not None else x
     h = _group_norm(b, r.norm1, x, f"{where}.norm1")
-    h = _pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv1, h, f"{where}.conv1")
     h = _group_norm(b, r.norm2, h, f"{where}.norm2")
-    h = _pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv2, h, f"{where}.conv2")
     return b.emit(Add, (s, h), f"{where}.add", scale=float(r.output_scale_factor))
 
 
-def _attention(b: _Builder, a, x: str, where: str) -> str:
+def _attention(b: Builder, a, x: str, where: str) -> str:
     """diffusers Attention (AttnProcessor / AttnProcessor2_0, self-attention over spatial tokens; with
     FusedAttnProcessor2_0 the same attention from one fused projection: its to_q / to_k / to_v remain)."""
     from diffusers.models.attention_processor import (
@@ -122,11 +69,11 @@ def _attention(b: _Builder, a, x: str, where: str) -> str:
 
     if type(a) is not Attention or type(a.processor) not in (AttnProcessor, AttnProcessor2_0,
                                                               FusedAttnProcessor2_0):
-        raise _unsupported(a.processor if type(a) is Attention else a, where)
+        raise unsupported(a.processor if type(a) is Attention else a, where)
     if a.spatial_norm is not None or a.norm_q is not None or a.norm_k is not None or a.is_cross_attention:
-        raise _unsupported(a, where)
+        raise unsupported(a, where)
     if abs(a.scale - (a.inner_dim // a.heads) ** -0.5) > 1e-12:
-        raise _unsupported(a, where)
+        raise unsupported(a, where)
     n = x
     if a.group_norm is not None:
         n = _group_norm(b, a.group_norm, x, f"{where}.group_norm")
@@ -135,50 +82,45 @@ def _attention(b: _Builder, a, x: str, where: str) -> str:
                   rescale=float(a.rescale_output_factor))
 
 
-def _mid_block(b: _Builder, m, x: str, where: str) -> str:
+def _mid_block(b: Builder, m, x: str, where: str) -> str:
     """UNetMidBlock2D: resnet, then (attention, resnet) pairs."""
     from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
 
     if type(m) is not UNetMidBlock2D:
-        raise _unsupported(m, where)
-    x = _resnet(b, m.resnets[0], x, f"{where}.resnets.0")
-    for i, (attn, res) in enumerate(zip(m.attentions, m.resnets[1:], strict=True)):
-        if attn is not None:
-            x = _attention(b, attn, x, f"{where}.attentions.{i}")
-        x = _resnet(b, res, x, f"{where}.resnets.{i + 1}")
-    return x
+        raise unsupported(m, where)
+    return mid_block(b, m, x, where, _resnet, _attention)
 
 
-def _downsample(b: _Builder, d, x: str, where: str) -> str:
+def _downsample(b: Builder, d, x: str, where: str) -> str:
     """Downsample2D with conv; padding 0 means diffusers' asymmetric F.pad (0, 1, 0, 1) then a valid conv."""
     from diffusers.models.downsampling import Downsample2D
 
     if type(d) is not Downsample2D or not d.use_conv or d.norm is not None:
-        raise _unsupported(d, where)
+        raise unsupported(d, where)
     pad = (0, 1, 0, 1) if d.padding == 0 else None
     return _conv(b, d.conv, x, f"{where}.conv", padding=pad)
 
 
-def _upsample(b: _Builder, u, x: str, where: str) -> str:
+def _upsample(b: Builder, u, x: str, where: str) -> str:
     """Upsample2D: nearest x2 interpolation then conv."""
     from diffusers.models.upsampling import Upsample2D
 
     if type(u) is not Upsample2D or u.use_conv_transpose or u.norm is not None or not u.interpolate:
-        raise _unsupported(u, where)
+        raise unsupported(u, where)
     x = b.emit(Resample, (x,), f"{where}.interpolate", scale=2)
     if u.use_conv:
         x = _conv(b, u.conv if u.name == "conv" else u.Conv2d_0, x, f"{where}.conv")
     return x
 
 
-def _encoder(b: _Builder, e, x: str) -> str:
+def _encoder(b: Builder, e, x: str) -> str:
     """diffusers Encoder: conv_in, down blocks, mid block, norm, act, conv_out."""
     from diffusers.models.unets.unet_2d_blocks import DownEncoderBlock2D
 
     x = _conv(b, e.conv_in, x, "conv_in")
     for i, blk in enumerate(e.down_blocks):
         if type(blk) is not DownEncoderBlock2D:
-            raise _unsupported(blk, f"down_blocks.{i}")
+            raise unsupported(blk, f"down_blocks.{i}")
         for j, r in enumerate(blk.resnets):
             x = _resnet(b, r, x, f"down_blocks.{i}.resnets.{j}")
         for j, d in enumerate(blk.downsamplers or []):
@@ -187,7 +129,7 @@ def _encoder(b: _Builder, e, x: str) -> str:
     return _tail(b, e, x)
 
 
-def _decoder(b: _Builder, d, x: str) -> str:
+def _decoder(b: Builder, d, x: str) -> str:
     """diffusers Decoder: conv_in, mid block, up blocks, norm, act, conv_out."""
     from diffusers.models.unets.unet_2d_blocks import UpDecoderBlock2D
 
@@ -195,7 +137,7 @@ def _decoder(b: _Builder, d, x: str) -> str:
     x = _mid_block(b, d.mid_block, x, "mid_block")
     for i, blk in enumerate(d.up_blocks):
         if type(blk) is not UpDecoderBlock2D:
-            raise _unsupported(blk, f"up_blocks.{i}")
+            raise unsupported(blk, f"up_blocks.{i}")
         for j, r in enumerate(blk.resnets):
             x = _resnet(b, r, x, f"up_blocks.{i}.resnets.{j}")
         for j, u in enumerate(blk.upsamplers or []):
@@ -203,14 +145,14 @@ def _decoder(b: _Builder, d, x: str) -> str:
     return _tail(b, d, x)
 
 
-def _tail(b: _Builder, m, x: str) -> str:
+def _tail(b: Builder, m, x: str) -> str:
     x = _group_norm(b, m.conv_norm_out, x, "conv_norm_out")
-    act, label = _activation(m.conv_act, "conv_act")
-    x = _pointwise(b, act, label, x, "conv_act")
+    act, label = activation(m.conv_act, "conv_act")
+    x = pointwise(b, act, label, x, "conv_act")
     return _conv(b, m.conv_out, x, "conv_out")
 
 
-def _tiny_block(b: _Builder, blk, x: str, where: str) -> str:
+def _tiny_block(b: Builder, blk, x: str, where: str) -> str:
     """AutoencoderTinyBlock: fuse(conv(x) + skip(x))."""
     import torch.nn as nn
 
@@ -219,15 +161,15 @@ def _tiny_block(b: _Builder, blk, x: str, where: str) -> str:
         if type(layer) is nn.Conv2d:
             h = _conv(b, layer, h, f"{where}.conv.{k}")
         else:
-            act, label = _activation(layer, f"{where}.conv.{k}")
-            h = _pointwise(b, act, label, h, f"{where}.conv.{k}")
+            act, label = activation(layer, f"{where}.conv.{k}")
+            h = pointwise(b, act, label, h, f"{where}.conv.{k}")
     s = x if type(blk.skip) is nn.Identity else _conv(b, blk.skip, x, f"{where}.skip")
     y = b.emit(Add, (h, s), f"{where}.add")
-    act, label = _activation(blk.fuse, f"{where}.fuse")
-    return _pointwise(b, act, label, y, f"{where}.fuse")
+    act, label = activation(blk.fuse, f"{where}.fuse")
+    return pointwise(b, act, label, y, f"{where}.fuse")
 
 
-def _tiny_layers(b: _Builder, layers, x: str) -> str:
+def _tiny_layers(b: Builder, layers, x: str) -> str:
     """nn.Sequential of TAESD layers: Conv2d, AutoencoderTinyBlock, activations, nearest nn.Upsample."""
     import torch.nn as nn
     from diffusers.models.unets.unet_2d_blocks import AutoencoderTinyBlock
@@ -241,43 +183,48 @@ def _tiny_layers(b: _Builder, layers, x: str) -> str:
         elif type(layer) is nn.Upsample:
             sf = layer.scale_factor
             if layer.mode != "nearest" or layer.size is not None or float(sf) != int(sf):
-                raise _unsupported(layer, where)
+                raise unsupported(layer, where)
             x = b.emit(Resample, (x,), where, scale=int(sf))
         else:
-            act, label = _activation(layer, where)
-            x = _pointwise(b, act, label, x, where)
+            act, label = activation(layer, where)
+            x = pointwise(b, act, label, x, where)
     return x
 
 
 def lower(module) -> Program:
-    """Lower a diffusers VAE Encoder, Decoder, EncoderTiny or DecoderTiny into a tile program."""
+    """Lower a diffusers VAE Encoder, Decoder, EncoderTiny or DecoderTiny into a tile program; the
+    encoders and decoders of the 3-D causal VAEs (Qwen-Image, Wan, LTX-Video) into video programs."""
     from diffusers.models.autoencoders.vae import Decoder, DecoderTiny, Encoder, EncoderTiny
 
-    b = _Builder()
+    from .lowering3d import is_video_module, lower3d
+
+    if is_video_module(module):
+        return lower3d(module)
+    b = Builder()
     x = "input"
     kind = type(module)
     if kind is Encoder:
         out, cin = _encoder(b, module, x), module.conv_in.in_channels
     elif kind is Decoder:
         if type(module.conv_norm_out).__name__ == "SpatialNorm":
-            raise _unsupported(module.conv_norm_out, "conv_norm_out")
+            raise unsupported(module.conv_norm_out, "conv_norm_out")
         out, cin = _decoder(b, module, x), module.conv_in.in_channels
     elif kind is EncoderTiny:
-        x = _pointwise(b, lambda t: t.add(1).div(2), "(x + 1) / 2", x, "scale_in")
+        x = pointwise(b, lambda t: t.add(1).div(2), "(x + 1) / 2", x, "scale_in")
         out, cin = _tiny_layers(b, module.layers, x), module.layers[0].in_channels
     elif kind is DecoderTiny:
-        x = _pointwise(b, lambda t: (t / 3).tanh() * 3, "tanh(x / 3) * 3", x, "clamp")
+        x = pointwise(b, lambda t: (t / 3).tanh() * 3, "tanh(x / 3) * 3", x, "clamp")
         x = _tiny_layers(b, module.layers, x)
-        out = _pointwise(b, lambda t: t.mul(2).sub(1), "2x - 1", x, "scale_out")
+        out = pointwise(b, lambda t: t.mul(2).sub(1), "2x - 1", x, "scale_out")
         cin = module.layers[0].in_channels
     else:
-        raise _unsupported(module, "")
+        raise unsupported(module, "")
     return Program(ops=b.ops, input="input", output=out, in_channels=cin, name=kind.__name__)
 
 
 def lower_conv(conv, name: str = "conv") -> Program:
     """Lower a single nn.Conv2d (quant_conv / post_quant_conv) into a one-op program."""
-    b = _Builder()
+    b = Builder()
     out = _conv(b, conv, "input", name)
     return Program(ops=b.ops, input="input", output=out, in_channels=conv.in_channels, name=name)
 

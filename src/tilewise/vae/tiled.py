@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ..locality.lowering import chain, lower, lower_conv
+from ..locality.lowering3d import is_video_vae, lower_video_vae
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
+from . import video_face
 from .bands import BAND_BYTES
 from .executor import Executor
 from .fast import crop_stats, fast_split, run_fast
@@ -125,12 +127,19 @@ class TiledVAE(ModelWrapper):
     def is_tiny(self) -> bool:
         return type(self.vae).__name__ == "AutoencoderTiny"
 
+    @property
+    def is_video(self) -> bool:
+        """A 3-D causal VAE (Qwen-Image, Wan, LTX-Video): (B, C, T, H, W) values, run by `video_face`."""
+        return is_video_vae(self.vae)
+
     def program(self, kind: str) -> Program:
         """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
         if "_programs" not in self.__dict__:
             self.__dict__["_programs"] = {}
         if kind not in self._programs:
-            if kind == "decode":
+            if self.is_video:
+                self._programs[kind] = lower_video_vae(self.vae, kind)
+            elif kind == "decode":
                 p = lower(self.vae.decoder)
                 pq = getattr(self.vae, "post_quant_conv", None)
                 self._programs[kind] = chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
@@ -180,12 +189,16 @@ class TiledVAE(ModelWrapper):
         """Decode latents tile by tile; returns DecoderOutput(sample=...) like AutoencoderKL.decode."""
         from diffusers.models.autoencoders.vae import DecoderOutput
 
+        if self.is_video:
+            return video_face.decode(self, z, return_dict)
         self._check(z, "decode")
         sample = self._run("decode", z)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     def encode(self, x, return_dict: bool = True):
         """Encode images tile by tile; returns AutoencoderKLOutput(latent_dist=...) (or the Tiny output)."""
+        if self.is_video:
+            return video_face.encode(self, x, return_dict)
         self._check(x, "encode")
         h = self._run("encode", x)
         if self.is_tiny:
@@ -202,8 +215,11 @@ class TiledVAE(ModelWrapper):
         """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
 
         With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
-        rows), the others pass sink=None.
+        rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
+        (`tilewise.sinks.video`), or its one frame into an image sink.
         """
+        if self.is_video:
+            return video_face.decode_to(self, z, sink)
         self._check(z, "decode")
         if z.shape[0] != 1:
             raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
@@ -283,8 +299,10 @@ class TiledVAE(ModelWrapper):
 
         Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
-        encode's exact latent-resolution tail.
+        encode's exact latent-resolution tail. A 3-D VAE's plan (`VideoPlan`) has its causal steps and caches.
         """
+        if self.is_video:
+            return video_face.plan(self, shape, kind, tile_size, staging)
         return make_plan(self, shape, kind, tile_size, staging)
 
 

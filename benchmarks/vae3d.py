@@ -1,0 +1,199 @@
+"""Benchmark: exact tiled decode / encode of a 3-D causal VAE against untiled and diffusers' enable_tiling.
+
+AutoencoderKLWan with Wan 2.1's layout (dim_mult 1,2,4,4, num_res_blocks 2, z_dim 16, temporal
+compression 4, spatial 8) at base width --base-dim (96 is Wan 2.1's; the default 32 keeps CPU runs
+short), seeded random weights, fp32. Every variant runs in its own subprocess (fresh peak RSS); errors
+are against the untiled output. Variants:
+
+- untiled: vae.decode / vae.encode;
+- diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile, blended);
+- tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major);
+- tilewise-sink-frames: decode_to a float32 .npy per frame (frames in order: frame-major run, streamed);
+- tilewise-sink-tiles: decode_to a float32 (T, H, W, C) .npy stack (random access: tile-major, streamed).
+
+--big runs a second size without the untiled variant (memory only; the untiled figure there is its
+measured growth at the first size scaled by the pixel count, marked as a projection).
+
+    python benchmarks/vae3d.py --latent 32 --frames 3 --tile 16 --big 64 --out benchmarks/results_vae3d.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from vae import errors
+
+VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles")
+
+
+def build_vae(base_dim: int):
+    """The seeded Wan 2.1-layout AutoencoderKLWan."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=base_dim, z_dim=16).eval()
+
+
+def make_input(task: str, side: int, frames: int):
+    """decode: a seeded randn latent (1, 16, frames, side, side); encode: a smooth moving video in [-1, 1]
+    of 1 + 4 (frames - 1) frames of 8 side px."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1234)
+    if task == "decode":
+        return torch.randn(1, 16, frames, side, side, generator=g)
+    t = 1 + 4 * (frames - 1)
+    coarse = torch.randn(1, 3, 2, 6, 6, generator=g)
+    x = F.interpolate(coarse, size=(t, 8 * side, 8 * side), mode="trilinear") + 0.1 * torch.randn(
+        1, 3, t, 8 * side, 8 * side, generator=g)
+    return x.clamp(-1, 1)
+
+
+def worker(args) -> None:
+    """Run one variant once; write its output (.npy) and figures (.json)."""
+    import numpy as np
+    import torch
+
+    import tilewise as tw
+    from tilewise.memory import current_rss, peak_rss, reset_peak_rss
+
+    torch.set_num_threads(args.threads)
+    vae = build_vae(args.base_dim)
+    x = make_input(args.task, args.size, args.frames)
+    v = args.variant
+    out = {"variant": v}
+    if v == "diffusers":
+        px = 8 * args.tile
+        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
+                          tile_sample_stride_height=px * 3 // 4, tile_sample_stride_width=px * 3 // 4)
+    model = vae
+    if v.startswith("tilewise"):
+        from tilewise.vae.video_plan import make_video_plan
+
+        model = tw.TiledVAE(vae, tile_size=args.tile, progress=False)
+        sink = v.startswith("tilewise-sink")  # what decode_to plans: streamed, frames in order or not
+        plan = make_video_plan(model, tuple(x.shape), args.task, to_sink=sink,
+                               sequential=v.endswith("frames"))
+        out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order)
+    base = current_rss()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if v.startswith("tilewise-sink"):
+            _, c, t, h, w = plan.output_shape
+            path = args.result + ("-{:03d}.npy" if v.endswith("frames") else "-stack.npy")
+            with tw.open_video_sink(path, t, h, w, c, bits=32) as sink:
+                model.decode_to(x, sink)
+        elif args.task == "decode":
+            y = model.decode(x).sample
+        else:
+            y = model.encode(x).latent_dist.mean
+    dt = time.perf_counter() - t0
+    out.update(seconds=dt, rss_growth=(peak_rss() or current_rss()) - base)
+    if v.startswith("tilewise-sink"):  # (T, H, W, C) frames back to (1, C, T, H, W)
+        frames = [np.load(path.format(i)) for i in range(t)] if v.endswith("frames") else np.load(path)
+        y = np.stack(frames).transpose(3, 0, 1, 2)[None]
+    np.save(args.result + ".npy", y if isinstance(y, np.ndarray) else y.float().cpu().numpy())
+    with open(args.result + ".json", "w") as f:
+        json.dump(out, f)
+
+
+def run_variant(args, variant: str, task: str, size: int, tmp: str) -> dict:
+    """One variant in a fresh subprocess."""
+    res = os.path.join(tmp, f"{task}-{size}-{variant}")
+    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--task", task, "--size", str(size),
+           "--frames", str(args.frames), "--tile", str(args.tile), "--threads", str(args.threads),
+           "--base-dim", str(args.base_dim), "--result", res]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    with open(res + ".json") as f:
+        out = json.load(f)
+    out["path"] = res + ".npy"
+    return out
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| task | size | variant | order | time s | x untiled | peak RSS growth MiB | plan peak MiB "
+             "| conv MACs x untiled | max abs | mean abs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        macs = f"{r['macs'] / r['macs_untiled']:.2f}" if "macs" in r else ""
+        plan = f"{r['plan_peak'] / 2**20:.0f}" if "plan_peak" in r else ""
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") is not None else ""
+        err = (f"{r['max_abs']:.3g} | {r['mean_abs']:.3g}" if "max_abs" in r else " | ")
+        secs = "" if r.get("projected") else f"{r['seconds']:.1f}"
+        growth = f"{r['rss_growth'] / 2**20:.0f}" + (" (projected)" if r.get("projected") else "")
+        lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {r.get('order', '')} | {secs} | "
+                     f"{ratio} | {growth} | {plan} | {macs} | {err} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--latent", type=int, default=24, help="latent side of the size untiled fits (default 24)")
+    p.add_argument("--big", type=int, default=0, help="latent side of the memory-only size (0 skips)")
+    p.add_argument("--frames", type=int, default=5, help="latent frames (default 5: 17 video frames)")
+    p.add_argument("--tile", type=int, default=8, help="tile side in latent px, both tilers (default 8)")
+    p.add_argument("--base-dim", type=int, default=32, help="VAE base width (Wan 2.1: 96; default 32)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per variant (default 2)")
+    p.add_argument("--tasks", default="decode,encode")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS}")
+    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    for hidden in ("--variant", "--task", "--result"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    import numpy as np
+
+    variants = [v for v in args.variants.split(",") if v]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for task in args.tasks.split(","):
+            order = [v for v in dict.fromkeys(["untiled", *variants]) if task == "decode" or "sink" not in v]
+            results = {v: run_variant(args, v, task, args.latent, tmp) for v in order}
+            ref = np.load(results["untiled"]["path"])
+            for v in order:
+                r = results[v]
+                size = _size(task, args.latent, args.frames)
+                r.update(errors(np.load(r["path"]), ref), task=task, size=size,
+                         ratio=r["seconds"] / results["untiled"]["seconds"])
+                rows.append(r)
+                print(table([r])[-1], flush=True)
+            if args.big:
+                scale = (args.big / args.latent) ** 2
+                rows.append(dict(variant="untiled", task=task, size=_size(task, args.big, args.frames),
+                                 rss_growth=results["untiled"]["rss_growth"] * scale, projected=True))
+                for v in order[1:]:
+                    r = run_variant(args, v, task, args.big, tmp)
+                    r.update(task=task, size=_size(task, args.big, args.frames))
+                    rows.append(r)
+                    print(table([r])[-1], flush=True)
+    head = (f"AutoencoderKLWan, Wan 2.1 layout at base width {args.base_dim}, seeded random weights, fp32, "
+            f"CPU, {args.threads} thread(s); tiles of {args.tile} latent px ({8 * args.tile} px) for both "
+            f"tilers.\n"
+            f"Command: python benchmarks/vae3d.py {' '.join(sys.argv[1:])}\n")
+    text = head + "\n" + "\n".join(table(rows)) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+
+
+def _size(task: str, side: int, frames: int) -> str:
+    """The video size of a run: frames x height x width in pixels."""
+    t = 1 + 4 * (frames - 1)
+    return f"{t}x{8 * side}x{8 * side}" + (" (latent in)" if task == "decode" else "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""A video program: a tile program over the frames of one causal step, with the model's step structure.
+
+The ops are those of `ops3d` (and the 2-D pointwise and add ops) over (B, C, t, H, W) values; the
+program's spatial structure (shapes, channels, segments, halos) is a 2-D program's. What time adds is
+here: which input frames each causal step takes (`chunks`), how many frames every value has in every
+step (`frames`), and the untiled reference run, step after step with the caches over the whole frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ops3d import StepContext, frames_of
+from .program import Program
+
+
+@dataclass
+class VideoProgram(Program):
+    """A tile program over the frames of one causal step, with the model's step structure: `first` input
+    frames in step 0, then `every` per step (0: one step holds every frame), frames of an incomplete
+    last step dropped when `drop` (as the model does)."""
+
+    first: int = 1
+    every: int = 1
+    drop: bool = False
+
+    def chunks(self, frames: int) -> list[tuple[int, int]]:
+        """Input frame ranges [a, b) of the causal steps for an input of `frames` frames."""
+        if not self.every:
+            return [(0, frames)]
+        out, a = [(0, min(self.first, frames))], self.first
+        while a < frames and not (self.drop and a + self.every > frames):
+            out.append((a, min(a + self.every, frames)))
+            a += self.every
+        return out
+
+    def frames(self, chunks: list[tuple[int, int]]) -> dict[str, list[int]]:
+        """Frames of every value in every step."""
+        out: dict[str, list[int]] = {}
+        for k, (a, b) in enumerate(chunks):
+            ts = {self.input: b - a}
+            for op in self.ops:
+                ts[op.dst] = frames_of(op, [ts[s] for s in op.src], k)
+            for v, t in ts.items():
+                out.setdefault(v, []).append(t)
+        return out
+
+    def run_steps(self, x, ctx: StepContext | None = None):
+        """Untiled reference: every step on the whole frame, caches over the whole frame."""
+        import torch
+
+        ctx = ctx or StepContext()
+        chunks = self.chunks(x.shape[2])
+        outs = []
+        for k, (a, b) in enumerate(chunks):
+            ctx.step, ctx.last = k, k == len(chunks) - 1
+            outs.append(self.run(x[:, :, a:b], ctx))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

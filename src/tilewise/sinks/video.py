@@ -1,0 +1,252 @@
+"""Streaming video sinks: frames written block by block, never the whole video in memory.
+
+One signature head, ``Sink(path, frames, height, width, channels, bits)``, one contract, that of the
+image sinks (`tilewise.sinks`) with a time axis:
+
+- use it as a context manager; ``write(t0, y0, x0, block)`` puts a block of consecutive frames t0,
+  t0 + 1, ... whose top-left pixel is (y0, x0): a torch ``(C, t, h, w)`` or ``(1, C, t, h, w)`` tensor
+  whose floats are mapped from ``value_range`` (default ``(-1, 1)``, a VAE decode's) to the integer
+  range, or numpy ``(t, h, w, C)`` pixels already in the sink's dtype;
+- ``close()`` checks that every pixel of every frame was written and publishes the file(s) under their
+  names (written under temporary names first); an exception inside the ``with`` block removes them.
+
+- :class:`FrameSequenceSink`: one image per frame, ``pattern.format(t)`` (``"out/f{:04d}.png"``), each an
+  image sink (`tilewise.sinks.open_sink`: PNG, TIFF, .npy) opened at the frame's first block and closed
+  at its last. A PNG frame takes its blocks in row-major tile order. Holds the open frames' row buffers.
+- :class:`NpyStackSink`: one ``(T, H, W, C)`` ``.npy`` through a memmap; blocks in any order.
+- :class:`TIFFStackSink`: a multi-page BigTIFF, one page per frame in frame order (tifffile); a frame is
+  held in memory from its first block until it and every frame before it are complete.
+
+``random_access`` says whether blocks may come in any order of frames (a tile-major run), or should
+come frame after frame (`tilewise.vae` then runs its causal steps outermost). ``open_video_sink`` picks
+the sink by the path (also `tw.open_video_sink`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import publish, temporary_path
+from . import open_sink
+from .coverage import first_gap
+from .pixels import to_hwc_uint
+
+DTYPES = {8: "uint8", 16: "uint16", 32: "float32"}
+
+
+class VideoSink:
+    """Base of the video sinks: frames, height, width, channels, bits; per-frame coverage."""
+
+    random_access = False
+
+    def __init__(self, path: str | os.PathLike, frames: int, height: int, width: int, channels: int = 3,
+                 bits: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0)):
+        for name, v in (("frames", frames), ("height", height), ("width", width), ("channels", channels)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r} (video {frames!r} frames of "
+                                 f"{height!r}x{width!r}x{channels!r})")
+        if bits not in DTYPES:
+            raise ValueError(f"bits must be 8, 16 or 32 (float32), got {bits!r}")
+        self.path, self.frames, self.height, self.width = os.fspath(path), frames, height, width
+        self.channels, self.bits, self.dtype, self.value_range = channels, bits, DTYPES[bits], value_range
+        self._boxes: list[list[tuple[int, int, int, int]]] = [[] for _ in range(frames)]
+        self._area = [0] * frames
+        self.closed = False
+
+    def __enter__(self) -> VideoSink:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.abort() if exc_type is not None else self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.path!r}, {self.frames}, {self.height}, {self.width}, "
+                f"{self.channels})")
+
+    def write(self, t0: int, y0: int, x0: int, block: Any) -> None:
+        """Write frames t0.. of `block` with their top-left pixel at (y0, x0)."""
+        if self.closed:
+            raise ValueError(f"{self!r} is closed")
+        frames = self._frames(block)
+        t, h, w = len(frames), frames[0].shape[0], frames[0].shape[1]
+        if t0 < 0 or t0 + t > self.frames or y0 < 0 or x0 < 0 or y0 + h > self.height or x0 + w > self.width:
+            raise ValueError(f"block of {t} frames of {h}x{w} at (t0={t0}, y0={y0}, x0={x0}) does not fit "
+                             f"inside {self.frames} frames of {self.height}x{self.width}")
+        for i, pixels in enumerate(frames):
+            f = t0 + i
+            self._put(f, y0, x0, pixels)
+            self._boxes[f].append((y0, y0 + h, x0, x0 + w))
+            self._area[f] += h * w
+            if self._area[f] >= self.height * self.width and first_gap(self.height, self.width,
+                                                                       self._boxes[f]) is None:
+                self._complete(f)
+
+    def _frames(self, block: Any) -> list[np.ndarray]:
+        """(h, w, C) pixels of every frame of the block, in the sink's dtype."""
+        if hasattr(block, "detach"):  # torch (C, t, h, w) or (1, C, t, h, w)
+            x = block.detach()
+            x = x[0] if x.dim() == 5 and x.shape[0] == 1 else x
+            if x.dim() != 4 or x.shape[0] != self.channels:
+                raise ValueError(f"torch blocks are (C, t, h, w) or (1, C, t, h, w) with C={self.channels}, "
+                                 f"got shape {tuple(block.shape)}")
+            if self.bits == 32:
+                return list(x.float().permute(1, 2, 3, 0).cpu().numpy())
+            return [to_hwc_uint(x[:, i], self.bits, self.value_range) for i in range(x.shape[1])]
+        a = np.asarray(block)
+        if a.ndim != 4 or a.shape[3] != self.channels or a.dtype != self.dtype:
+            raise ValueError(f"numpy blocks are (t, h, w, C={self.channels}) pixels of dtype {self.dtype}, "
+                             f"got shape {a.shape}, dtype {a.dtype}")
+        return list(a)
+
+    def close(self) -> None:
+        """Check every frame is complete, then finish and publish."""
+        if self.closed:
+            return
+        try:
+            for f in range(self.frames):
+                gap = first_gap(self.height, self.width, self._boxes[f])
+                if gap is not None:
+                    raise ValueError(f"{self!r}: frame {f}, pixels (y {gap[0]}..{gap[1]}, "
+                                     f"x {gap[2]}..{gap[3]}) were never written")
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+
+    def abort(self) -> None:
+        """Discard everything written; nothing is left under the path(s)."""
+        if not self.closed:
+            self.closed = True
+            self._discard()
+
+    def _put(self, f: int, y0: int, x0: int, pixels: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _complete(self, f: int) -> None:
+        pass
+
+    def _finish(self) -> None:
+        pass
+
+    def _discard(self) -> None:
+        pass
+
+
+class FrameSequenceSink(VideoSink):
+    """One image file per frame: ``path.format(t)`` through `tilewise.sinks.open_sink`."""
+
+    def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
+        super().__init__(path, frames, height, width, channels, bits, **kw)
+        if self.path.format(0) == self.path.format(1):
+            raise ValueError(f"a frame sequence needs a pattern with a {{}} field for the frame number, e.g. "
+                             f"'frames/f{{:04d}}.png', got {self.path!r}")
+        self._open: dict[int, Any] = {}
+        self._done: list[str] = []
+
+    def _put(self, f, y0, x0, pixels):
+        if f not in self._open:
+            self._open[f] = open_sink(self.path.format(f), self.height, self.width, self.channels, self.bits)
+        self._open[f].write(y0, x0, pixels)
+
+    def _complete(self, f):
+        self._open.pop(f).close()
+        self._done.append(self.path.format(f))
+
+    def _discard(self):
+        for sink in self._open.values():
+            sink.abort()
+        for path in self._done:  # frames already published go too: no partial sequence is left
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+class NpyStackSink(VideoSink):
+    """A (T, H, W, C) ``.npy`` through a numpy memmap; blocks in any order."""
+
+    random_access = True
+
+    def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
+        super().__init__(path, frames, height, width, channels, bits, **kw)
+        self._tmp = temporary_path(self.path)
+        self._array = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=self.dtype,
+                                                shape=(frames, height, width, channels))
+
+    def _put(self, f, y0, x0, pixels):
+        self._array[f, y0:y0 + pixels.shape[0], x0:x0 + pixels.shape[1]] = pixels
+
+    def _release(self):
+        mm = getattr(self._array, "_mmap", None)
+        self._array = None
+        if mm is not None:
+            mm.close()
+
+    def _finish(self):
+        self._array.flush()
+        self._release()
+        publish(self._tmp, self.path)
+
+    def _discard(self):
+        self._release()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+
+class TIFFStackSink(VideoSink):
+    """A multi-page BigTIFF, one page per frame, pages written in frame order."""
+
+    def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
+        import tifffile
+
+        super().__init__(path, frames, height, width, channels, bits, **kw)
+        self._tmp = temporary_path(self.path)
+        self._tif = tifffile.TiffWriter(self._tmp, bigtiff=True)
+        self._held: dict[int, np.ndarray] = {}
+        self._complete_frames: set[int] = set()
+        self._next = 0
+
+    def _put(self, f, y0, x0, pixels):
+        if f < self._next:
+            raise ValueError(f"frame {f} is already written to {self.path}")
+        if f not in self._held:
+            self._held[f] = np.zeros((self.height, self.width, self.channels), dtype=self.dtype)
+        self._held[f][y0:y0 + pixels.shape[0], x0:x0 + pixels.shape[1]] = pixels
+
+    def _complete(self, f):
+        self._complete_frames.add(f)
+        while self._next in self._complete_frames:
+            page = self._held.pop(self._next)
+            photometric = "rgb" if self.channels in (3, 4) else "minisblack"
+            self._tif.write(page[:, :, 0] if self.channels == 1 else page, photometric=photometric,
+                            metadata=None)
+            self._next += 1
+
+    def _finish(self):
+        self._tif.close()
+        publish(self._tmp, self.path)
+
+    def _discard(self):
+        self._tif.close()
+        self._held.clear()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+
+def open_video_sink(path: str | os.PathLike, frames: int, height: int, width: int, channels: int = 3,
+                    bits: int = 8, **options: Any) -> VideoSink:
+    """The video sink for `path`: a pattern with a {} field -> one image per frame (by its suffix), .npy ->
+    a (T, H, W, C) stack, .tif / .tiff -> a multi-page TIFF stack."""
+    path = os.fspath(path)
+    if "{" in path:
+        return FrameSequenceSink(path, frames, height, width, channels, bits, **options)
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npy":
+        return NpyStackSink(path, frames, height, width, channels, bits, **options)
+    if suffix in (".tif", ".tiff"):
+        return TIFFStackSink(path, frames, height, width, channels, bits, **options)
+    raise ValueError(f"cannot choose a video sink for {path!r}: use a frame pattern such as 'f{{:04d}}.png', "
+                     f"a .npy stack or a .tif stack")

@@ -1,0 +1,216 @@
+"""The plan of a tiled 3-D VAE run, before anything runs: tiles, causal steps, caches, staged values, peak.
+
+Counted from the program and the tile layout exactly as `VideoExecutor` will run them: the cache bytes
+and staged bytes are what the executor then holds (tests compare them), the convolution multiply-adds
+are exact, the working set is an upper bound (every value of a segment's tile alive at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..locality.ops import box_area
+from .video import ORDERS, VIDEO_STAGINGS, VideoExecutor
+
+
+@dataclass
+class VideoPlan:
+    """What a tiled run of a 3-D VAE will do and hold."""
+
+    kind: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    tile_size: int
+    grid: tuple[int, int]
+    order: str
+    staging: str
+    mode: str
+    attention: str
+    steps: list[tuple[int, int]]  # input frames [a, b) of every causal step
+    step_frames: list[int]  # output frames of every step
+    segments: int
+    sync_ops: int
+    macs: int  # convolution multiply-adds of the tiled run (every tile, every step)
+    macs_untiled: int  # ... of the untiled run
+    cache_bytes: int  # caches held at once: every tile's ("frames"), one tile's ("tiles")
+    cache_per_tile: int  # the largest tile's caches (over all its segments)
+    staged_peak: int  # staged values held at once
+    working: int  # largest working set of one segment on one tile for one step (upper bound)
+    attention_bytes: int  # keys, values and one query chunk's scores of the largest frame step
+    output_bytes: int  # the returned output (0 when it streams to a sink)
+    peak: int  # estimated device peak
+    host_bytes: int = 0  # what staging="host" keeps in host memory (caches and staged values)
+    dropped: int = 0  # input frames after the last complete step, which the model does not encode
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def halo_overhead(self) -> float:
+        """Extra convolution work of the tiles over the untiled run (0.25: 25 % more)."""
+        return self.macs / self.macs_untiled - 1.0 if self.macs_untiled else 0.0
+
+    def __str__(self) -> str:
+        from ..memory import format_bytes as fb
+
+        chunks = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in self.steps[:4])
+        more = f", ... ({len(self.steps)} steps)" if len(self.steps) > 4 else ""
+        rows = [
+            f"TiledVAE {self.kind} plan (3-D causal VAE): {self.input_shape} -> {self.output_shape}, "
+            f"mode={self.mode}, attention={self.attention}, order={self.order}, staging={self.staging}",
+            f"  tiles: {self.grid[0]}x{self.grid[1]} of {self.tile_size} latent px, {self.segments} segments "
+            f"({self.sync_ops} sync ops), halo overhead {100 * self.halo_overhead:.1f}% extra conv work "
+            f"({self.macs / 1e9:.3g} G multiply-adds)",
+            f"  causal steps: {len(self.steps)}, input frames {chunks}{more}; output frames per step "
+            f"{self.step_frames[:4]}{' ...' if len(self.step_frames) > 4 else ''}",
+            f"  caches: {fb(self.cache_bytes)} held at once ({fb(self.cache_per_tile)} for the largest tile)",
+            f"  staged values: at most {fb(self.staged_peak)}; per-unit working set ~{fb(self.working)}; "
+            f"attention K/V + scores {fb(self.attention_bytes)}; output {fb(self.output_bytes)}",
+        ]
+        if self.host_bytes:
+            rows.append(f"  in host memory (staging=host): {fb(self.host_bytes)}")
+        rows += [f"  note: {n}" for n in self.notes]
+        rows.append(f"  estimated device peak {fb(self.peak)}")
+        return "\n".join(rows)
+
+
+def _conv_macs(op, frames: int, area: int) -> int:
+    return int(op.weight.numel()) * frames * area if op.kind in ("conv3d", "frame_conv") else 0
+
+
+def count(p, shape, tile: int, ref: str, attention: str, staging: str, order: str, item: int,
+          query_chunk: int = 4096, to_sink: bool = False) -> dict:
+    """The figures of a VideoPlan for program p on an input of `shape` (B, C, T, H, W)."""
+    b = int(shape[0])
+    ex = VideoExecutor(p, tile, ref, attention=attention, staging=staging, order=order, progress=False)
+    shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
+    chunks = p.chunks(int(shape[2]))
+    frames = p.frames(chunks)
+    segs = ex.segments()
+    grid = ex.grid(shapes)
+    layout = ex.layout(shapes, segs, grid)
+    last = len(chunks) - 1
+    src_of = {op.dst: op.src[0] for op in p.ops}
+    per_unit, macs, working = {}, 0, 0
+    for (i, t), (_, need) in layout.items():
+        elems = sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]], chans[src_of[op.dst]], last - 1)
+                    for op in segs[i].ops if hasattr(op, "cache_elems") and op.dst in need) if last else 0
+        per_unit[i, t] = elems * b * item
+        for k in range(len(chunks)):
+            macs += sum(_conv_macs(op, frames[op.dst][k], box_area(need[op.dst])) * b
+                        for op in segs[i].ops if op.dst in need)
+            held = sum(b * chans[v] * frames[v][k] * box_area(bx) * item for v, bx in need.items())
+            working = max(working, held)
+    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
+                       for op in p.ops)
+    tiles_of: dict[int, int] = {}
+    for (_, t), n in per_unit.items():
+        tiles_of[t] = tiles_of.get(t, 0) + n
+    caches = sum(per_unit.values()) if order == "frames" else max(per_unit.values(), default=0)
+    staged = _staged_peak(p, segs, shapes, chans, frames, b * item, order)
+    attn = 0
+    for seg in segs:
+        if seg.kind == "attention":
+            n = seg.ops[0].src[0]
+            tokens = shapes[n][0] * shapes[n][1]
+            per_tile = -(-tokens // len(grid))
+            t = max(frames[n])
+            kv = 2 * b * t * tokens * chans[n] * item
+            attn = max(attn, kv + b * t * min(query_chunk, per_tile) * tokens * 4)
+    h, w = shapes[p.output]
+    out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
+    out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
+    cached_on_host = staging == "host" and order == "frames"  # (a tile-major run keeps its one tile's)
+    host = (caches if cached_on_host else 0) + (staged if staging == "host" else 0)
+    resident = (0 if cached_on_host else caches) + (0 if staging == "host" else staged)
+    reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
+    return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
+                sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
+                cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
+                working=working, attention_bytes=attn, output_bytes=out_bytes, output_shape=out_shape,
+                host_bytes=host, peak=resident + working + attn + out_bytes + reads,
+                dropped=int(shape[2]) - chunks[-1][1])
+
+
+def _staged_peak(p, segs, shapes, chans, frames, unit: int, order: str) -> int:
+    """Most staged bytes alive at once, as the executor allocates (at a segment's first write) and frees
+    (after the segment that reads a value last) them."""
+    readers: dict[str, int] = {}
+    for i, seg in enumerate(segs):
+        for v in seg.inputs:
+            readers[v] = i
+    steps = range(len(next(iter(frames.values()))))
+
+    def size(v, ks):
+        return sum(unit * chans[v] * frames[v][k] * shapes[v][0] * shapes[v][1] for k in ks)
+
+    peak = 0
+    for ks in ([[k] for k in steps] if order == "frames" else [list(steps)]):
+        alive: dict[str, int] = {}
+        for i, seg in enumerate(segs):
+            for v in seg.outputs:
+                if v != p.output and v in readers:
+                    alive[v] = size(v, ks)
+            peak = max(peak, sum(alive.values()))
+            for v in [v for v, j in readers.items() if j == i]:
+                alive.pop(v, None)
+    return peak
+
+
+def make_video_plan(tv, shape, kind: str = "decode", tile_size: int | None = None, staging: str | None = None,
+                    order: str | None = None, to_sink: bool = False, sequential: bool = False) -> VideoPlan:
+    """The plan of TiledVAE `tv` (a 3-D VAE) for an input of `shape` (B, C, T, H, W).
+
+    Tile size, staging and order as given, else chosen: within tv.memory_budget the largest tile, and of
+    the orders the smaller peak ("frames" only when the sink needs its frames in order: `sequential`)."""
+    tile, st, order = choose_video(tv, shape, kind, tile_size, staging, order, to_sink, sequential)
+    return _plan(tv, shape, kind, tile, st, order, to_sink)
+
+
+def _plan(tv, shape, kind, tile, st, order, to_sink) -> VideoPlan:
+    import torch
+
+    p = tv.program(kind)
+    ref = p.input if kind == "decode" else p.output
+    item = torch.empty((), dtype=tv.vae.dtype).element_size()
+    shape = tuple(int(d) for d in shape)
+    f = count(p, shape, tile, ref, tv.attention, st, order, item, tv.query_chunk, to_sink)
+    notes = []
+    if tv.mode == "fast":
+        notes.append("fast mode estimates GroupNorm statistics; this VAE has none: the run is exact")
+    if f["dropped"]:
+        notes.append(f"the model encodes 1 + {p.every} k frames: the last {f['dropped']} input frames are "
+                     f"not encoded (as {type(tv.vae).__name__}.encode does)")
+    return VideoPlan(kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, "exact",
+                     tv.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, **f)
+
+
+def choose_video(tv, shape, kind, tile_size=None, staging=None, order=None, to_sink=False,
+                 sequential=False) -> tuple[int, str, str]:
+    """(tile, staging, order): as given, else the largest tile within tv.memory_budget and, of the
+    allowed orders and stagings, the first ("device" before "host") with the smaller peak."""
+    if tv.staging not in ("auto", *VIDEO_STAGINGS):
+        raise ValueError(f"staging={tv.staging!r} is not available for a 3-D VAE: use 'auto' or one of "
+                         f"{VIDEO_STAGINGS}")
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if order == "tiles" and sequential:
+        raise ValueError("this sink takes frames in order: order='tiles' would hold every frame open; "
+                         "use order='frames' or a .npy stack")
+    orders = (order,) if order else (("frames",) if sequential else ORDERS)
+    stagings = (staging,) if staging else (VIDEO_STAGINGS if tv.staging == "auto" else (tv.staging,))
+    tiles = [tile_size or tv.tile_size]
+    if tile_size is None and tv.memory_budget is not None:
+        tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(tv.tile_size, 4)]
+    best = None
+    for tile in tiles:
+        for st in stagings:
+            plans = [_plan(tv, shape, kind, tile, st, o, to_sink) for o in orders]
+            q = min(plans, key=lambda q: q.peak)
+            if tv.memory_budget is None or q.peak <= tv.memory_budget:
+                return tile, st, q.order
+            best = q if best is None or q.peak < best.peak else best
+    from ..memory import format_bytes
+
+    raise ValueError(f"no plan fits memory_budget={format_bytes(tv.memory_budget)}: the smallest (tile "
+                     f"{best.tile_size}, staging {best.staging}, order {best.order}) needs "
+                     f"~{format_bytes(best.peak)}; "
+                     f"raise the budget or stream to a sink (decode_to)")

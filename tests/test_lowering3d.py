@@ -1,0 +1,117 @@
+"""Video tile programs: the lowered 3-D causal VAEs equal the modules step by step; the static analysis
+agrees with the empirical probe."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from video_vae_support import factor, ltx, video_vae, wan  # noqa: E402
+
+from tilewise.locality import LoweringError, analyze, lower, probe_receptive_field  # noqa: E402
+from tilewise.locality.lowering3d import lower_video_vae  # noqa: E402
+from tilewise.locality.program import split_segments  # noqa: E402
+
+NAMES = ["qwen", "wan2.1", "wan2.2", "ltx0.9.0", "ltx0.9.5"]
+
+
+def _latent(frames, h=5, w=7, seed=0):
+    return torch.randn(1, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("frames", [1, 3])
+def test_lowered_decode_equals_the_vae_step_by_step(name, frames):
+    vae = video_vae(name)
+    z = _latent(frames)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        out = lower_video_vae(vae, "decode").run_steps(z)
+    assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
+
+
+# frames: one, a full causal chunk after the first, and counts that are not 1 + a multiple of the temporal
+# compression (Wan encodes 1 + 4k frames and drops the rest, as its encode does; LTX 0.9.0 takes any)
+@pytest.mark.parametrize("name,frames", [("qwen", 1), ("wan2.1", 5), ("wan2.1", 7), ("wan2.2", 6),
+                                         ("ltx0.9.0", 6), ("ltx0.9.5", 9)])
+def test_lowered_encode_equals_the_vae(name, frames):
+    vae = video_vae(name)
+    f = factor(vae)
+    x = torch.rand(1, 3, frames, 2 * f, 3 * f, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        ref = vae.encode(x).latent_dist.parameters
+        out = lower_video_vae(vae, "encode").run_steps(x)
+    assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
+
+
+def test_causal_steps_are_the_models_chunks():
+    dec, enc = lower_video_vae(video_vae("wan2.1"), "decode"), lower_video_vae(video_vae("wan2.1"), "encode")
+    assert dec.chunks(3) == [(0, 1), (1, 2), (2, 3)]
+    assert enc.chunks(7) == [(0, 1), (1, 5)]  # frames 5, 6 are not encoded (AutoencoderKLWan._encode)
+    assert enc.chunks(9) == [(0, 1), (1, 5), (5, 9)]
+    assert lower_video_vae(video_vae("ltx0.9.0"), "decode").chunks(5) == [(0, 5)]
+    frames = dec.frames(dec.chunks(3))
+    assert frames[dec.output] == [1, 4, 4]  # Wan's first latent frame makes one frame, the others four
+
+
+def test_wan_report_names_the_per_frame_attention_and_the_probe_sees_it_global():
+    vae = video_vae("wan2.1")
+    z = _latent(2, 9, 9)
+    report = analyze(vae.decoder, z)
+    assert not report.exact_tileable and report.halo is None
+    assert [s.kind for s in report.segments] == ["local", "attention", "local"]
+    assert report.sync_ops == [("mid_block.attentions.0", "attention")]
+    assert "attention" in str(report) and report.local_halo > 8
+    probe = probe_receptive_field(lambda t: vae.decode(t).sample, z)
+    assert probe.whole_output
+    enc = analyze(vae.encoder, torch.zeros(1, 3, 1, 64, 64))
+    assert enc.align == 8 and [s.kind for s in enc.segments] == ["local", "attention", "local"]
+
+
+def test_wan_decoder_without_attention_static_halo_equals_probe():
+    """With the mid-block attention removed (WanMidBlock skips it), the decode is local: the halo from the
+    graph (convolutions, resampling, caches) equals the one measured by perturbing a latent pixel."""
+    vae = wan("2.1")
+    vae.decoder.mid_block.attentions = torch.nn.ModuleList()
+    program = lower_video_vae(vae, "decode")
+    report = analyze(program)
+    assert report.exact_tileable
+    z = _latent(2, 27, 27, seed=3)
+    probe = probe_receptive_field(lambda t: vae.decode(t).sample, z)
+    assert not probe.whole_output and probe.radius == report.halo
+
+
+def test_ltx_is_exact_tileable_and_static_halo_equals_probe():
+    vae = video_vae("ltx0.9.0")
+    z = _latent(2, 29, 29, seed=4)
+    report = analyze(vae.decoder, z)
+    assert report.exact_tileable and "exact_tileable: yes" in str(report)
+    probe = probe_receptive_field(lambda t: vae.decode(t).sample, z)
+    assert not probe.whole_output and probe.radius == report.halo
+    enc = analyze(vae.encoder)
+    x = torch.rand(1, 3, 1, 8 * 24, 8 * 24, generator=torch.Generator().manual_seed(5))
+    probe = probe_receptive_field(lambda t: vae.encode(t).latent_dist.mean, x)
+    assert enc.align == 8 and 0 < probe.radius <= enc.halo
+
+
+def test_lowered_programs_cut_only_at_the_attention():
+    program = lower(video_vae("qwen").decoder)
+    segs = split_segments(program)
+    assert [s.kind for s in segs] == ["local", "attention", "local"]
+    assert program.output in segs[-1].outputs
+
+
+@pytest.mark.parametrize("option,match", [({"timestep_conditioning": True}, "timestep_conditioning"),
+                                          ({"decoder_inject_noise": (True,) * 5}, "inject_noise")])
+def test_ltx_decoders_that_cannot_be_exact_are_refused_with_the_reason(option, match):
+    from diffusers import AutoencoderKLLTXVideo
+
+    base = ltx("0.9.0")
+    vae = AutoencoderKLLTXVideo(**{**base.config, **option})
+    with pytest.raises(LoweringError, match=match):
+        lower(vae.decoder)
+
+
+def test_unknown_3d_module_names_it_and_points_to_probe():
+    vae = video_vae("wan2.1")
+    with pytest.raises(LoweringError, match="AutoencoderKLWan.*probe_receptive_field"):
+        lower(vae)

@@ -1,0 +1,86 @@
+"""Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5) for the video tests.
+
+Real diffusers classes from tiny configs (few channels, one layer per block) with seeded random weights;
+the RMS norms' gains are randomised so a wrong normalisation cannot hide. No tests here.
+"""
+
+from __future__ import annotations
+
+
+def _gains(vae, seed: int = 1):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return vae.eval()
+
+
+def wan(version: str = "2.1", seed: int = 0):
+    """AutoencoderKLWan: 8x spatial / 4x temporal (2.1), or 2.2's 16x with patchify and residual blocks."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    kw = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+              temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    if version == "2.2":
+        kw.update(decoder_base_dim=8, is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                  scale_factor_spatial=16)
+    return _gains(AutoencoderKLWan(**kw))
+
+
+def qwen(seed: int = 0):
+    """AutoencoderKLQwenImage (8x spatial, 4x temporal)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return _gains(AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                         temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                         latents_std=[1.0] * 4))
+
+
+def ltx(version: str = "0.9.0", seed: int = 0):
+    """AutoencoderKLLTXVideo: 0.9.0 blocks (8x spatial, 4x temporal here), or 0.9.5's down blocks and
+    residual upsamplers (16x, 8x)."""
+    import torch
+    from diffusers import AutoencoderKLLTXVideo
+
+    torch.manual_seed(seed)
+    kw = dict(in_channels=3, out_channels=3, latent_channels=4, patch_size=2, patch_size_t=1)
+    if version == "0.9.0":
+        kw.update(block_out_channels=(8, 8, 16, 16), decoder_block_out_channels=(8, 8, 16, 16),
+                  layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+                  spatio_temporal_scaling=(True, True, False, False),
+                  decoder_spatio_temporal_scaling=(True, True, False, False),
+                  decoder_inject_noise=(False,) * 5)
+    else:
+        kw.update(block_out_channels=(4, 8, 16, 16, 16), down_block_types=("LTXVideo095DownBlock3D",) * 4,
+                  decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
+                  decoder_layers_per_block=(1, 1, 1, 1), spatio_temporal_scaling=(True,) * 4,
+                  decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
+                  downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+                  upsample_residual=(True,) * 3, upsample_factor=(2, 2, 2), spatial_compression_ratio=16,
+                  temporal_compression_ratio=8)
+    return AutoencoderKLLTXVideo(**kw).eval()
+
+
+VAES = {"qwen": qwen, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
+        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5")}
+
+_CACHE: dict = {}
+
+
+def video_vae(name: str):
+    """A shared instance per name (built once per test session: the tests never change it)."""
+    if name not in _CACHE:
+        _CACHE[name] = VAES[name]()
+    return _CACHE[name]
+
+
+def factor(vae) -> int:
+    """Image pixels per latent pixel."""
+    return int(vae.spatial_compression_ratio)
