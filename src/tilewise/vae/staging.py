@@ -187,8 +187,14 @@ class Staging:
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
 
     def reads_copy(self, name: str) -> bool:
-        """Whether read(name, ...) returns a new tensor of its own (disk), not a view of staged memory."""
-        return isinstance(self.tensors.get(name), DiskValue)
+        """Whether read(name, ...) returns a new tensor of its own (disk, or host memory read onto an
+        accelerator), not a view of staged memory."""
+        t = self.tensors.get(name)
+        if isinstance(t, DiskValue):
+            return True
+        import torch
+
+        return self.where == "host" and t is not None and t.device.type != torch.device(self.device).type
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""
