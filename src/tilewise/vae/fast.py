@@ -17,6 +17,7 @@ from typing import Any
 
 from ..locality.ops import map_box
 from ..locality.program import Program
+from .devices import device_options, device_profile
 from .estimators import estimate_stats, sample_tiles, sampled_tile_stats, staged_tile_stats
 from .executor import Executor
 from .staging import trim_heap
@@ -104,7 +105,8 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     """
     first, second = split_program(p, k)
     kw = dict(attention=tv.attention, staging=staging, device=x.device, query_chunk=tv.query_chunk,
-              progress=tv.progress, stage_dir=tv.stage_dir, group=group, heap_slack=slack)
+              progress=tv.progress, stage_dir=tv.stage_dir, group=group, heap_slack=slack,
+              band_bytes=device_profile(tv).band_bytes, **device_options(tv))
     # host memory bounded by disk staging: the freed heap a pass leaves is returned before the next
     # (at 1024 px the sampled pass left ~190 MiB that the other tiles' larger buffers could not reuse)
     trim = staging == "disk" and x.device.type == "cpu"
@@ -125,8 +127,8 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     # the other tiles run end to end, whole: row bands would recompute the pointwise ops on the
     # receptive field's overlap rows (measured at 1024 px: decode 60 s instead of 51 for this pass).
     # Their whole-tile buffers come from mmap, not the heap, so less free heap is worth keeping.
-    ex = Executor(part, tile, ref, fixed_stats=stats, done=done, band_bytes=None,
-                  **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK)})
+    ex = Executor(part, tile, ref, fixed_stats=stats, done=done,
+                  **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK), "band_bytes": None})
     if kind == "decode":
         out = ex.run(part_in, emit=emit)
     else:
@@ -150,10 +152,12 @@ def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str
     adjust = None
     if tv.fast_low:
         adjust = _low_pass_stats(tv, kind, part, x, ref, tile, staging, [t.core for t in tiles], slack)
+    opts = device_options(tv)
     if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
         return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, tv.stage_dir,
-                                 tv.query_chunk, adjust=adjust, heap_slack=slack)
-    return sampled_tile_stats(part, x, ref, tiles, fixed, tv.query_chunk, adjust=adjust)
+                                 tv.query_chunk, adjust=adjust, heap_slack=slack,
+                                 band_bytes=device_profile(tv).band_bytes, **opts)
+    return sampled_tile_stats(part, x, ref, tiles, fixed, tv.query_chunk, adjust=adjust, **opts)
 
 
 def _low_pass_stats(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str,
@@ -171,7 +175,8 @@ def _low_pass_stats(tv, kind: str, part: Program, x, ref: str, tile: int, stagin
     lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
     ex = Executor(low, tile, low_ref, attention=tv.attention, staging=staging, device=x.device,
                   query_chunk=tv.query_chunk, progress=tv.progress, stage_dir=tv.stage_dir,
-                  probes=[map_box(c, full, lo) for c in cores], heap_slack=slack)
+                  probes=[map_box(c, full, lo) for c in cores], heap_slack=slack,
+                  band_bytes=device_profile(tv).band_bytes, **device_options(tv))
     ex.run(small, emit=lambda box, value: None)  # only its statistics are wanted
     return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
             for op in low.ops if op.kind == "group_norm"}
