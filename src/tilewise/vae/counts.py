@@ -70,11 +70,13 @@ class Setting:
     batch: int = 1
     query_chunk: int = 4096
     global_attention: bool = True
+    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
 
-    @property
-    def off_device(self) -> bool:
-        """Whether staged values live across the link (reads and writes are transfers)."""
-        return self.gpu and self.staging != "device"
+    def off(self, v: str) -> bool:
+        """Whether staged value v lives across the link (its reads and writes are transfers)."""
+        if not self.gpu or self.staging == "device":
+            return False
+        return self.staging != "device+host" or v not in self.on_device
 
 
 def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str, set[int]], s: Setting,
@@ -108,7 +110,7 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
     needs = [back_propagate(seg.ops, cores, shapes) for cores in bands]
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
-    owned = set(seg.inputs) if s.staging == "disk" or s.off_device else set()  # reads that copy
+    owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
@@ -118,7 +120,7 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
         band = Cost(working=held)
         nxt = needs[j + 1] if j + 1 < len(needs) else {}
         for v in seg.inputs:
-            if v in need and s.off_device:
+            if v in need and s.off(v):
                 band.h2d += box_area(need[v]) * chans[v] * unit
         for i, op in enumerate(seg.ops):
             d = op.dst
@@ -208,7 +210,7 @@ def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Co
     cost = Cost()
     if v == program.output:
         cost.launches += 1  # into the output tensor (decode_to: to the sink)
-    elif s.off_device:
+    elif s.off(v):
         cost.d2h += n
     elif s.staging == "disk":
         cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
@@ -243,7 +245,7 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
             bands = -(-h // max(1, min(h, s.query_chunk // max(w, 1))))
             cost.launches += KEYS_VALUES * bands + 2
             cost.flops += s.batch * 2 * 2 * h * w * c * c
-            if s.off_device:
+            if s.off(src):
                 cost.h2d += h * w * c * unit
         if op.kind == "group_norm":
             cost.launches += AFFINE

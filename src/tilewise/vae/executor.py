@@ -83,6 +83,7 @@ class Executor:
     staged_peak: int = 0  # most staged bytes this process held at once in the last run
     heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
     band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (run_bands)
+    on_device: frozenset = frozenset()  # values staged on the device whatever `staging` says
 
     _bands = None  # RowBands of the current run with a process group
     _checks = None  # FiniteChecks of the current segment
@@ -112,7 +113,7 @@ class Executor:
                           conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
         self._band_cache, self._unit = {}, x.shape[0] * x.element_size()
-        stage = Staging(self.staging, self.device, self.stage_dir, self.heap_slack)
+        stage = Staging(self.staging, self.device, self.stage_dir, self.heap_slack, self.on_device)
         self._bands, self._batch = self._shard(segs, shapes), x.shape[0]
         out, out_v = None, self.program.output
         try:

@@ -88,7 +88,8 @@ def crop_stats(tv, p: Program, kind: str, x, ref: str, tile: int, group) -> dict
     return broadcast_stats(fixed, p, group)
 
 
-def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int, group):
+def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int, group,
+             staged: bool = False):
     """Fast mode with the sampled-tile estimator: the latent-resolution part exact, the high-resolution
     part's GroupNorms estimated from a sample of its real tiles. Returns (output, most staged bytes).
 
@@ -102,6 +103,8 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
        given the earlier estimates, no crop padding), corrected by a `fast_low` times smaller low pass
        over the whole input, and their outputs are kept.
     3. The other tiles run the high-resolution part end to end with those statistics.
+    With disk staging, or `staged` (a GPU plan whose sampled tiles do not fit at once), step 2 runs the
+    sampled tiles one at a time, segment by segment, their regions staged (`staged_tile_stats`).
     """
     first, second = split_program(p, k)
     kw = dict(attention=tv.attention, staging=staging, device=x.device, query_chunk=tv.query_chunk,
@@ -120,7 +123,7 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
         part, part_in, ref = first, x, first.output
     stats, done = {}, {}
     if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
-        stats, done = _estimate(tv, kind, part, part_in, ref, tile, staging, slack)
+        stats, done = _estimate(tv, kind, part, part_in, ref, tile, staging, slack, staged)
     stats = broadcast_stats(stats, part, group)
     if trim:
         trim_heap(0)
@@ -141,7 +144,8 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     return out, max(exact.staged_peak, ex.staged_peak)
 
 
-def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int):
+def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int,
+              staged: bool = False):
     """Step 2 of `run_fast`: (id(GroupNorm) -> (mean, var), sampled tile index -> output core)."""
     from ..geometry import TileGrid
 
@@ -153,7 +157,7 @@ def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str
     if tv.fast_low:
         adjust = _low_pass_stats(tv, kind, part, x, ref, tile, staging, [t.core for t in tiles], slack)
     opts = device_options(tv)
-    if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
+    if staging == "disk" or staged:  # one tile's working set at a time, the sampled regions staged
         return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, tv.stage_dir,
                                  tv.query_chunk, adjust=adjust, heap_slack=slack,
                                  band_bytes=device_profile(tv).band_bytes, **opts)

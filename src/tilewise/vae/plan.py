@@ -3,9 +3,9 @@
 A `Plan` lists the tile grid, the recomputation the halos cost, every staged value with its bytes and
 where it lives, the per-tile working set and the estimated device peak, and what the run will dispatch
 (`counts`): FLOPs, kernel launches, host<->device bytes, and the time they take on the device profile it
-was made for (`devices`); fast mode is planned pass by pass (`Pass`). `settle` picks tile, staging and
-row bands within a memory budget, for the device; `plan_ranks` shows what each rank of a multi-process
-run will stage.
+was made for (`devices`); fast mode is planned pass by pass (`Pass`). `make_plan` plans given tile and
+staging; `settle` chooses them within a memory budget; `plan_ranks` shows what each rank of a
+multi-process run will stage.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 
 from ..locality.ops import box_area, map_box
 from ..locality.program import Program
-from .bands import BAND_BYTES
 from .counts import Cost, Setting, segment_cost, stats_copy, untiled_cost
 from .devices import DeviceProfile, device_profile
 from .estimators import sample_tiles
 from .executor import Executor
 from .fast import WHOLE_TILE_SLACK, fast_split, fixed_ops, low_pass, sample_fraction, split_program
 from .ranks import RankPlan, plan_ranks  # noqa: F401  (part of this module's interface)
-from .staging import STAGINGS, TRIM_FREE
+from .staging import TRIM_FREE
 
 _PROFILE = object()  # make_plan(band_bytes=...) default: the device profile's row bands
 
@@ -62,6 +61,8 @@ class Pass:
     h2d: int = 0  # bytes host -> device
     d2h: int = 0  # bytes device -> host
     seconds: float = 0.0  # estimated on the plan's device profile (devices.DeviceProfile.seconds)
+    segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
 
 
 @dataclass
@@ -98,6 +99,10 @@ class Plan:
     d2h: int = 0
     seconds: float = 0.0
     untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
+    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
+    staged_estimate: bool = False  # fast mode: sampled tiles one at a time, staged (not all at once)
+    segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         from ..memory import format_bytes as fb
@@ -146,88 +151,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
-def choose(tv, kind: str, shape: tuple[int, ...]) -> tuple[int, str]:
-    """Tile size and staging: as given, or the largest tile and nearest staging within the budget."""
-    plan = settle(tv, kind, shape)
-    return plan.tile_size, plan.staging
-
-
-def settle(tv, kind: str, shape: tuple[int, ...], streamed: bool = False) -> Plan:
-    """The plan a run follows: tile and staging as given (no memory_budget), else within the budget.
-
-    CPU plans: the largest tile up to tile_size, then the nearest staging, whose peak fits. GPU plans
-    (`devices`; tile_size does not cap them): tiles from the whole latent down (one tile: the untiled
-    run, unless `streamed` to a sink), each with device staging, then host (pinned), then disk (only
-    when host memory cannot hold the staged values, or when asked), whole tiles unless only row bands
-    fit; of the plans that fit, the one with the least estimated time."""
-    prof = device_profile(tv)
-    default = "device" if prof.kind != "cpu" or tv.staging == "auto" else tv.staging
-    if tv.memory_budget is None:
-        st = default if tv.staging == "auto" else tv.staging
-        return make_plan(tv, shape, kind, tv.tile_size, st, untiled=not streamed)
-    if prof.kind != "cpu":
-        return _settle_device(tv, kind, shape, prof, streamed)
-    stagings = STAGINGS if tv.staging == "auto" else (tv.staging,)
-    tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(tv.tile_size, 4)]
-    for tile in tiles:
-        for st in stagings:
-            plan = make_plan(tv, shape, kind, tile, st)
-            if plan.peak <= tv.memory_budget:
-                return plan
-    raise _no_fit(tv, make_plan(tv, shape, kind, tiles[-1], stagings[-1]))
-
-
-def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) -> Plan:
-    """`settle` on a GPU: the fitting plan of least estimated time, from the biggest tile down to the
-    biggest that fits with device staging (smaller tiles only add launches and halo work); row bands
-    (BAND_BYTES) only when no whole-tile plan fits."""
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    side = max(p.shapes(tuple(shape[-2:]))[ref])
-    tiles = [side] + [s for s in (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s < side]
-    stagings = ("device", "host", "disk") if tv.staging == "auto" else (tv.staging,)
-    host = prof.host_bytes()
-    budget, last = tv.memory_budget, None
-    for bands in (None, BAND_BYTES):
-        fits, settled = [], set()  # stagings that fit at a bigger tile, or at none
-        for tile in tiles:
-            for st in stagings:
-                if st in settled:
-                    continue
-                last = make_plan(tv, shape, kind, tile, st, bands, untiled=not streamed)
-                if last.untiled and bands:
-                    continue  # (row bands do not apply to the untiled run)
-                if st == "disk" and tv.staging == "auto" and last.staged_peak <= host:
-                    settled.add(st)  # disk only when host memory cannot hold the staged values
-                elif st == "host" and last.staged_peak > host:
-                    settled.add(st)
-                elif last.peak <= budget:
-                    fits.append(last)
-                    settled.add(st)  # (a smaller tile only adds launches and halo work)
-                elif not last.untiled and _resident(last) > budget:
-                    settled.add(st)  # what a smaller tile cannot shrink exceeds the budget
-            if settled >= set(stagings):
-                break
-        if fits:
-            return min(fits, key=lambda q: (q.seconds, -q.tile_size))
-    raise _no_fit(tv, last)
-
-
-def _resident(plan: Plan) -> int:
-    """Device bytes of a plan that no smaller tile shrinks: staged values on the device, the output."""
-    return (plan.staged_peak if plan.staging == "device" else 0) + plan.output_bytes
-
-
-def _no_fit(tv, best: Plan) -> ValueError:
-    from ..memory import format_bytes
-
-    return ValueError(f"no plan fits memory_budget={format_bytes(tv.memory_budget)}: the smallest "
-                      f"(tile {best.tile_size}, staging {best.staging}) needs ~{format_bytes(best.peak)}; "
-                      f"raise the budget or use mode='fast'")
-
-
 def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
-              staging: str | None = None, band_bytes=_PROFILE, untiled: bool = False) -> Plan:
+              staging: str | None = None, band_bytes=_PROFILE, untiled: bool = False,
+              on_device: frozenset = frozenset()) -> Plan:
     """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak, and what
     it dispatches on its device profile (FLOPs, launches, transfers, estimated time).
 
@@ -236,9 +162,9 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     encode's exact latent-resolution tail. `band_bytes`: row bands of exact segments (default: the
     profile's; a CPU plan's BAND_BYTES). `untiled`: an exact plan whose one tile covers the latent is the
     plain untiled run (what `decode` / `encode` do; streaming to a sink runs the tile program).
+    staging "device+host" (GPU plans): the values in `on_device` staged on the device, the others in
+    pinned host memory (`settle.place`).
     """
-    if tile_size is None and staging is None and tv.memory_budget is not None:
-        return settle(tv, kind, tuple(shape))
     import torch
 
     prof = device_profile(tv)
@@ -252,7 +178,8 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     full = _conv_work(p, shapes)
     item = torch.empty((), dtype=tv.vae.dtype).element_size()
     setting = Setting(st, prof.kind != "cpu", prof.conv_workspace, bands if tv.mode == "exact" else None,
-                      prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global")
+                      prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global",
+                      frozenset(on_device))
     k = fast_split(tv, p, kind)
     one = untiled and tv.mode == "exact" and max(shapes[ref]) <= tile
     if one:
@@ -271,7 +198,9 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
                 last.output_bytes, max(q.peak for q in passes))
     plan.passes = passes if k is not None and not one else []
     plan.device, plan.profile, plan.untiled = prof.kind, prof, one
-    plan.band_bytes = setting.band_bytes
+    plan.band_bytes, plan.on_device = setting.band_bytes, setting.on_device
+    plan.staged_estimate = any(q.name == "sampled tiles, staged" for q in passes)
+    plan.segment_bytes, plan.lifetimes = last.segment_bytes, last.lifetimes
     for name in ("flops", "launches", "syncs", "h2d", "d2h"):
         setattr(plan, name, sum(getattr(q, name) for q in passes))
     for q in passes:
@@ -301,7 +230,8 @@ def _count(q: Pass, c: Cost) -> None:
 
 
 def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting, full: int) -> list[Pass]:
-    """The passes of `run_fast`, each with what it holds from the passes before it."""
+    """The passes of `run_fast`, each with what it holds from the passes before it (the sampled tiles'
+    pass named "sampled tiles, staged" when they run one at a time, segment by segment)."""
     from ..geometry import TileGrid
 
     first, second = split_program(p, k)
@@ -329,9 +259,12 @@ def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting
     sp.peak += max((stats_copy(op.src[0], map_box(t.core, (rh, rw), pshapes[op.dst]), pchans, s,
                                {op.src[0]: 1}) for op in part.ops if op.kind == "group_norm"
                     for t in grid if t.index in sampled), default=0)  # (each tile's statistics in turn)
-    if s.staging == "disk":  # staged_tile_stats: cut at every GroupNorm, one tile at a time, staged on disk
+    staged = s.staging == "disk" or (s.gpu and tv.memory_budget is not None
+                                     and sp.peak + held > tv.memory_budget)
+    if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
         work = sp.work  # each tile still runs on its regions back-propagated through the whole part
-        sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, exact, ref, set(), full, sampled)
+        sp = _pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else ""), part,
+                        part_shape, tile, exact, ref, set(), full, sampled)
         sp.work = work
     # (else sampled_tile_stats: every sampled tile's values at once, op by op)
     out_hw = sp.output_shape[-2:]
@@ -360,15 +293,19 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
                banded: bool = True) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
     the per-tile working set (summed over `tiles` when they run together), conv work, what it
-    dispatches (`counts.segment_cost`), the peak on the device."""
+    dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
+    its staged values on the device and its own bytes; a CPU plan: the sum of those maxima)."""
     b = shape[0]
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
-    ex = Executor(p, tile, ref, attention=tv.attention, staging=s.staging,
+    ex = Executor(p, tile, ref, attention=tv.attention, staging="device",
                   fixed_stats={i: None for i in fixed})
     segs = ex.segments()
 
     def nbytes(v):
         return b * chans[v] * shapes[v][0] * shapes[v][1] * s.item
+
+    def where(v):
+        return "device" if s.staging == "device+host" and v in s.on_device else s.staging.split("+")[-1]
 
     producer = {op.dst: op.name for op in p.ops}
     tracked: dict[str, set[int]] = {}  # values whose statistics an exact GroupNorm merges
@@ -378,31 +315,39 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     stages, alive, peak_staged = [], {}, 0
     last = ex._last_reader(segs)
     grid = ex._grid(shapes)
-    cost, attn = Cost(), 0
+    out_b = nbytes(p.output)
+    # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
+    # at 1024 px planned at 210 MiB grew by 264 before this was counted)
+    im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
+    cost, attn, held, lifetimes, gpu_peak = Cost(), 0, [], {}, 0
     for i, seg in enumerate(segs):
         for v in seg.outputs:
             if v != p.output:
-                stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), s.staging))
-                alive[v] = nbytes(v)
+                stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), where(v)))
+                alive[v], lifetimes[v] = nbytes(v), (i, i)
         peak_staged = max(peak_staged, sum(alive.values()))
+        kv = 0
         if seg.kind == "attention":
             op, src = seg.ops[0], seg.ops[0].src[0]
             tokens = shapes[src][0] * shapes[src][1]
             per_tile = -(-tokens // len(grid))
-            # (GPU plans: fused attention kernels hold no scores)
+            # (GPU plans: fused attention kernels hold no scores; keys and values twice while joined)
             scores = 0 if s.gpu else b * op.heads * min(tv.query_chunk, per_tile) * tokens * 4
-            attn = max(attn, 2 * nbytes(src) + scores)
-        cost.add(segment_cost(seg, grid, shapes, chans, ref, p, tracked, s, tiles, together, banded))
+            kv = (4 if s.gpu else 2) * nbytes(src) + scores
+            attn = max(attn, kv)
+        c = segment_cost(seg, grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
+        cost.add(c)
+        held.append(c.working + kv + out_b + im2col)
+        gpu_peak = max(gpu_peak, held[-1] + sum(n for v, n in alive.items() if where(v) == "device"))
         for v in [v for v, j in last.items() if j == i]:
-            alive.pop(v, None)
-    out_b = nbytes(p.output)
+            if alive.pop(v, None) is not None:
+                lifetimes[v] = (lifetimes[v][0], i)
     on_device = peak_staged if (s.staging == "device" or (s.staging == "host" and not s.gpu)) else 0
-    # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
-    # at 1024 px planned at 210 MiB grew by 264 before this was counted)
-    im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
+    peak = gpu_peak if s.gpu else on_device + cost.working + im2col + attn + out_b
     q = Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
              len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, cost.working, attn,
-             cost.work / full if full else 1.0, out_b, 0, on_device + cost.working + im2col + attn + out_b)
+             cost.work / full if full else 1.0, out_b, 0, peak)
+    q.segment_bytes, q.lifetimes = held, lifetimes
     _count(q, cost)
     return q
 

@@ -18,7 +18,8 @@ from ..locality.program import Program
 from .devices import DeviceProfile, device_options, profile
 from .executor import Executor, NonFiniteError, check_output
 from .fast import crop_stats, fast_split, run_fast
-from .plan import Plan, make_plan, settle
+from .plan import Plan, make_plan
+from .settle import settle
 from .staging import STAGINGS, TRIM_FREE
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,8 @@ class TiledVAE:
         import torch
 
         plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
-        tile, staging, bands = plan.tile_size, plan.staging, plan.band_bytes
+        tile, staging = plan.tile_size, plan.staging
+        bands = (plan.band_bytes, plan.on_device, plan.staged_estimate)
         while True:
             try:
                 with torch.no_grad():
@@ -261,15 +263,19 @@ class TiledVAE:
         return None if out is None else out.to(t.dtype)
 
     def _executor(self, kind: str, t, tile: int, staging: str, slack: int, bands) -> Executor:
+        """The exact (or crop-estimated fast) executor; "device+host" runs as host staging with the
+        plan's values on the device."""
         p = self.program(kind)
         ref = p.input if kind == "decode" else p.output
         group = self._group()
         fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
         # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
-        return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
-                        fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
-                        stage_dir=self.stage_dir, group=group, heap_slack=slack,
-                        band_bytes=None if self.mode == "fast" else bands, **device_options(self))
+        rows, on_device, _ = bands
+        return Executor(p, tile, ref, attention=self.attention, staging=staging.split("+")[-1],
+                        device=t.device, fixed_stats=fixed, query_chunk=self.query_chunk,
+                        progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack,
+                        band_bytes=None if self.mode == "fast" else rows, on_device=on_device,
+                        **device_options(self))
 
     def _group(self):
         """The resolved process group (None: single process)."""
@@ -277,7 +283,9 @@ class TiledVAE:
 
         return resolve_group(self.process_group)
 
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands=None):
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands=(None, frozenset(), False)):
+        """One run; `bands`: the plan's row bands of exact segments, values staged on the device with
+        "device+host", and whether fast mode estimates from sampled tiles staged segment by segment."""
         p = self.program(kind)
         shapes = p.shapes(tuple(t.shape[-2:]))
         ref = p.input if kind == "decode" else p.output
@@ -289,7 +297,7 @@ class TiledVAE:
         split = fast_split(self, p, kind)
         if split is not None:
             out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
-                                                  self._group())
+                                                  self._group(), staged=bands[2])
             return out
         ex = self._executor(kind, t, tile, staging, slack, bands)
         out = ex.run(t, emit=emit)
@@ -304,6 +312,8 @@ class TiledVAE:
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
         encode's exact latent-resolution tail.
         """
+        if tile_size is None and staging is None and self.memory_budget is not None:
+            return settle(self, kind, tuple(shape))
         return make_plan(self, shape, kind, tile_size, staging)
 
 
