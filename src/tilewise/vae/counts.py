@@ -120,7 +120,7 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
         band = Cost(working=held)
         nxt = needs[j + 1] if j + 1 < len(needs) else {}
         for v in seg.inputs:
-            if v in need and s.off(v):
+            if v in need and s.off(v) and v != program.input:  # (the input is staged as given)
                 band.h2d += box_area(need[v]) * chans[v] * unit
         for i, op in enumerate(seg.ops):
             d = op.dst
@@ -255,6 +255,7 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
             cost.launches += merge + 1 + 2  # the variance, then both into the finite check
+            cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
             sums = True
     if sums:
         cost.launches += CHECK
