@@ -279,21 +279,23 @@ class GroupNorm(Op):
 
     def run(self, ctx, inputs, have, box, shapes):
         x = sub_tensor(inputs[0], have[0], box)
-        stats = ctx.group_stats(self, x, box, shapes[0])
-        if stats is None:
+        affine = ctx.group_affine(self, x, box, shapes[0])
+        if affine is None:
             import torch.nn.functional as F
 
             return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
-        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias)
+        return apply_affine(x, affine)
 
     def run_in_place(self, ctx, inputs, have, box, shapes):
-        import torch
-
         x = sub_tensor(inputs[0], have[0], box)
-        stats = ctx.group_stats(self, x, box, shapes[0])
-        if stats is None or x.dtype != torch.float32:  # (half precision rounds once, out of place)
+        affine = ctx.group_affine(self, x, box, shapes[0])
+        if affine is None:
             return self.run(ctx, inputs, have, box, shapes)
-        return apply_group_norm(x, stats, self.groups, self.eps, self.weight, self.bias, out=x)
+        return apply_affine(x, affine, out=x)  # (computed in float32, rounded once: any dtype)
+
+    def affine(self, stats, x):
+        """`group_norm_affine` of this GroupNorm's parameters for statistics `stats`, for values like x."""
+        return group_norm_affine(stats, self.groups, self.eps, self.weight, self.bias, x.dtype, x.shape[1])
 
     def describe(self):
         return f"group_norm G={self.groups}"
@@ -351,24 +353,39 @@ class AttentionCore(Op):
 
 
 def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
-    """GroupNorm with given per-(batch, group) mean and variance (float64), as torch's CPU kernel computes
-    it: one per-channel affine y = a x + s with a = weight rstd, s = bias - a mean (float32 result).
-    out=x (float32 only) overwrites x with the same values."""
+    """GroupNorm with given per-(batch, group) mean and variance (float64): one per-channel affine
+    y = a x + s with a = weight rstd, s = bias - a mean, computed in float32 (or wider) and rounded once
+    to x's dtype. out=x overwrites x with the same values."""
+    return apply_affine(x, group_norm_affine(stats, groups, eps, weight, bias, x.dtype, x.shape[1]), out=out)
+
+
+def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
+    """(a, s): GroupNorm with statistics (mean, var) (float64, (B, groups)) as the per-channel affine
+    y = a x + s, (B, C, 1, 1) tensors in float32 or wider (computed once per GroupNorm and run)."""
     import torch
 
     mean, var = stats
-    b, c = x.shape[:2]
-    a = (var + eps).rsqrt().repeat_interleave(c // groups, dim=1)  # (B, C) float64
-    s = -a * mean.repeat_interleave(c // groups, dim=1)
+    a = (var + eps).rsqrt().repeat_interleave(channels // groups, dim=1)  # (B, C) float64
+    s = -a * mean.repeat_interleave(channels // groups, dim=1)
     if weight is not None:
         a, s = a * weight.to(a.dtype), s * weight.to(a.dtype)
         if bias is not None:
             s = s + bias.to(a.dtype)
-    view, dt = (b, c) + (1,) * (x.ndim - 2), torch.promote_types(x.dtype, torch.float32)
-    if out is not None:
-        return out.mul_(a.to(dt).view(view)).add_(s.to(dt).view(view))
-    y = x * a.to(dt).view(view)  # a new tensor (fp16 / bf16 x promote to float32): add in place
-    return y.add_(s.to(dt).view(view)).to(x.dtype)
+    dt = torch.promote_types(dtype, torch.float32)
+    return a.to(dt).view(-1, channels, 1, 1), s.to(dt).view(-1, channels, 1, 1)
+
+
+def apply_affine(x, affine, out=None):
+    """y = a x + s per channel (`group_norm_affine`) in one kernel, in float32 or wider, stored in x's
+    dtype; into `out` (x itself is allowed) or a new tensor in x's memory layout."""
+    import torch
+
+    a, s = affine
+    if torch.is_grad_enabled() and (a.requires_grad or x.requires_grad):  # (out= has no autograd)
+        return (x * a + s).to(x.dtype)
+    if out is None:
+        out = torch.empty_like(x)
+    return torch.addcmul(s, x, a, out=out)
 
 
 @dataclass
@@ -383,6 +400,12 @@ class RunContext:
     def group_stats(self, op, x, box, shape):
         """The statistics to apply for a GroupNorm op, or None for torch's own over x."""
         return self.stats.get(id(op))
+
+    def group_affine(self, op, x, box, shape):
+        """The per-channel affine (a, s) of a GroupNorm op with known statistics, or None for torch's own
+        over x (`group_norm_affine`: computed from group_stats on every call; the executor keeps it)."""
+        stats = self.group_stats(op, x, box, shape)
+        return None if stats is None else op.affine(stats, x)
 
     def attention_kv(self, op, n, box):
         """Keys and values the queries of box attend to."""

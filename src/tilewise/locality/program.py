@@ -79,8 +79,14 @@ def may_overwrite(op: Op, i: int, last: dict[str, int], keep, ins: list, shared)
     s = op.src[0]
     if last.get(s) != i or s in keep or op.src.count(s) > 1 or isinstance(ins[0], Upsampled):
         return False
-    ptr = ins[0].untyped_storage().data_ptr()
-    return all(isinstance(t, Upsampled) or t.untyped_storage().data_ptr() != ptr for t in shared)
+    key = _storage(ins[0])
+    return all(isinstance(t, Upsampled) or _storage(t) != key for t in shared)
+
+
+def _storage(t) -> int:
+    """Identity of the memory a tensor views (its storage; fake tensors, which have no data pointer,
+    included)."""
+    return t.untyped_storage()._cdata
 
 
 def last_use(ops: list[Op], keep: list[str]) -> dict[str, int]:

@@ -90,7 +90,8 @@ def sample_tiles(grid, fraction: float) -> list:
 
 
 def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], query_chunk: int = 4096,
-                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None):
+                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
+                       stats_chunk: int = 1 << 20):
     """Fast-mode statistics from a sample of the real tiles, run layer-synchronously (no crop padding).
 
     Each sampled tile runs on exactly the regions its core needs (back-propagated through the whole
@@ -112,7 +113,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     last = last_use(program.ops, [out_v])
     for i, op in enumerate(program.ops):
         if op.kind == "group_norm" and id(op) in fixed:
-            acc = GroupStats(op.groups)
+            acc = GroupStats(op.groups, stats_chunk)
             for t, need, v in zip(tiles, needs, vals, strict=True):
                 core = map_box(t.core, shapes[ref], shapes[op.dst])
                 if op.dst in need and not box_empty(core):
@@ -129,7 +130,8 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
 def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], staging: str = "disk",
                       device: Any = "cpu", stage_dir: str | None = None, query_chunk: int = 4096,
                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
-                      heap_slack: int = TRIM_FREE, band_bytes: int | None = BAND_BYTES):
+                      heap_slack: int = TRIM_FREE, band_bytes: int | None = BAND_BYTES,
+                      stats_chunk: int = 1 << 20):
     """`sampled_tile_stats` segment by segment with the sampled tiles' values staged between GroupNorms.
 
     Same values and statistics; memory is one tile's working set at a time (plus the staged regions, which
@@ -166,7 +168,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                 if op.kind == "group_norm" and id(op) in fixed and id(op) not in ctx.stats:
                     acc = accs.get((op.src[0], op.groups))
                     if acc is None:  # (the part's input: staged as given)
-                        acc = _staged_group_stats(op, stage, tiles, needs, shapes, ref)
+                        acc = _staged_group_stats(op, stage, tiles, needs, shapes, ref, stats_chunk)
                     ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
             for v in seg.outputs:
                 if v != out_v:
@@ -188,7 +190,8 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
                             stage.write(v, bneed[v], vals[v][0])
                             core = map_box(box, shapes[ref], shapes[v])
                             for g in readers.get(v, ()) if not box_empty(core) else ():
-                                accs.setdefault((v, g), GroupStats(g)).add(sub_tensor(*vals[v], core))
+                                accs.setdefault((v, g), GroupStats(g, stats_chunk)).add(
+                                    sub_tensor(*vals[v], core))
                     del vals
                 if outs:
                     done[t.index] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
@@ -216,9 +219,9 @@ def _tile_band_needs(program: Program, core: Box, ref: str, seg_need: dict[str, 
                    for b in boxes]
 
 
-def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str) -> GroupStats:
+def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, chunk: int) -> GroupStats:
     """Statistics of a GroupNorm's input over the sampled tiles' cores, read back from staging."""
-    acc = GroupStats(op.groups)
+    acc = GroupStats(op.groups, chunk)
     src = op.src[0]
     for t, need in zip(tiles, needs, strict=True):
         core = map_box(t.core, shapes[ref], shapes[op.dst])

@@ -28,18 +28,34 @@ logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN or inf appeared in a stage's output."""
+    """A NaN or inf appeared in a stage's output (`producer`: the op that made it; `dtype`: its dtype)."""
+
+    def __init__(self, producer: str, dtype):
+        super().__init__(f"NaN or inf in the output of {producer!r} (dtype {dtype}); in float16 this is the "
+                         "known SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) or use an "
+                         "fp16-fixed VAE")
+        self.producer, self.dtype = producer, dtype
 
 
 @dataclass
 class ExecContext(RunContext):
-    """RunContext of the executor: GroupNorm statistics are looked up, never computed on a tile."""
+    """RunContext of the executor: GroupNorm statistics are looked up, never computed on a tile; their
+    per-channel affine is computed once per GroupNorm (not per tile: a GPU launches each kernel)."""
+
+    affines: dict[int, Any] = field(default_factory=dict)  # id(op) -> (stats, (a, s))
 
     def group_stats(self, op, x, box, shape):
         stats = self.stats.get(id(op))
         if stats is None:
             raise AssertionError(f"statistics of {op.name} are not ready: a segment cut is missing")
         return stats
+
+    def group_affine(self, op, x, box, shape):
+        stats = self.group_stats(op, x, box, shape)
+        kept = self.affines.get(id(op))
+        if kept is None or kept[0] is not stats or kept[1][0].device != x.device:
+            kept = self.affines[id(op)] = (stats, op.affine(stats, x))
+        return kept[1]
 
 
 @dataclass
@@ -58,6 +74,7 @@ class Executor:
     check_finite: bool = True
     stage_dir: str | None = None
     conv_workspace: int = 32 << 20  # convs on bigger tiles run in row bands (bounds CPU im2col buffers)
+    stats_chunk: int = 1 << 20  # bytes of one pass of GroupNorm moments (0: one Welford pass, GPU plans)
     done: dict[int, Any] = field(default_factory=dict)  # tile index -> its output core, computed already
     probes: list[Box] = field(default_factory=list)  # reference-grid boxes whose own statistics are kept
     probe_stats: dict[tuple[str, int], Any] = field(default_factory=dict)  # (value, groups) -> GroupStats
@@ -66,8 +83,10 @@ class Executor:
     staged_peak: int = 0  # most staged bytes this process held at once in the last run
     heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
     band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (run_bands)
+    on_device: frozenset = frozenset()  # values staged on the device whatever `staging` says
 
     _bands = None  # RowBands of the current run with a process group
+    _checks = None  # FiniteChecks of the current segment
     _out_lo = 0  # first output row held by this process
     _batch = 1
 
@@ -94,7 +113,7 @@ class Executor:
                           conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
         self._band_cache, self._unit = {}, x.shape[0] * x.element_size()
-        stage = Staging(self.staging, self.device, self.stage_dir, self.heap_slack)
+        stage = Staging(self.staging, self.device, self.stage_dir, self.heap_slack, self.on_device)
         self._bands, self._batch = self._shard(segs, shapes), x.shape[0]
         out, out_v = None, self.program.output
         try:
@@ -114,10 +133,15 @@ class Executor:
                 self._exchange(i, seg, stage, shapes)
                 if seg.kind == "attention":
                     self._prepare_attention(seg, stage, shapes, ctx)
+                self._checks = FiniteChecks(self.check_finite)
                 self._run_segment(seg, stage, shapes, ctx, trackers, out, emit, bar)
                 for v in seg.outputs:
                     if v in trackers:
                         self._finish_stats(ctx, trackers, v, None)
+                        for g in trackers[v]:
+                            self._checks.add(_producer(seg, v), *ctx_stats(ctx, self.program, v, g),
+                                             dtype=x.dtype)
+                self._checks.finish()
                 ctx.kv.clear()
                 for v in [v for v, j in last.items() if j == i]:
                     stage.free(v)
@@ -202,7 +226,7 @@ class Executor:
         for seg in segs:
             for op in seg.ops:
                 if op.kind == "group_norm" and id(op) not in self.fixed_stats:
-                    out.setdefault(op.src[0], {})[op.groups] = GroupStats(op.groups)
+                    out.setdefault(op.src[0], {})[op.groups] = GroupStats(op.groups, self.stats_chunk)
         return out
 
     def _finish_stats(self, ctx, trackers, value: str, full) -> None:
@@ -294,11 +318,10 @@ class Executor:
         """Write the core of value v to its staged tensor (or the output), merging its statistics."""
         t, have = vals[v]
         c = sub_tensor(t, have, core)
-        if self.check_finite and not _all_finite(c):
-            producer = next((op.name for op in seg.ops if op.dst == v), v)
-            raise NonFiniteError(
-                f"NaN or inf in the output of {producer!r} (dtype {c.dtype}); in float16 this is the known "
-                "SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) or use an fp16-fixed VAE")
+        if v == self.program.output and emit is not None:
+            self._checks.now(_producer(seg, v), c)  # before it leaves for the sink
+        elif v not in trackers:  # (a value whose statistics are merged is checked through them)
+            self._checks.add(_producer(seg, v), c)
         for acc in trackers.get(v, {}).values():
             acc.add(c)
         for pb in self.probes if v in trackers else ():
@@ -306,7 +329,8 @@ class Executor:
             b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
             if not box_empty(b):
                 for g in trackers[v]:
-                    self.probe_stats.setdefault((v, g), GroupStats(g)).add(sub_tensor(t, have, b))
+                    self.probe_stats.setdefault((v, g), GroupStats(g, self.stats_chunk)).add(
+                        sub_tensor(t, have, b))
         if v == self.program.output:
             if emit is not None and (self._bands is None or self._bands.rank == 0):
                 emit(core, c)
@@ -315,6 +339,62 @@ class Executor:
                 out[..., y0 - self._out_lo : y1 - self._out_lo, x0:x1] = c
         else:
             stage.write(v, core, c)
+
+
+class FiniteChecks:
+    """NaN / inf checks of one segment's stored values with one host synchronisation per segment.
+
+    Each stored core adds one reduction kept on the device (a float64 sum: finite values cannot overflow
+    it); values whose GroupNorm statistics are merged add those instead (a NaN or inf makes them
+    non-finite), which costs no pass over the values. `finish` reads them back together and raises
+    NonFiniteError naming the first producer whose values were not finite."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.sums, self.names = enabled, [], []
+
+    def add(self, producer: str, *values, dtype=None) -> None:
+        """Check values made by `producer` (of `dtype`, when they are its statistics) at `finish`."""
+        if self.enabled:
+            import torch
+
+            for t in values:
+                self.sums.append(t.sum(dtype=torch.float64))
+                self.names.append((producer, dtype or t.dtype))
+
+    def now(self, producer: str, value) -> None:
+        """Check at once (a value about to leave for a sink)."""
+        if self.enabled and not _all_finite(value):
+            raise NonFiniteError(producer, value.dtype)
+
+    def finish(self) -> None:
+        if not self.sums:
+            return
+        import torch
+
+        sums, names = self.sums, self.names
+        self.sums, self.names = [], []
+        if bool(torch.stack(sums).sum().isfinite()):
+            return
+        producer, dtype = next(n for n, t in zip(names, sums, strict=True) if not bool(t.isfinite()))
+        raise NonFiniteError(producer, dtype)
+
+
+def check_output(y, program):
+    """y, after checking it has no NaN or inf (the untiled path's one check, raised as NonFiniteError)."""
+    FiniteChecks().now(f"{program.name} (untiled)", y)
+    return y
+
+
+def _producer(seg, v: str) -> str:
+    """The name of the op of seg that makes value v (v itself when none does)."""
+    return next((op.name for op in seg.ops if op.dst == v), v)
+
+
+def ctx_stats(ctx, program, value: str, groups: int):
+    """The merged (mean, var) a GroupNorm reading `value` with `groups` groups applies."""
+    op = next(op for op in program.ops if op.kind == "group_norm" and op.src[0] == value
+              and op.groups == groups and id(op) in ctx.stats)
+    return ctx.stats[id(op)]
 
 
 def _all_finite(c) -> bool:

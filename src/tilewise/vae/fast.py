@@ -17,6 +17,7 @@ from typing import Any
 
 from ..locality.ops import map_box
 from ..locality.program import Program
+from .devices import device_options, device_profile
 from .estimators import estimate_stats, sample_tiles, sampled_tile_stats, staged_tile_stats
 from .executor import Executor
 from .staging import trim_heap
@@ -87,7 +88,8 @@ def crop_stats(tv, p: Program, kind: str, x, ref: str, tile: int, group) -> dict
     return broadcast_stats(fixed, p, group)
 
 
-def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int, group):
+def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int, group,
+             staged: bool = False):
     """Fast mode with the sampled-tile estimator: the latent-resolution part exact, the high-resolution
     part's GroupNorms estimated from a sample of its real tiles. Returns (output, most staged bytes).
 
@@ -101,10 +103,13 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
        given the earlier estimates, no crop padding), corrected by a `fast_low` times smaller low pass
        over the whole input, and their outputs are kept.
     3. The other tiles run the high-resolution part end to end with those statistics.
+    With disk staging, or `staged` (a GPU plan whose sampled tiles do not fit at once), step 2 runs the
+    sampled tiles one at a time, segment by segment, their regions staged (`staged_tile_stats`).
     """
     first, second = split_program(p, k)
     kw = dict(attention=tv.attention, staging=staging, device=x.device, query_chunk=tv.query_chunk,
-              progress=tv.progress, stage_dir=tv.stage_dir, group=group, heap_slack=slack)
+              progress=tv.progress, stage_dir=tv.stage_dir, group=group, heap_slack=slack,
+              band_bytes=device_profile(tv).band_bytes, **device_options(tv))
     # host memory bounded by disk staging: the freed heap a pass leaves is returned before the next
     # (at 1024 px the sampled pass left ~190 MiB that the other tiles' larger buffers could not reuse)
     trim = staging == "disk" and x.device.type == "cpu"
@@ -118,15 +123,15 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
         part, part_in, ref = first, x, first.output
     stats, done = {}, {}
     if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
-        stats, done = _estimate(tv, kind, part, part_in, ref, tile, staging, slack)
+        stats, done = _estimate(tv, kind, part, part_in, ref, tile, staging, slack, staged)
     stats = broadcast_stats(stats, part, group)
     if trim:
         trim_heap(0)
     # the other tiles run end to end, whole: row bands would recompute the pointwise ops on the
     # receptive field's overlap rows (measured at 1024 px: decode 60 s instead of 51 for this pass).
     # Their whole-tile buffers come from mmap, not the heap, so less free heap is worth keeping.
-    ex = Executor(part, tile, ref, fixed_stats=stats, done=done, band_bytes=None,
-                  **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK)})
+    ex = Executor(part, tile, ref, fixed_stats=stats, done=done,
+                  **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK), "band_bytes": None})
     if kind == "decode":
         out = ex.run(part_in, emit=emit)
     else:
@@ -139,7 +144,8 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     return out, max(exact.staged_peak, ex.staged_peak)
 
 
-def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int):
+def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int,
+              staged: bool = False):
     """Step 2 of `run_fast`: (id(GroupNorm) -> (mean, var), sampled tile index -> output core)."""
     from ..geometry import TileGrid
 
@@ -150,10 +156,12 @@ def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str
     adjust = None
     if tv.fast_low:
         adjust = _low_pass_stats(tv, kind, part, x, ref, tile, staging, [t.core for t in tiles], slack)
-    if staging == "disk":  # one tile's working set at a time, the sampled regions on disk
+    opts = device_options(tv)
+    if staging == "disk" or staged:  # one tile's working set at a time, the sampled regions staged
         return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, tv.stage_dir,
-                                 tv.query_chunk, adjust=adjust, heap_slack=slack)
-    return sampled_tile_stats(part, x, ref, tiles, fixed, tv.query_chunk, adjust=adjust)
+                                 tv.query_chunk, adjust=adjust, heap_slack=slack,
+                                 band_bytes=device_profile(tv).band_bytes, **opts)
+    return sampled_tile_stats(part, x, ref, tiles, fixed, tv.query_chunk, adjust=adjust, **opts)
 
 
 def _low_pass_stats(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str,
@@ -171,7 +179,8 @@ def _low_pass_stats(tv, kind: str, part: Program, x, ref: str, tile: int, stagin
     lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
     ex = Executor(low, tile, low_ref, attention=tv.attention, staging=staging, device=x.device,
                   query_chunk=tv.query_chunk, progress=tv.progress, stage_dir=tv.stage_dir,
-                  probes=[map_box(c, full, lo) for c in cores], heap_slack=slack)
+                  probes=[map_box(c, full, lo) for c in cores], heap_slack=slack,
+                  band_bytes=device_profile(tv).band_bytes, **device_options(tv))
     ex.run(small, emit=lambda box, value: None)  # only its statistics are wanted
     return {id(op): (ex.last_stats[id(op)], ex.probe_stats[(op.src[0], op.groups)].result())
             for op in low.ops if op.kind == "group_norm"}

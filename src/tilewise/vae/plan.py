@@ -1,9 +1,11 @@
 """The plan of a TiledVAE run, made before anything runs: its records and the arithmetic behind them.
 
 A `Plan` lists the tile grid, the recomputation the halos cost, every staged value with its bytes and
-where it lives, the per-tile working set and the estimated peak; fast mode is planned pass by pass
-(`Pass`). `choose` picks the largest tile and the nearest staging within a memory budget; `plan_ranks`
-shows what each rank of a multi-process run will stage.
+where it lives, the per-tile working set and the estimated device peak, and what the run will dispatch
+(`counts`): FLOPs, kernel launches, host<->device bytes, and the time they take on the device profile it
+was made for (`devices`); fast mode is planned pass by pass (`Pass`). `make_plan` plans given tile and
+staging; `settle` chooses them within a memory budget; `plan_ranks` shows what each rank of a
+multi-process run will stage.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..locality.ops import box_area, box_empty, map_box
-from ..locality.program import Program, back_propagate
-from .bands import BAND_BYTES, band_rows, row_local, tile_bands, working_bytes
+from ..locality.ops import box_area, map_box
+from ..locality.program import Program
+from .counts import Cost, Setting, segment_cost, stats_copy, untiled_cost
+from .devices import DeviceProfile, device_profile
 from .estimators import sample_tiles
 from .executor import Executor
 from .fast import WHOLE_TILE_SLACK, fast_split, fixed_ops, low_pass, sample_fraction, split_program
-from .sharding import RowBands, Rows
-from .staging import STAGINGS, TRIM_FREE
+from .ranks import RankPlan, plan_ranks  # noqa: F401  (part of this module's interface)
+from .staging import TRIM_FREE
+
+_PROFILE = object()  # make_plan(band_bytes=...) default: the device profile's row bands
 
 
 @dataclass
@@ -50,11 +55,20 @@ class Pass:
     output_bytes: int = 0  # what it returns (and later passes hold)
     held: int = 0  # results of earlier passes alive during it
     peak: int = 0
+    flops: int = 0  # as torch.utils.flop_counter counts them (convolutions, attention)
+    launches: int = 0  # kernel launches: operators that write memory (views and allocations apart)
+    syncs: int = 0  # reads back to the host
+    h2d: int = 0  # bytes host -> device
+    d2h: int = 0  # bytes device -> host
+    seconds: float = 0.0  # estimated on the plan's device profile (devices.DeviceProfile.seconds)
+    segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
 
 
 @dataclass
 class Plan:
-    """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak."""
+    """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak, and
+    what it dispatches on the device it is made for."""
 
     kind: str
     input_shape: tuple[int, ...]
@@ -74,6 +88,21 @@ class Plan:
     peak: int = 0  # estimated peak on the device (staged on the device + working + output + heap slack)
     passes: list[Pass] = field(default_factory=list)  # fast mode (sampled tiles): its passes, in order
     heap_slack: int = 0  # disk staging on the CPU: freed heap kept for reuse (within memory_budget)
+    device: str = "cpu"  # the device kind it is shaped for
+    profile: DeviceProfile | None = None  # ... and the constants of its time estimate
+    band_bytes: int | None = None  # local segments' big tiles in row bands of this (None: whole tiles)
+    untiled: bool = False  # one tile covers the latent: the plain untiled run (exact mode's decode)
+    flops: int = 0
+    launches: int = 0
+    syncs: int = 0
+    h2d: int = 0
+    d2h: int = 0
+    seconds: float = 0.0
+    untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
+    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
+    staged_estimate: bool = False  # fast mode: sampled tiles one at a time, staged (not all at once)
+    segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         from ..memory import format_bytes as fb
@@ -81,12 +110,19 @@ class Plan:
         rows = [
             f"TiledVAE {self.kind} plan: {self.input_shape} -> {self.output_shape}, mode={self.mode}, "
             f"attention={self.attention}",
-            f"  tiles: {self.grid[0]}x{self.grid[1]} of {self.tile_size} latent px, "
-            f"{self.segments} segments, "
-            f"halo overhead {100 * self.halo_overhead:.1f}% extra conv work",
-            f"  staging: {self.staging}, {len(self.stages)} staged values, at most {fb(self.staged_peak)} "
-            f"alive at once",
+            f"  planned for: {self.device} ({self.profile.name if self.profile else 'default constants'})",
         ]
+        if self.untiled:
+            rows.append(f"  one tile of {self.tile_size} latent px covers the input: the plain untiled run")
+        else:
+            rows += [
+                f"  tiles: {self.grid[0]}x{self.grid[1]} of {self.tile_size} latent px, "
+                f"{self.segments} segments, "
+                f"halo overhead {100 * self.halo_overhead:.1f}% extra conv work"
+                + (f", row bands of ~{fb(self.band_bytes)}" if self.band_bytes else ", whole tiles"),
+                f"  staging: {self.staging}, {len(self.stages)} staged values, at most "
+                f"{fb(self.staged_peak)} alive at once",
+            ]
         for s in self.stages[:6]:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
         if len(self.stages) > 6:
@@ -98,171 +134,150 @@ class Plan:
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "
                         f"{100 * q.work:.0f}% of the untiled conv work, returns {fb(q.output_bytes)}, "
                         f"holds {fb(q.held)}, peak ~{fb(q.peak)}")
+            rows.append(f"    {q.flops / 1e9:,.1f} GFLOP, {q.launches:,} kernel launches, "
+                        f"{fb(q.h2d + q.d2h)} host<->device, ~{_ms(q.seconds)}")
         if self.heap_slack:
             rows.append(f"  heap slack {fb(self.heap_slack)} (freed memory kept for reuse, disk staging)")
+        ratio = f" ({self.flops / self.untiled_flops:.3f}x untiled)" if self.untiled_flops else ""
+        rows.append(f"  work: {self.flops / 1e9:,.1f} GFLOP{ratio}, {self.launches:,} kernel launches, "
+                    f"{self.syncs} host syncs, host->device {fb(self.h2d)}, device->host {fb(self.d2h)}")
+        rows.append(f"  estimated time ~{_ms(self.seconds)} on {self.device} (FLOPs / throughput + launches "
+                    f"x launch cost + transfers / link bandwidth)")
         rows.append(f"  estimated device peak {fb(self.peak)}")
         return "\n".join(rows)
 
 
-@dataclass
-class RankPlan:
-    """What one rank of an exact TiledVAE run will hold: its rows, tiles and staged bytes."""
-
-    rank: int
-    rows: Rows  # reference (latent) rows of its tile cores
-    tiles: int
-    staged_peak: int  # most staged bytes (its bands of full-size values plus halo rows) alive at once
-
-    def __str__(self) -> str:
-        from ..memory import format_bytes
-
-        return (f"rank {self.rank}: latent rows [{self.rows[0]}, {self.rows[1]}), {self.tiles} tiles, "
-                f"staged at most {format_bytes(self.staged_peak)}")
-
-
-def plan_ranks(tv, shape: tuple[int, ...], world: int, kind: str = "decode", tile_size: int | None = None,
-               dtype=None) -> list[RankPlan]:
-    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
-    import torch
-
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
-    if tv.mode != "exact":
-        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode!r}")
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    ex = Executor(p, tile_size or tv.tile_size, ref, attention=tv.attention, progress=False)
-    shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
-    segs = ex.segments()
-    grid = ex._grid(shapes)
-    last = ex._last_reader(segs)
-    item = torch.empty((), dtype=dtype or tv.vae.dtype).element_size()
-    plans = []
-    for r in range(world):
-        bands = RowBands.build(grid, r, world)
-        bands.plan_segments(segs, shapes, grid, ref, skip={p.input})
-        alive: dict[str, int] = {}
-        peak = 0
-        for i, seg in enumerate(segs):
-            for v in seg.outputs:
-                if v != p.output:
-                    lo, hi = bands.stored_rows(v, shapes[v][0])
-                    alive[v] = int(shape[0]) * chans[v] * (hi - lo) * shapes[v][1] * item
-            peak = max(peak, sum(alive.values()))
-            for v in [v for v, j in last.items() if j == i]:
-                alive.pop(v, None)
-        plans.append(RankPlan(r, bands.owned[r], len(bands.tiles[r]), peak))
-    return plans
-
-
-def choose(tv, kind: str, shape: tuple[int, ...]) -> tuple[int, str]:
-    """Tile size and staging: as given, or the largest tile and nearest staging within the budget."""
-    device = vae_device(tv.vae)
-    default = "device" if device.type != "cpu" or tv.staging == "auto" else tv.staging
-    if tv.memory_budget is None:
-        return tv.tile_size, (default if tv.staging == "auto" else tv.staging)
-    stagings = STAGINGS if tv.staging == "auto" else (tv.staging,)
-    tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(tv.tile_size, 4)]
-    for tile in tiles:
-        for st in stagings:
-            if make_plan(tv, shape, kind=kind, tile_size=tile, staging=st).peak <= tv.memory_budget:
-                return tile, st
-    best = make_plan(tv, shape, kind=kind, tile_size=tiles[-1], staging=stagings[-1])
-    from ..memory import format_bytes
-
-    raise ValueError(f"no plan fits memory_budget={format_bytes(tv.memory_budget)}: the smallest "
-                     f"(tile {tiles[-1]}, staging {stagings[-1]}) needs ~{format_bytes(best.peak)}; "
-                     f"raise the budget or use mode='fast'")
-
-
-def vae_device(vae):
-    """The device a VAE's parameters are on."""
-    import torch
-
-    try:
-        return torch.device(vae.device)
-    except AttributeError:
-        return next(vae.parameters()).device
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
 def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
-              staging: str | None = None) -> Plan:
-    """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
+              staging: str | None = None, band_bytes=_PROFILE, untiled: bool = False,
+              on_device: frozenset = frozenset()) -> Plan:
+    """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak, and what
+    it dispatches on its device profile (FLOPs, launches, transfers, estimated time).
 
     Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
     latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
-    encode's exact latent-resolution tail.
+    encode's exact latent-resolution tail. `band_bytes`: row bands of exact segments (default: the
+    profile's; a CPU plan's BAND_BYTES). `untiled`: an exact plan whose one tile covers the latent is the
+    plain untiled run (what `decode` / `encode` do; streaming to a sink runs the tile program).
+    staging "device+host" (GPU plans): the values in `on_device` staged on the device, the others in
+    pinned host memory (`settle.place`).
     """
-    if tile_size is None and staging is None and tv.memory_budget is not None:
-        tile_size, staging = choose(tv, kind, tuple(shape))
+    import torch
+
+    prof = device_profile(tv)
     tile = tile_size or tv.tile_size
     st = staging or (tv.staging if tv.staging != "auto" else "device")
+    bands = prof.band_bytes if band_bytes is _PROFILE else band_bytes
     p = tv.program(kind)
     shape = tuple(int(d) for d in shape)
     ref = p.input if kind == "decode" else p.output
-    full = _conv_work(p, p.shapes(shape[-2:]))
+    shapes = p.shapes(shape[-2:])
+    full = _conv_work(p, shapes)
+    item = torch.empty((), dtype=tv.vae.dtype).element_size()
+    setting = Setting(st, prof.kind != "cpu", prof.conv_workspace, bands if tv.mode == "exact" else None,
+                      prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global",
+                      frozenset(on_device))
     k = fast_split(tv, p, kind)
-    if k is not None:
-        passes = _fast_passes(tv, kind, p, k, shape, tile, st, full)
+    one = untiled and tv.mode == "exact" and max(shapes[ref]) <= tile
+    if one:
+        passes = [_untiled_pass(tv, p, shape, tile, setting)]
+    elif k is not None:
+        passes = _fast_passes(tv, kind, p, k, shape, tile, setting, full)
     else:
         fixed = fixed_ops(tv, p, kind) if tv.mode == "fast" else set()
-        passes = [_pass_plan(tv, "tiled", p, shape, tile, st, ref, fixed, full, banded=tv.mode == "exact")]
+        passes = [_pass_plan(tv, "tiled", p, shape, tile, setting, ref, fixed, full,
+                             banded=tv.mode == "exact")]
     last = passes[-1]
     plan = Plan(kind, shape, last.output_shape, tile, last.grid, tv.mode, tv.attention, st,
                 sum(q.segments for q in passes), sum(q.work for q in passes) - 1.0,
                 [s for q in passes for s in q.stages], max(q.staged_peak for q in passes),
                 max(q.working for q in passes), max(q.attention_bytes for q in passes),
                 last.output_bytes, max(q.peak for q in passes))
-    plan.passes = passes if k is not None else []
-    if st == "disk" and vae_device(tv.vae).type == "cpu":  # freed heap the trims leave resident
+    plan.passes = passes if k is not None and not one else []
+    plan.device, plan.profile, plan.untiled = prof.kind, prof, one
+    plan.band_bytes, plan.on_device = setting.band_bytes, setting.on_device
+    plan.staged_estimate = any(q.name == "sampled tiles, staged" for q in passes)
+    plan.segment_bytes, plan.lifetimes = last.segment_bytes, last.lifetimes
+    for name in ("flops", "launches", "syncs", "h2d", "d2h"):
+        setattr(plan, name, sum(getattr(q, name) for q in passes))
+    for q in passes:
+        q.seconds = prof.seconds(q.flops, q.launches, q.h2d + q.d2h, item < 4)
+    plan.seconds = sum(q.seconds for q in passes)
+    plan.untiled_flops = untiled_cost(p, shapes, p.channels(), setting).flops
+    if st == "disk" and prof.kind == "cpu":  # freed heap the trims leave resident
         room = TRIM_FREE if tv.memory_budget is None else tv.memory_budget - plan.peak
         plan.heap_slack = max(0, min(TRIM_FREE, room))
         plan.peak = max(q.peak + _pass_slack(q, plan.heap_slack) for q in passes)
     return plan
 
 
-def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, st: str, full: int) -> list[Pass]:
-    """The passes of `_fast_tiles`, each with what it holds from the passes before it."""
+def _untiled_pass(tv, p: Program, shape, tile: int, s: Setting) -> Pass:
+    """The plain untiled run as a pass: no staging; its peak is the live values of Program.run."""
+    shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
+    c = untiled_cost(p, shapes, chans, s)
+    out_b = shape[0] * chans[p.output] * shapes[p.output][0] * shapes[p.output][1] * s.item
+    q = Pass("untiled", p.name, (1, 1), 1, 1, (shape[0], chans[p.output], *shapes[p.output]), [], 0,
+             c.working, 0, 1.0, out_b, 0, c.working)
+    _count(q, c)
+    return q
+
+
+def _count(q: Pass, c: Cost) -> None:
+    q.flops, q.launches, q.syncs, q.h2d, q.d2h = c.flops, c.launches, c.syncs, c.h2d, c.d2h
+
+
+def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting, full: int) -> list[Pass]:
+    """The passes of `run_fast`, each with what it holds from the passes before it (the sampled tiles'
+    pass named "sampled tiles, staged" when they run one at a time, segment by segment)."""
     from ..geometry import TileGrid
-    from ..memory import dtype_itemsize
 
     first, second = split_program(p, k)
     passes, held = [], 0
+    exact = Setting(**{**s.__dict__, "band_bytes": device_profile(tv).band_bytes})
     if kind == "decode":
-        q = _pass_plan(tv, "exact latent-resolution head", first, shape, tile, st, first.input, set(),
-                            full)
+        q = _pass_plan(tv, "exact latent-resolution head", first, shape, tile, exact, first.input, set(),
+                       full)
         passes.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    item = dtype_itemsize(tv.vae.dtype)
     if tv.fast_low:
         low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
-        lp = _pass_plan(tv, "low pass", low, small, tile, st, low_ref, set(), full)
+        lp = _pass_plan(tv, "low pass", low, small, tile, exact, low_ref, set(), full)
         lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
-        resized = math.prod(small) * item if small[-2:] != part_shape[-2:] else 0
+        resized = math.prod(small) * s.item if small[-2:] != part_shape[-2:] else 0
         passes.append(_held(lp, held + resized))
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
     grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)))
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
-    sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, st, ref, fixed, full, sampled, True)
-    if st == "disk":  # staged_tile_stats: cut at every GroupNorm, one tile at a time, staged on disk
+    sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)
+    pshapes, pchans = part.shapes(tuple(part_shape[-2:])), part.channels()
+    sp.peak += max((stats_copy(op.src[0], map_box(t.core, (rh, rw), pshapes[op.dst]), pchans, s,
+                               {op.src[0]: 1}) for op in part.ops if op.kind == "group_norm"
+                    for t in grid if t.index in sampled), default=0)  # (each tile's statistics in turn)
+    staged = s.staging == "disk" or (s.gpu and tv.memory_budget is not None
+                                     and sp.peak + held > tv.memory_budget)
+    if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
         work = sp.work  # each tile still runs on its regions back-propagated through the whole part
-        sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, st, ref, set(), full, sampled)
+        sp = _pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else ""), part,
+                        part_shape, tile, exact, ref, set(), full, sampled)
         sp.work = work
     # (else sampled_tile_stats: every sampled tile's values at once, op by op)
     out_hw = sp.output_shape[-2:]
-    kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, (rh, rw), out_hw)) * item
+    kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, (rh, rw), out_hw)) * s.item
                for t in grid if t.index in sampled)
     sp.output_bytes, sp.peak = kept, sp.peak - sp.output_bytes + kept
     passes.append(_held(sp, held))
     rest = {t.index for t in grid} - sampled
-    rp = _pass_plan(tv, "other tiles", part, part_shape, tile, st, ref, fixed, full, rest, banded=False)
+    rp = _pass_plan(tv, "other tiles", part, part_shape, tile, s, ref, fixed, full, rest, banded=False)
     passes.append(_held(rp, held + kept))
     if kind == "encode":
-        q = _pass_plan(tv, "exact latent-resolution tail", second, rp.output_shape, tile, st,
-                            second.output, set(), full)
+        q = _pass_plan(tv, "exact latent-resolution tail", second, rp.output_shape, tile, exact,
+                       second.output, set(), full)
         passes.append(_held(q, rp.output_bytes))
     return passes
 
@@ -273,81 +288,68 @@ def _held(q: Pass, held: int) -> Pass:
     return q
 
 
-def _pass_plan(tv, name: str, p: Program, shape, tile: int, st: str, ref: str, fixed: set[int],
+def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str, fixed: set[int],
                full: int, tiles: set[int] | None = None, together: bool = False,
                banded: bool = True) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
-    the per-tile working set (summed over `tiles` when they run together), conv work, the peak."""
-    import torch
-
-    b, device = shape[0], vae_device(tv.vae)
+    the per-tile working set (summed over `tiles` when they run together), conv work, what it
+    dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
+    its staged values on the device and its own bytes; a CPU plan: the sum of those maxima)."""
+    b = shape[0]
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
-    ex = Executor(p, tile, ref, attention=tv.attention, staging=st, device=device,
+    ex = Executor(p, tile, ref, attention=tv.attention, staging="device",
                   fixed_stats={i: None for i in fixed})
     segs = ex.segments()
-    item = torch.empty((), dtype=tv.vae.dtype).element_size()
 
     def nbytes(v):
-        return b * chans[v] * shapes[v][0] * shapes[v][1] * item
+        return b * chans[v] * shapes[v][0] * shapes[v][1] * s.item
+
+    def where(v):
+        return "device" if s.staging == "device+host" and v in s.on_device else s.staging.split("+")[-1]
 
     producer = {op.dst: op.name for op in p.ops}
+    tracked: dict[str, set[int]] = {}  # values whose statistics an exact GroupNorm merges
+    for op in p.ops:
+        if op.kind == "group_norm" and id(op) not in fixed:
+            tracked.setdefault(op.src[0], set()).add(op.groups)
     stages, alive, peak_staged = [], {}, 0
     last = ex._last_reader(segs)
     grid = ex._grid(shapes)
-    done, working, attn = 0, 0, 0
+    out_b = nbytes(p.output)
+    # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
+    # at 1024 px planned at 210 MiB grew by 264 before this was counted)
+    im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
+    cost, attn, held, lifetimes, gpu_peak = Cost(), 0, [], {}, 0
     for i, seg in enumerate(segs):
         for v in seg.outputs:
             if v != p.output:
-                stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), st))
-                alive[v] = nbytes(v)
+                stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), where(v)))
+                alive[v], lifetimes[v] = nbytes(v), (i, i)
         peak_staged = max(peak_staged, sum(alive.values()))
+        kv = 0
         if seg.kind == "attention":
             op, src = seg.ops[0], seg.ops[0].src[0]
             tokens = shapes[src][0] * shapes[src][1]
             per_tile = -(-tokens // len(grid))
-            scores = b * op.heads * min(tv.query_chunk, per_tile) * tokens * 4
-            attn = max(attn, 2 * nbytes(src) + scores)
-        d, wk = _segment_cost(seg, grid, shapes, chans, ref, b * item, tiles, together, banded)
-        done, working = done + d, max(working, wk)
+            # (GPU plans: fused attention kernels hold no scores; keys and values twice while joined)
+            scores = 0 if s.gpu else b * op.heads * min(tv.query_chunk, per_tile) * tokens * 4
+            kv = (4 if s.gpu else 2) * nbytes(src) + scores
+            attn = max(attn, kv)
+        c = segment_cost(seg, grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
+        cost.add(c)
+        held.append(c.working + kv + out_b + im2col)
+        gpu_peak = max(gpu_peak, held[-1] + sum(n for v, n in alive.items() if where(v) == "device"))
         for v in [v for v, j in last.items() if j == i]:
-            alive.pop(v, None)
-    out_b = nbytes(p.output)
-    on_device = peak_staged if (st == "device" or (st == "host" and device.type == "cpu")) else 0
-    # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
-    # at 1024 px planned at 210 MiB grew by 264 before this was counted)
-    im2col = ex.conv_workspace if device.type == "cpu" and any(op.kind == "conv" for op in p.ops) else 0
-    return Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
-                len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, working, attn,
-                done / full if full else 1.0, out_b, 0, on_device + working + im2col + attn + out_b)
-
-
-def _segment_cost(seg, grid, shapes, chans, ref, unit: int, tiles: set[int] | None = None,
-                  together: bool = False, banded: bool = True) -> tuple[int, int]:
-    """(conv work done over the tiles, per-tile working bytes: the largest, or the sum when together).
-
-    With `banded` a local segment whose tiles hold more than BAND_BYTES runs in row bands (as
-    Executor does): its working set is the largest band's, the work stays the tile's."""
-    convs = [op for op in seg.ops if op.kind == "conv"]
-    cost = {id(op): op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] for op in convs}
-    rows = None
-    if banded and not together and row_local(seg):
-        big = max(grid, key=lambda t: box_area(t.core))
-        cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
-        rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, BAND_BYTES)
-    done, working = 0, 0
-    for tile in grid:
-        if tiles is not None and tile.index not in tiles:
-            continue
-        cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
-        cores = {v: c for v, c in cores.items() if not box_empty(c)}
-        need = back_propagate(seg.ops, cores, shapes)
-        done += sum(cost[id(op)] * box_area(need[op.dst]) for op in convs if op.dst in need)
-        wk = working_bytes(need, chans, unit)
-        if rows is not None:
-            wk = max(working_bytes(back_propagate(seg.ops, b, shapes), chans, unit)
-                     for b in tile_bands(tile.core, seg.outputs, shapes, ref, rows)[:2])
-        working = working + wk if together else max(working, wk)
-    return done, working
+            if alive.pop(v, None) is not None:
+                lifetimes[v] = (lifetimes[v][0], i)
+    on_device = peak_staged if (s.staging == "device" or (s.staging == "host" and not s.gpu)) else 0
+    peak = gpu_peak if s.gpu else on_device + cost.working + im2col + attn + out_b
+    q = Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
+             len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, cost.working, attn,
+             cost.work / full if full else 1.0, out_b, 0, peak)
+    q.segment_bytes, q.lifetimes = held, lifetimes
+    _count(q, cost)
+    return q
 
 
 def _pass_slack(q: Pass, slack: int) -> int:

@@ -131,12 +131,14 @@ class DiskValue:
 class Staging:
     """Full-size tensors between segments, held on the device, in host memory or in disk files.
 
-    `heap_slack`: freed heap that disk staging keeps resident for reuse (see `trim`)."""
+    `heap_slack`: freed heap that disk staging keeps resident for reuse (see `trim`). `on_device`: values
+    held on the device whatever `where` says (a GPU plan's "device+host" staging)."""
 
-    def __init__(self, where: str, device, directory: str | None = None, heap_slack: int = TRIM_FREE):
+    def __init__(self, where: str, device, directory: str | None = None, heap_slack: int = TRIM_FREE,
+                 on_device=frozenset()):
         if where not in STAGINGS:
             raise ValueError(f"staging must be one of {STAGINGS}, got {where!r}")
-        self.where, self.device, self.heap_slack = where, device, heap_slack
+        self.where, self.device, self.heap_slack, self.on_device = where, device, heap_slack, on_device
         self.dir = None
         if where == "disk":
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
@@ -155,7 +157,7 @@ class Staging:
         size = torch.empty((), dtype=dtype).element_size()
         self.sizes[name] = size * math.prod(shape)
         self.peak = max(self.peak, sum(self.sizes.values()))
-        if self.where == "device":
+        if self.where == "device" or name in self.on_device:
             self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
         elif self.where == "host" or len(shape) != 4:
             pin = torch.device(self.device).type == "cuda"
@@ -187,8 +189,14 @@ class Staging:
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
 
     def reads_copy(self, name: str) -> bool:
-        """Whether read(name, ...) returns a new tensor of its own (disk), not a view of staged memory."""
-        return isinstance(self.tensors.get(name), DiskValue)
+        """Whether read(name, ...) returns a new tensor of its own (disk, or host memory read onto an
+        accelerator), not a view of staged memory."""
+        t = self.tensors.get(name)
+        if isinstance(t, DiskValue):
+            return True
+        import torch
+
+        return t is not None and t.device.type != torch.device(self.device).type
 
     def write(self, name: str, box: Box, value) -> None:
         """Write value into the box of a staged tensor."""

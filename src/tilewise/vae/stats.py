@@ -1,52 +1,114 @@
 """Exact GroupNorm statistics over tiles: per-(batch, group) moments, merged across disjoint tiles.
 
 Each tile contributes the float64 mean and sum of squared deviations of its core (two vectorised passes,
-shifted by the float32 group mean); tiles merge with Chan et al.'s pairwise update (1979), so the result
-equals torch's GroupNorm statistics over the whole value within float error, whatever the tile order.
+shifted by the float32 group mean); the tiles' moments are merged with Chan et al.'s update (1979) for
+many parts at once, when the statistics are read: the result equals torch's GroupNorm statistics over
+the whole value within float error, whatever the tile order, and a tile costs no merge kernels.
 """
 
 from __future__ import annotations
 
 
 class GroupStats:
-    """Exact per-(batch, group) mean and variance merged over disjoint tiles (Chan et al. 1979)."""
+    """Exact per-(batch, group) mean and variance merged over disjoint tiles (Chan et al. 1979).
 
-    def __init__(self, groups: int):
-        self.groups = groups
-        self.n = 0
-        self.mean = None
-        self.m2 = None
+    `chunk`: bytes of float32 rows one pass of `moments` holds; 0: one torch.var_mean pass a tile
+    (GPU plans: one kernel a tile, its float32 results widened to float64 when merged)."""
+
+    def __init__(self, groups: int, chunk: int = 1 << 20):
+        self.groups, self.chunk = groups, chunk
+        self._n, self._mean, self._m2 = 0, None, None
+        self._parts: list = []  # (count, mean, variance) of tiles added since the last merge
 
     def add(self, x) -> None:
-        """Merge the statistics of tile x (B, C, h, w): shifted two-pass moments, then the Chan update."""
+        """Add the moments of tile x (B, C, h, w); merged when read."""
         nb = x[0].numel() // self.groups
-        if nb == 0:
+        if not nb:
             return
-        mb, m2b = moments(x.detach(), self.groups)
-        if self.mean is None:
-            self.n, self.mean, self.m2 = nb, mb, m2b
-            return
-        n = self.n + nb
-        delta = mb - self.mean
-        self.mean = self.mean + delta * (nb / n)
-        self.m2 = self.m2 + m2b + delta.square() * (self.n * nb / n)
-        self.n = n
+        if self.chunk == 0:
+            mean, var = var_mean(x.detach(), self.groups)
+        else:
+            mean, m2 = moments(x.detach(), self.groups, self.chunk)
+            var = m2 / nb
+        self._parts.append((nb, mean, var))
 
     def result(self):
         """(mean, biased variance) as float64 (B, groups) tensors, as torch's GroupNorm uses."""
         return self.mean, self.m2 / self.n
 
+    # the merged moments (sharding replaces them by the merge over all ranks)
+
+    @property
+    def n(self) -> int:
+        self._merge()
+        return self._n
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._merge()
+        self._n = value
+
+    @property
+    def mean(self):
+        self._merge()
+        return self._mean
+
+    @mean.setter
+    def mean(self, value) -> None:
+        self._merge()
+        self._mean = value
+
+    @property
+    def m2(self):
+        self._merge()
+        return self._m2
+
+    @m2.setter
+    def m2(self, value) -> None:
+        self._merge()
+        self._m2 = value
+
+    def _merge(self) -> None:
+        """Fold the pending parts in, in float64: n = sum n_i, mean = sum n_i mean_i / n,
+        m2 = sum n_i var_i + sum n_i (mean_i - mean)^2 (Chan et al.'s update over k parts at once)."""
+        if not self._parts:
+            return
+        import torch
+
+        parts, self._parts = self._parts, []
+        if self._mean is not None:
+            parts = [(self._n, self._mean, self._m2 / self._n), *parts]
+        f64 = torch.float64
+        if len(parts) == 1:
+            self._n, mean, var = parts[0]
+            self._mean, self._m2 = mean.to(f64), var.to(f64) * self._n
+            return
+        counts = [p[0] for p in parts]
+        n = sum(counts)
+        w = torch.tensor(counts, dtype=f64).view(-1, 1, 1).to(parts[0][1].device)
+        means = torch.stack([p[1] for p in parts]).to(f64)
+        variances = torch.stack([p[2] for p in parts]).to(f64)
+        mean = (means * w).sum(0) / n
+        self._n, self._mean = n, mean
+        self._m2 = (variances * w).sum(0) + ((means - mean).square_() * w).sum(0)
+
 
 def moments(x, groups: int, chunk: int = 1 << 20):
     """Per-(batch, group) mean and sum of squared deviations of x (B, C, h, w) as float64, in two passes:
     per-channel cascade sums of x, then of (x - m)^2 shifted by the float32 group mean m, a band of rows
-    at a time through one buffer in x's memory layout (NCHW or channels-last, read without a copy).
+    at a time (`chunk` bytes of float32) through one buffer in x's memory layout (NCHW or channels-last,
+    read without a copy).
 
     torch.var_mean's Welford reduction is scalar on CPU (~10x slower than these vectorised sums) and a
     whole-tile temporary costs page faults; the shift keeps float32 sums accurate (no E[x^2] - E[x]^2).
+    chunk=0 (GPU plans, where every kernel is a launch): one `var_mean` pass instead of ~20 kernels a
+    chunk.
     """
     import torch
 
+    if chunk == 0:
+        mean, var = var_mean(x, groups)
+        return mean.to(torch.float64), var.to(torch.float64) * (x[0].numel() // groups)
     b, c, h, w = x.shape
     cg = c // groups
     n = cg * h * w
@@ -65,3 +127,15 @@ def moments(x, groups: int, chunk: int = 1 << 20):
         s2 = s2 + d.square_().sum((2, 3)).to(torch.float64)
     s1, s2 = s1.view(b, groups, cg).sum(-1), s2.view(b, groups, cg).sum(-1)
     return m.to(torch.float64) + s1 / n, s2 - s1.square() / n
+
+
+def var_mean(x, groups: int):
+    """(mean, biased variance) of each (batch, group) of x (B, C, h, w) in one torch.var_mean (Welford)
+    pass, float32 or wider (half-precision values are read as float32)."""
+    import torch
+
+    g = x.unflatten(1, (groups, x.shape[1] // groups))
+    if g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    var, mean = torch.var_mean(g, dim=(2, 3, 4), correction=0)
+    return mean, var

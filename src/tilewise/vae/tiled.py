@@ -20,10 +20,11 @@ from ..locality.lowering3d import is_video_vae, lower_video_vae
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import video_face
-from .bands import BAND_BYTES
-from .executor import Executor
+from .devices import DeviceProfile, device_options, profile
+from .executor import Executor, NonFiniteError, check_output
 from .fast import crop_stats, fast_split, run_fast
-from .plan import Plan, choose, make_plan
+from .plan import Plan, make_plan
+from .settle import settle
 from .staging import STAGINGS, TRIM_FREE
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class TiledVAE(ModelWrapper):
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
                  stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float | None = None,
-                 fast_estimator: str = "tiles", fast_low: int = 4, process_group: Any = None):
+                 fast_estimator: str = "tiles", fast_low: int = 4, process_group: Any = None,
+                 device_kind: str | DeviceProfile | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention not in ATTENTIONS:
@@ -85,6 +87,8 @@ class TiledVAE(ModelWrapper):
             raise ValueError("retry_on_oom=True is single-process only (a retry on one rank would "
                              "desynchronise the others): drop it or process_group")
         self.process_group = process_group
+        profile(device_kind, "cpu")  # (checks the value: a kind name, a DeviceProfile or None)
+        self.device_kind = device_kind  # what plans are shaped for (None: the device the VAE is on)
         self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
         self._wrap(vae)  # (moves and casts keep parameter identity, so the lowered programs follow)
 
@@ -234,6 +238,7 @@ class TiledVAE(ModelWrapper):
                              f"{want[0]}x{want[1]}")
 
         def emit(box, value):
+            emit.sent = True  # (a rerun after an overflow would write rows twice)
             sink.write(box[0], box[2], value[0].float())
 
         self._run("decode", z, emit=emit)
@@ -241,14 +246,19 @@ class TiledVAE(ModelWrapper):
     # -- running ------------------------------------------------------------------------------------
 
     def _run(self, kind: str, t, emit=None):
-        """Run the program, halving the tile on out-of-memory when retry_on_oom is set."""
+        """Run the program as planned, halving the tile on out-of-memory when retry_on_oom is set; a
+        half-precision overflow (NaN / inf) runs again in float32, as diffusers' force_upcast does."""
         import torch
 
-        tile, staging = choose(self, kind, tuple(t.shape))
+        plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
+        tile, staging = plan.tile_size, plan.staging
+        bands = (plan.band_bytes, plan.on_device, plan.staged_estimate)
         while True:
             try:
                 with torch.no_grad():
-                    return self._run_once(kind, t, tile, staging, emit)
+                    return self._run_once(kind, t, tile, staging, emit, bands)
+            except NonFiniteError as err:
+                return self._upcast(kind, t, tile, staging, emit, bands, err)
             except torch.OutOfMemoryError:
                 if not self.retry_on_oom or tile <= 1:
                     raise
@@ -257,16 +267,39 @@ class TiledVAE(ModelWrapper):
                 tile //= 2
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
-    def _executor(self, kind: str, t, tile: int, staging: str, slack: int) -> Executor:
+    def _upcast(self, kind: str, t, tile: int, staging: str, emit, bands, err):
+        """Run again with the VAE in float32 after a half-precision overflow (diffusers' force_upcast:
+        the SDXL VAE's float16 activations overflow), said in the log; the result in t's dtype. Raised
+        as it is in float32, or once a sink has received rows."""
+        import torch
+
+        dtype = self.vae.dtype
+        if t.dtype not in (torch.float16, torch.bfloat16) or getattr(emit, "sent", False):
+            raise err
+        logger.warning("TiledVAE %s: %s overflow (NaN or inf in the output of %r); running it again with "
+                       "the VAE in float32, as diffusers' force_upcast does", kind, err.dtype, err.producer)
+        self.vae.to(torch.float32)
+        try:
+            with torch.no_grad():
+                out = self._run_once(kind, t.float(), tile, staging, emit, bands)
+        finally:
+            self.vae.to(dtype)
+        return None if out is None else out.to(t.dtype)
+
+    def _executor(self, kind: str, t, tile: int, staging: str, slack: int, bands) -> Executor:
+        """The exact (or crop-estimated fast) executor; "device+host" runs as host staging with the
+        plan's values on the device."""
         p = self.program(kind)
         ref = p.input if kind == "decode" else p.output
         group = self._group()
         fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
         # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
-        return Executor(p, tile, ref, attention=self.attention, staging=staging, device=t.device,
-                        fixed_stats=fixed, query_chunk=self.query_chunk, progress=self.progress,
-                        stage_dir=self.stage_dir, group=group, heap_slack=slack,
-                        band_bytes=None if self.mode == "fast" else BAND_BYTES)
+        rows, on_device, _ = bands
+        return Executor(p, tile, ref, attention=self.attention, staging=staging.split("+")[-1],
+                        device=t.device, fixed_stats=fixed, query_chunk=self.query_chunk,
+                        progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack,
+                        band_bytes=None if self.mode == "fast" else rows, on_device=on_device,
+                        **device_options(self))
 
     def _group(self):
         """The resolved process group (None: single process)."""
@@ -274,21 +307,23 @@ class TiledVAE(ModelWrapper):
 
         return resolve_group(self.process_group)
 
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit):
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands=(None, frozenset(), False)):
+        """One run; `bands`: the plan's row bands of exact segments, values staged on the device with
+        "device+host", and whether fast mode estimates from sampled tiles staged segment by segment."""
         p = self.program(kind)
         shapes = p.shapes(tuple(t.shape[-2:]))
         ref = p.input if kind == "decode" else p.output
         if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
-            return p.run(t)  # fits one tile: the plain untiled path (exact by definition)
+            return check_output(p.run(t), p)  # fits one tile: the plain untiled path (exact by definition)
         slack = TRIM_FREE  # freed host heap disk staging keeps; budgeted only where the budget is host memory
         if self.memory_budget is not None and staging == "disk" and t.device.type == "cpu":
             slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
         split = fast_split(self, p, kind)
         if split is not None:
             out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
-                                                  self._group())
+                                                  self._group(), staged=bands[2])
             return out
-        ex = self._executor(kind, t, tile, staging, slack)
+        ex = self._executor(kind, t, tile, staging, slack, bands)
         out = ex.run(t, emit=emit)
         self.last_staged_peak = ex.staged_peak
         return out
@@ -303,6 +338,8 @@ class TiledVAE(ModelWrapper):
         """
         if self.is_video:
             return video_face.plan(self, shape, kind, tile_size, staging)
+        if tile_size is None and staging is None and self.memory_budget is not None:
+            return settle(self, kind, tuple(shape))
         return make_plan(self, shape, kind, tile_size, staging)
 
 

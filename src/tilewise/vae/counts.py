@@ -1,0 +1,376 @@
+"""What one pass of a plan will dispatch, counted from its tile boxes before anything runs.
+
+Per tile and segment the executor runs each op on the box back-propagated from the tile's cores (in
+row bands where the plan bands them, convolution rows carried from band to band), stores each core
+(into a staged value or the output), checks it for NaN / inf and adds it to the statistics of the
+GroupNorms that read it. `segment_cost` walks the same boxes and counts:
+
+- conv work (multiply-adds over the boxes, halos included) and FLOPs as torch.utils.flop_counter counts
+  them (2 a multiply-add; attention's projections and its two matmuls);
+- kernel launches: the operators each step dispatches (`LAUNCHES` and the functions below; views and
+  allocations are no launches), and per segment the statistics' merge, their affine and the one finite
+  check that reads back to the host;
+- host<->device bytes: staged boxes read onto the device, cores written back (host or disk staging of a
+  GPU plan; on a CPU plan host and device are one memory);
+- the working set: the three largest values a tile (or a band of it) holds.
+
+`benchmarks/counting.py` counts the same on a real (or fake) run; `tests/test_counting.py` compares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..locality.ops import box_area, clip_box, map_box
+from ..locality.program import back_propagate, last_use
+from .bands import band_rows, row_local, tile_bands, working_bytes
+
+# kernels of the pieces made of several operators (counted with benchmarks/counting.py)
+ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), heads back, to_out, residual
+ATTENTION_COPY = 1  # ... plus one copy when the tile's box is not contiguous in its tensor
+KEYS_VALUES = 4  # to_k and to_v of one band of tokens (matmul and bias each)
+MERGE = 13  # GroupStats: the tiles' moments merged (two or more parts; float32 ones widened: 2 more)
+AFFINE = 14  # a GroupNorm's per-channel affine from its statistics (once per run)
+CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host sync
+MOMENTS = 13  # GroupNorm moments in chunks: the fixed kernels ...
+MOMENTS_CHUNK = 8  # ... and those of every chunk
+WELFORD = 1  # one torch.var_mean pass (stats_chunk=0), float32 values; a half-precision copy adds one
+POINTWISE = {"identity": 0, "(x + 1) / 2": 2, "tanh(x / 3) * 3": 3, "2x - 1": 2}  # others: one kernel
+
+
+@dataclass
+class Cost:
+    """What a pass (or a segment of it) dispatches; `working` is a per-tile (or per-band) maximum."""
+
+    work: int = 0  # conv multiply-adds per batch item
+    flops: int = 0
+    launches: int = 0
+    syncs: int = 0  # reads back to the host (finite checks)
+    h2d: int = 0  # bytes host -> device
+    d2h: int = 0
+    working: int = 0
+
+    def add(self, other: Cost, together: bool = False) -> None:
+        self.work, self.flops = self.work + other.work, self.flops + other.flops
+        self.launches, self.syncs = self.launches + other.launches, self.syncs + other.syncs
+        self.h2d, self.d2h = self.h2d + other.h2d, self.d2h + other.d2h
+        self.working = self.working + other.working if together else max(self.working, other.working)
+
+
+@dataclass
+class Setting:
+    """How the pass runs: its staging, device kind and the executor's options."""
+
+    staging: str = "device"
+    gpu: bool = False  # a GPU plan: staged host / disk values cross the link
+    conv_workspace: int = 0
+    band_bytes: int | None = None
+    stats_chunk: int = 1 << 20
+    item: int = 4  # bytes per element
+    batch: int = 1
+    query_chunk: int = 4096
+    global_attention: bool = True
+    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
+
+    def off(self, v: str) -> bool:
+        """Whether staged value v lives across the link (its reads and writes are transfers)."""
+        if not self.gpu or self.staging == "device":
+            return False
+        return self.staging != "device+host" or v not in self.on_device
+
+
+def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str, set[int]], s: Setting,
+                 tiles: set[int] | None = None, together: bool = False, banded: bool = True,
+                 fixed: set[int] = frozenset()) -> Cost:
+    """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
+    at a time, or `together` (working sets summed), in row bands where `banded` and the setting band."""
+    unit = s.batch * s.item
+    rows = None
+    if banded and not together and s.band_bytes and row_local(seg):
+        big = max(grid, key=lambda t: box_area(t.core))
+        cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
+        rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.band_bytes)
+    last = last_use(seg.ops, seg.outputs)
+    cost, parts = Cost(), 0
+    for tile in grid:
+        if tiles is not None and tile.index not in tiles:
+            continue
+        bands = tile_bands(tile.core, seg.outputs, shapes, ref, rows)
+        if not bands:
+            continue
+        parts += len(bands)
+        cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed), together)
+    cost.add(_segment_once(seg, shapes, chans, tracked, s, parts))
+    return cost
+
+
+def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fixed) -> Cost:
+    """One tile of a segment, band by band, as `run_bands` runs it (and `Executor._store` stores it)."""
+    unit = s.batch * s.item
+    needs = [back_propagate(seg.ops, cores, shapes) for cores in bands]
+    cost = Cost()
+    carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
+    owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
+    for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
+        if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
+            stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
+            held = live_peak(seg.ops, need, shapes, chans, unit, owned - {program.input}, cores, last, stores)
+        else:
+            held = working_bytes(need, chans, unit)
+        band = Cost(working=held)
+        nxt = needs[j + 1] if j + 1 < len(needs) else {}
+        for v in seg.inputs:
+            if v in need and s.off(v) and v != program.input:  # (the input is staged as given)
+                band.h2d += box_area(need[v]) * chans[v] * unit
+        for i, op in enumerate(seg.ops):
+            d = op.dst
+            if d not in need:
+                continue
+            box, c = need[d], carried.pop(d, None)
+            if c is not None and (c[0] != box[0] or c[2:] != box[2:]):
+                c = None
+            if c is None:
+                band.add(_op_cost(seg.ops, i, box, need, shapes, chans, s, last, cores, fixed))
+            elif c[1] < box[1]:  # rows past the carried ones, then joined to them
+                band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, s, last, cores, fixed))
+                band.launches += 1
+            if op.kind == "conv" and not _pointwise(op) and d in nxt and nxt[d][0] < box[1] \
+                    and nxt[d][2:] == box[2:]:
+                carried[d] = (nxt[d][0], box[1], box[2], box[3])
+                band.launches += 1  # (the carried rows are cloned)
+        for v, core in cores.items():
+            band.add(_store_cost(v, core, shapes, chans, program, tracked, s))
+        cost.add(band)
+    return cost
+
+
+def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixed) -> Cost:
+    """Work, FLOPs and launches of ops[i] on `box` (run_op; a conv in im2col row bands on a CPU plan)."""
+    op = ops[i]
+    cost = Cost()
+    if op.kind == "conv":
+        lazy = _lazy_input(ops, i, last, keep)
+        macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * box_area(box)
+        cost.work, cost.flops = macs, 2 * macs * s.batch
+        if _pointwise(op) and not lazy:
+            cost.launches = 1
+            return cost
+        rows = box[1] - box[0]
+        per_row = (box[3] - box[2]) * op.weight.shape[1] * op.kernel[0] * op.kernel[1] * 4
+        step = max(1, s.conv_workspace // max(per_row, 1)) if s.conv_workspace else rows
+        step = min(step, rows)
+        shape = shapes[op.src[0]]
+        for y in range(box[0], box[1], step):
+            part = (y, min(y + step, box[1]), box[2], box[3])
+            want = op.input_boxes(part)[0]
+            cost.launches += 1 + (want != clip_box(want, shape)) + lazy  # conv, pad, the upsampled band
+        if step < rows:
+            cost.launches += -(-rows // step)  # every band copied into the one output
+        return cost
+    if op.kind == "resample":
+        cost.launches = 0 if _lazy_output(ops, i, last, keep) else 1
+    elif op.kind == "pointwise":
+        cost.launches = POINTWISE.get(op.label, 1)
+    elif op.kind == "add":
+        cost.launches = 1 + (op.scale != 1.0)
+    elif op.kind == "group_norm":
+        cost.launches = 1  # GroupNorm's affine in one kernel (statistics known: executor)
+    elif op.kind == "attention":
+        cost.add(_attention_tile(op, box, need, shapes, chans, s))
+    else:
+        cost.launches = 1
+    return cost
+
+
+def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
+    """The queries of one box attending to all tokens (global) or to the box's own (tile)."""
+    src = op.src[0]
+    c = chans[src]
+    nq = box_area(box)
+    h, w = shapes[src]
+    nk = h * w if s.global_attention else nq
+    chunks = max(1, -(-nq // s.query_chunk))
+    d = c // op.heads
+    proj = 2 * nq * c * c * 2  # to_q and to_out
+    if not s.global_attention:
+        proj += 2 * nq * c * c * 2  # the box's own keys and values
+    flops = s.batch * (proj + 4 * op.heads * nq * nk * d)
+    launches = ATTENTION_TILE + (chunks - 1) + (chunks > 1)  # one fused kernel a chunk, then joined
+    if not (box[2] == 0 and box[3] == w) and box[1] - box[0] > 1:
+        launches += ATTENTION_COPY
+    if not s.global_attention:
+        launches += KEYS_VALUES
+    return Cost(flops=flops, launches=launches)
+
+
+def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Cost:
+    """`Executor._store` of one core: its finite check or statistics, then its write."""
+    unit = s.batch * s.item
+    n = box_area(core) * chans[v] * unit
+    cost = Cost()
+    if v == program.output:
+        cost.launches += 1  # into the output tensor (decode_to: to the sink)
+    elif s.off(v):
+        cost.d2h += n
+    elif s.staging == "disk":
+        cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
+    else:
+        cost.launches += 1
+    if v not in tracked:
+        cost.launches += 1  # a sum for the finite check
+    for _ in tracked.get(v, ()):
+        cost.launches += _moments(core, chans[v], s)
+    return cost
+
+
+def _moments(core, c: int, s: Setting) -> int:
+    """Kernels of one GroupStats.add of a core with c channels (stats.moments)."""
+    if s.stats_chunk == 0:
+        return WELFORD + (s.item < 4)
+    h, w = core[1] - core[0], core[3] - core[2]
+    rows = max(1, min(h, s.stats_chunk // max(s.batch * c * w * 4, 1)))
+    return MOMENTS + MOMENTS_CHUNK * -(-h // rows)
+
+
+def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
+    """What a segment dispatches once, not per tile: attention's keys and values, the statistics'
+    merge and affine, the finite check."""
+    unit = s.batch * s.item
+    cost = Cost()
+    for op in seg.ops:
+        if op.kind == "attention" and s.global_attention:
+            src = op.src[0]
+            h, w = shapes[src]
+            c = chans[src]
+            bands = -(-h // max(1, min(h, s.query_chunk // max(w, 1))))
+            cost.launches += KEYS_VALUES * bands + 2
+            cost.flops += s.batch * 2 * 2 * h * w * c * c
+            if s.off(src):
+                cost.h2d += h * w * c * unit
+        if op.kind == "group_norm":
+            cost.launches += AFFINE
+    sums = any(v not in tracked for v in seg.outputs)
+    welford = s.stats_chunk == 0
+    merge = MERGE + 2 * welford if parts > 1 else 1 + 2 * welford  # (one part: widened only)
+    for v in seg.outputs:
+        for _ in tracked.get(v, ()):
+            cost.launches += merge + 1 + 2  # the variance, then both into the finite check
+            cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
+            sums = True
+    if sums:
+        cost.launches += CHECK
+        cost.syncs += 1
+    return cost
+
+
+def untiled_cost(program, shapes, chans, s: Setting) -> Cost:
+    """The plain untiled run (`Program.run`: what a TiledVAE does when one tile covers the latent) and
+    its finite check; `working` is its peak of live values (`untiled_peak`)."""
+    full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
+    last = last_use(program.ops, [program.output])
+    cost = Cost()
+    one = Setting(**{**s.__dict__, "conv_workspace": 0})
+    for i, op in enumerate(program.ops):
+        if op.kind == "group_norm":
+            cost.launches += 1  # torch's own GroupNorm
+        elif op.kind == "attention":
+            q = _attention_tile(op, full[op.dst], full, shapes, chans, one)
+            cost.flops += q.flops + s.batch * 2 * 2 * box_area(full[op.dst]) * chans[op.src[0]] ** 2
+            cost.launches += q.launches + KEYS_VALUES
+        else:
+            cost.add(_op_cost(program.ops, i, full[op.dst], full, shapes, chans, one, last, (), set()))
+    cost.launches += 5  # the finite check of the output (sum, isfinite)
+    cost.syncs += 1
+    cost.working = untiled_peak(program, shapes, chans, s.batch * s.item)
+    return cost
+
+
+def untiled_peak(program, shapes, chans, unit: int) -> int:
+    """Peak bytes of live values in `Program.run` (`live_peak` on the whole image; the input is the
+    caller's)."""
+    full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
+    last = last_use(program.ops, [program.output])
+    return live_peak(program.ops, full, shapes, chans, unit, set(), (), last)
+
+
+def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0) -> int:
+    """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
+    `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
+    reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
+    reads band by band), and its temporaries: a conv's zero-padded input copy and the upsampled rows it
+    reads, attention's queries and heads. Values in `keep` (the band's cores) live to the end, when
+    storing them holds `stores` bytes more (their statistics' float32 copy)."""
+
+    def size(v, box=None):
+        return box_area(need[v] if box is None else box) * chans[v] * unit
+
+    ours = set(owned)  # values this run made (an op may overwrite them where they die)
+    live = {v: size(v) for v in owned if v in need}
+    peak = sum(live.values())
+    for i, op in enumerate(ops):
+        d = op.dst
+        if d not in need:
+            continue
+        src, temp = op.src[0], 0
+        lazy = op.kind == "resample" and _lazy_output(ops, i, last, keep)
+        out = size(src) if lazy else size(d)  # (an upsampling read lazily holds its source)
+        if op.kind == "conv" and _pointwise(op) and not _lazy_input(ops, i, last, keep):
+            out = box_area(need[src]) * chans[d] * unit  # run on its whole input box
+        elif op.kind == "conv":
+            want = op.input_boxes(need[d])[0]
+            inner = clip_box(want, shapes[src])
+            padded = size(src, want) if want != inner else 0  # the zero-padded copy
+            if _lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
+                ups = size(src, inner)
+                temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
+            else:
+                temp = padded
+        elif op.kind == "attention":
+            temp = 3 * size(d)  # queries, attention output, heads back
+        dies = last.get(src) == i and src not in keep and op.src.count(src) == 1
+        if dies and src in ours and _overwrites(op):
+            out = 0
+        peak = max(peak, sum(live.values()) + temp + out)
+        if out == 0 and not lazy:
+            live[d] = live.pop(src)
+        else:
+            live[d] = out
+        ours.add(d)
+        for v in set(op.src):
+            if last.get(v) == i and v not in keep:
+                live.pop(v, None)
+    return max(peak, sum(live.values()) + stores)
+
+
+def _overwrites(op) -> bool:
+    """Whether op runs in place on its dying input (`Op.run_in_place`)."""
+    if op.kind == "pointwise":
+        return op.fn_ is not None
+    return op.kind in ("group_norm", "add")
+
+
+def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
+    """Bytes a core's statistics hold while computed: a half-precision core read as float32 (one
+    var_mean pass), or the float32 rows of one chunk of moments."""
+    if v not in tracked:
+        return 0
+    n = box_area(core) * chans[v] * s.batch * 4
+    if s.stats_chunk == 0:
+        return n if s.item < 4 else 0
+    return min(n, s.stats_chunk)
+
+
+def _lazy_output(ops, i: int, last, keep) -> bool:
+    """Whether resample ops[i] is never materialised (read only by the conv right after it)."""
+    op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+    return (nxt is not None and nxt.kind == "conv" and nxt.src == (op.dst,) and last.get(op.dst) == i + 1
+            and op.dst not in keep)
+
+
+def _lazy_input(ops, i: int, last, keep) -> bool:
+    """Whether conv ops[i] reads an upsampling that was never materialised (it upsamples each band)."""
+    return i > 0 and ops[i - 1].kind == "resample" and _lazy_output(ops, i - 1, last, keep)
+
+
+def _pointwise(op) -> bool:
+    return op._pointwise()

@@ -1,0 +1,138 @@
+"""Counting what runs dispatch (benchmarks/counting.py), and plans checked against the counts.
+
+The counts are the same on any machine: fake tensors on the meta device dispatch what a real CPU run
+does, so sizes and devices that cannot run here are counted there.
+"""
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from counting import build_vae, count, fake  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.vae.devices import CPU, CUDA  # noqa: E402
+
+NARROW = dict(blocks=(16, 32, 32, 32), groups=8)
+
+
+def _on(device: str):
+    return fake() if device == "meta" else contextlib.nullcontext()
+
+
+def _counted(device, run, *args):
+    with count(device) as c:
+        run(*args)
+    return c
+
+
+def _encode_run(tv, x):
+    """tv.encode(x) without the posterior's own kernels (what the plan covers is the program)."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    with count(x.device.type) as c:
+        h = tv.encode(x).latent_dist.parameters
+    with count(x.device.type) as d:
+        DiagonalGaussianDistribution(torch.empty_like(h))
+    c.launches -= d.launches
+    return c
+
+
+def test_fake_meta_run_counts_what_a_cpu_run_counts():
+    got = {}
+    for device in ("cpu", "meta"):
+        with _on(device):
+            vae = build_vae("sd", torch.float32, device, **NARROW)
+            z = torch.randn(1, 4, 16, 16, device=device)
+            tv = tw.TiledVAE(vae, tile_size=8, progress=False, device_kind="cuda")
+            got[device] = [_counted(device, vae.decode, z), _counted(device, tv.decode, z)]
+    for real, meta in zip(got["cpu"], got["meta"], strict=True):
+        assert (real.launches, real.views, real.syncs, real.flops) == (meta.launches, meta.views, meta.syncs,
+                                                                       meta.flops)
+        assert real.ops == meta.ops and real.device_peak("cpu") == meta.device_peak("meta") > 0
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+@pytest.mark.parametrize("staging", ["device", "host"])
+def test_gpu_plan_counts_flops_launches_transfers_and_peak_of_the_run(kind, staging):
+    with fake():
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        tv = tw.TiledVAE(vae, tile_size=8, staging=staging, progress=False, device_kind="cuda")
+        t = torch.randn(1, 4, 16, 16) if kind == "decode" else torch.randn(1, 3, 128, 128)
+        t = t.to("meta", torch.float16)
+        plan = tv.plan(tuple(t.shape), kind=kind)
+        c = _counted("meta", tv.decode, t) if kind == "decode" else _encode_run(tv, t)
+    assert plan.device == "cuda" and "planned for: cuda" in str(plan)
+    assert plan.flops == c.flops and plan.syncs == c.syncs
+    assert abs(plan.launches - c.launches) <= 0.03 * c.launches
+    assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h)
+    assert (c.d2h > 0) == (staging == "host") and c.h2d > (1 << 20 if staging == "host" else 0)
+    assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
+
+
+def test_gpu_plans_run_whole_tiles_and_no_im2col_bands():
+    from tilewise.locality import lower
+
+    with fake():
+        vae = build_vae("sd", torch.float32, "meta", **NARROW)
+        z = torch.randn(1, 4, 16, 16, device="meta")
+        convs = sum(op.kind == "conv" for op in lower(vae.decoder).ops) + 1  # and post_quant_conv
+        runs = {}
+        banded = CPU.replace(conv_workspace=64 << 10, band_bytes=256 << 10)
+        for name, prof in (("cuda", CUDA), ("cpu", banded)):
+            tv = tw.TiledVAE(vae, tile_size=8, progress=False, device_kind=prof)
+            runs[name] = (tv.plan(tuple(z.shape)), _counted("meta", tv.decode, z))
+    plan, c = runs["cuda"]
+    assert plan.band_bytes is None and plan.grid == (2, 2)
+    assert c.ops["convolution"] == 4 * convs  # every conv once per tile: no bands of any kind
+    small_plan, small = runs["cpu"]
+    assert small_plan.band_bytes == 256 << 10 and small.ops["convolution"] > 4 * convs
+    assert small.launches > c.launches
+
+
+def test_gpu_settle_takes_the_untiled_run_when_it_fits_and_stays_within_smaller_budgets():
+    with fake():
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
+        untiled = _counted("meta", vae.decode, z)
+        kinds = {}
+        for budget in (2 * untiled.device_peak("meta"), untiled.device_peak("meta") // 2,
+                       untiled.device_peak("meta") // 6):
+            tv = tw.TiledVAE(vae, memory_budget=int(budget), progress=False, device_kind="cuda")
+            plan = tv.plan(tuple(z.shape))
+            c = _counted("meta", tv.decode, z)
+            kinds[budget] = (plan.untiled, plan.staging)
+            assert c.device_peak("meta") <= plan.peak <= budget  # device peak within the budget, measured
+            if plan.untiled:
+                assert c.launches <= untiled.launches + 40  # (its pads apart: the untiled decode itself)
+    assert list(kinds.values())[0] == (True, "device")
+    assert all(not u for u, _ in list(kinds.values())[1:])
+
+
+def test_device_plan_places_what_fits_on_the_device_and_the_rest_in_host_memory():
+    with fake():
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
+        dev = tw.TiledVAE(vae, tile_size=8, staging="device", progress=False, device_kind="cuda")
+        host = tw.TiledVAE(vae, tile_size=8, staging="host", progress=False, device_kind="cuda")
+        hi, lo = dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak
+        tv = tw.TiledVAE(vae, memory_budget=(hi + lo) // 2, progress=False, device_kind="cuda")
+        plan = tv.plan(tuple(z.shape))
+        c = _counted("meta", tv.decode, z)
+    assert plan.staging == "device+host" and 0 < len(plan.on_device) < len(plan.stages)
+    assert {s.where for s in plan.stages} == {"device", "host"}
+    assert c.device_peak("meta") <= plan.peak <= (hi + lo) // 2
+    assert 0 < c.h2d < host.plan(tuple(z.shape)).h2d and plan.d2h == c.d2h
+
+
+def test_device_profile_time_model_and_bad_kinds():
+    prof = CUDA.replace(flops=1e12, flops_fp32=5e11, launch_s=1e-5, link_bytes_s=1e9)
+    assert prof.seconds(2e12, 1000, 3e9, half=True) == pytest.approx(2 + 0.01 + 3)
+    assert prof.seconds(2e12, 0, 0, half=False) == pytest.approx(4)
+    with pytest.raises(ValueError, match="device_kind must be.*'tpu'"):
+        tw.TiledVAE(build_vae("sd", torch.float32, "cpu", **NARROW), device_kind="tpu")
