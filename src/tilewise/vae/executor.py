@@ -296,9 +296,10 @@ class Executor:
         c = sub_tensor(t, have, core)
         if self.check_finite and not _all_finite(c):
             producer = next((op.name for op in seg.ops if op.dst == v), v)
-            raise NonFiniteError(
-                f"NaN or inf in the output of {producer!r} (dtype {c.dtype}); in float16 this is the known "
-                "SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) or use an fp16-fixed VAE")
+            raise NonFiniteError(f"NaN or inf in the output of {producer!r} (dtype {c.dtype}); " + (
+                "in float16 this is the known SD-VAE overflow: run the VAE in float32 "
+                "(vae.to(torch.float32)) or use an fp16-fixed VAE" if str(c.dtype) == "torch.float16" else
+                "not an fp16 overflow: check the input and the VAE's weights for NaN or inf values"))
         for acc in trackers.get(v, {}).values():
             acc.add(c)
         for pb in self.probes if v in trackers else ():

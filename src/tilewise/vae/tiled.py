@@ -19,6 +19,7 @@ from ..locality.lowering import chain, lower, lower_conv
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from .bands import BAND_BYTES
+from .checks import check_dtype, check_finite, check_fits
 from .executor import Executor
 from .fast import crop_stats, fast_split, run_fast
 from .plan import Plan, choose, make_plan
@@ -170,6 +171,8 @@ class TiledVAE(ModelWrapper):
         if small is not None:
             raise ValueError(f"{what} of {h}x{w} is too small for the VAE {kind}r: {small.name} would have "
                              f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
+        check_dtype(t, what, self.vae)
+        check_finite(t, what)
         if torch.is_grad_enabled() and t.requires_grad:
             raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
                                "would break backward(); use the wrapped VAE directly to train")
@@ -229,6 +232,7 @@ class TiledVAE(ModelWrapper):
         import torch
 
         tile, staging = choose(self, kind, tuple(t.shape))
+        check_fits(self, kind, tuple(t.shape), tile, staging, streamed=emit is not None)
         while True:
             try:
                 with torch.no_grad():
