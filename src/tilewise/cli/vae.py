@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Config, Device, Mode, Model, Nproc, Quiet, Report, Staging, parse_size
+from . import checks
+from .options import Config, Device, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
 
@@ -29,6 +30,7 @@ def decode(
     report: Report = None,
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
@@ -36,6 +38,10 @@ def decode(
     """
     from ..pipelines import decode_file, load_pipeline
 
+    checks.output(out, no_clobber=no_clobber, bits=bits)
+    checks.report_folder(report)
+    checks.model_paths(model, config)
+    checks.latents_input(latents)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
@@ -50,6 +56,7 @@ def decode(
         bits=bits,
         progress=not quiet,
         process_group=group,
+        replace=not no_clobber,
     )
     if rank != 0:
         return
@@ -74,13 +81,19 @@ def encode(
     device: Device = "cpu",
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
+
+    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used.
 
     Example: tilewise encode photo.png --out latents.safetensors
     """
     from ..pipelines import encode_file, load_pipeline
 
+    checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
+    checks.image_input(image)
+    checks.model_paths(model, config)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
@@ -94,6 +107,7 @@ def encode(
         staging=staging.value,
         progress=not quiet,
         process_group=group,
+        replace=not no_clobber,
     )
     if rank != 0:
         return
@@ -117,6 +131,7 @@ def analyze(
     from ..locality import probe_receptive_field
     from ..pipelines import load_pipeline
 
+    checks.model_paths(model, config)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -162,6 +177,7 @@ def plan(
     model: Model = None,
     config: Config = None,
     report: Report = None,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
 
@@ -172,7 +188,12 @@ def plan(
     from ..vae import TiledVAE
 
     if kind not in ("decode", "encode"):
-        raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+        raise ValueError(f"--kind must be 'decode' or 'encode', got {kind!r}")
+    checks.picture(image, "--image", no_clobber)
+    checks.report_folder(report)
+    if over is not None:
+        checks.image_input(over, "--over")
+    checks.model_paths(model, config)
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -206,8 +227,11 @@ def plan(
         if over is not None:
             from PIL import Image
 
-            with Image.open(over) as im:
-                backdrop = np.asarray(im.convert("RGB").resize((width, height)))
+            from ..sources import read_image
+
+            pic = read_image(over)  # the grid is drawn over an 8-bit view of it
+            rgb = pic.pixels if pic.bits == 8 else (pic.pixels >> 8).astype(np.uint8)
+            backdrop = np.asarray(Image.fromarray(rgb).resize((width, height)))
         grid = TileGrid(height // f, width // f, p.tile_size, order="serpentine")
         for q in pictures:
             grid.draw(str(q), image=backdrop, scale=f, owner=owner)
@@ -227,6 +251,7 @@ def compare(
     config: Config = None,
     report: Report = None,
     quiet: Quiet = False,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Tiled vs untiled decode of the same latent: max/mean error, PSNR, seam score, tone drift, heatmap.
 
@@ -242,8 +267,11 @@ def compare(
     from ..vae import TiledVAE
 
     if pattern not in ("white", "structured"):
-        raise ValueError(f"pattern must be 'white' or 'structured', got {pattern!r}")
-    w, h = parse_size(size)
+        raise ValueError(f"--pattern must be 'white' or 'structured', got {pattern!r}")
+    w, h = parse_size(size, "--size")
+    checks.picture(heatmap, "--heatmap", no_clobber)
+    checks.report_folder(report)
+    checks.model_paths(model, config)
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
