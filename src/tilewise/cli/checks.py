@@ -68,12 +68,12 @@ def model_paths(model: Path | None, config: Path | None) -> None:
                              f"model_index.json){single}")
 
 
-def image_input(path: Path, option: str = "IMAGE") -> None:
+def image_input(path: Path, option: str = "image") -> None:
     """An input image that opens (header and size read; decoded later, at its depth)."""
     from ..errors import BadInputFile
     from ..sources import check_file
 
-    check_file(path, f"{option} image" if option != "IMAGE" else "image")
+    check_file(path, f"{option} image" if option != "image" else "image")
     with open(path, "rb") as f:
         head = f.read(8)
     if head.startswith(b"\x89PNG") or head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):

@@ -183,6 +183,7 @@ def plan(
 
     Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
     """
+    from ..errors import WontFit
     from ..geometry import TileGrid
     from ..pipelines import load_pipeline
     from ..vae import TiledVAE
@@ -205,7 +206,10 @@ def plan(
         if kind == "decode"
         else (1, vae.config.in_channels, height, width)
     )
-    p = tv.plan(shape, kind=kind)
+    try:
+        p = tv.plan(shape, kind=kind)
+    except WontFit as e:
+        raise WontFit(f"plan of a {width}x{height} {kind} (latent {height // f}x{width // f}): {e}") from e
     typer.echo(str(p))
     owner = None
     if ranks > 1:

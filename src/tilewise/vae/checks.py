@@ -53,7 +53,7 @@ def check_fits(tv, kind: str, shape: tuple[int, ...], tile: int, staging: str, s
     other = "try staging='disk' (--staging disk)" if staging != "disk" else "use a smaller image"
     if staging == "disk":
         folder = tv.stage_dir or tempfile.gettempdir()
-        check_disk(plan.staged_peak, folder, f"{what}: its staged values",
+        check_disk(plan.staged_peak, folder, f"{what}: staging",
                    hint="give stage_dir= a folder on a larger disk, or use a smaller image")
         _memory(out, device, f"{what}: its output", "stream it to a file (decode_to) or use a smaller image")
     elif staging == "host" or device.type == "cpu":
