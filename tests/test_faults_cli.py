@@ -109,6 +109,8 @@ CASES = {
                        ["lat.png", ".safetensors"]),
     "encode-image-missing": (["encode", "missing.png", "--out", "lat.safetensors"], BAD_REQUEST,
                              ["missing.png", "does not exist"]),
+    "upscale-no-step": (["upscale", "{D}/img.png", "--out", "up.png", "--steps", "2", "--strength", "0.3"],
+                        BAD_REQUEST, ["strength 0.3", "at least 4 steps"]),
     "upscale-scale-zero": (["upscale", "{D}/img.png", "--out", "up.png", "--scale", "0"], BAD_REQUEST,
                            ["--scale", "'0'"]),
     "plan-image-jpg": (["plan", "--image", "grid.jpg"], BAD_REQUEST, ["grid.jpg", ".png"]),
@@ -243,3 +245,22 @@ def test_encode_reads_16_bit_grey_at_its_depth(tmp_path, monkeypatch, capsys):
     got = load_file(str(tmp_path / "z.safetensors"))["latents"]
     assert (got - ref).abs().max().item() <= 1e-4
 
+
+
+def test_upscale_of_a_16_bit_image_writes_16_bits(tmp_path, monkeypatch, capsys):
+    from tilewise.sources import read_image
+
+    monkeypatch.chdir(tmp_path)
+    rgb = np.random.default_rng(3).integers(0, 65536, (32, 32, 3)).astype(np.uint16)
+    import tilewise as tw
+
+    with tw.PNGSink(tmp_path / "in.png", 32, 32, 3, "uint16") as s:
+        s.write(0, 0, rgb)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["upscale", "in.png", "--out", "up.png", "--scale", "1.5", "--steps", "4", "--tile", "4",
+              "--overlap", "2", "--vae-tile", "4", "--quiet"])
+    err = capsys.readouterr()
+    assert exit_info.value.code == 0, err.err
+    pic = read_image(tmp_path / "up.png")
+    assert (pic.width, pic.height, pic.bits) == (48, 48, 16) and "16-bit" in err.out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.png", "up.png"]

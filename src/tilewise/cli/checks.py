@@ -6,7 +6,6 @@ They raise the library's errors (`tilewise.errors`) with the option's name and t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -69,27 +68,10 @@ def model_paths(model: Path | None, config: Path | None) -> None:
 
 
 def image_input(path: Path, option: str = "image") -> None:
-    """An input image that opens (header and size read; decoded later, at its depth)."""
-    from ..errors import BadInputFile
-    from ..sources import check_file
+    """An input image whose header opens (decoded later, at its depth, by tilewise.sources)."""
+    from ..sources import check_image
 
-    check_file(path, f"{option} image" if option != "image" else "image")
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head.startswith(b"\x89PNG") or head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
-        return  # read by tilewise.sources with full checks
-    from PIL import Image, UnidentifiedImageError
-
-    old = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = None
-    try:
-        with Image.open(path):
-            pass
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise BadInputFile(f"{option} {os.fspath(path)!r} is not an image file tilewise can read: "
-                           f"{e}") from e
-    finally:
-        Image.MAX_IMAGE_PIXELS = old
+    check_image(path, "image" if option == "image" else f"{option} image")
 
 
 def latents_input(path: Path) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,17 +127,17 @@ def _read_tiff(path: str, shown: str) -> Picture:
     return _picture(arr, bits, f"{bits}-bit TIFF", shown)
 
 
-def _read_pillow(path: str, shown: str) -> Picture:
+@contextmanager
+def _pillow(path: str, shown: str) -> Iterator[Any]:
+    """A lazily opened Pillow image; Pillow's errors as BadInputFile naming the file. Pillow's
+    decompression-bomb limit is lifted: the size is checked against memory instead."""
     from PIL import Image, UnidentifiedImageError
 
-    old = Image.MAX_IMAGE_PIXELS  # the size is checked against memory below instead of Pillow's bomb limit
+    old = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = None
     try:
         with Image.open(path) as im:
-            mode, fmt = im.mode, im.format or "image"
-            _check_room(im.width, im.height, 4, 1 if mode not in _PIL_16 + ("I",) else 4, shown)
-            im.load()
-            arr = _pillow_array(im, mode, fmt, shown)
+            yield im
     except UnidentifiedImageError as e:
         raise BadInputFile(f"{shown!r} is not an image file tilewise can read (Pillow and tifffile do not "
                            "recognise it)") from e
@@ -145,6 +147,37 @@ def _read_pillow(path: str, shown: str) -> Picture:
         raise BadInputFile(f"{shown!r} is truncated or corrupt: {e}") from e
     finally:
         Image.MAX_IMAGE_PIXELS = old
+
+
+def check_image(path: str | os.PathLike, what: str = "image") -> tuple[int, int]:
+    """(width, height) of an input image from its header (nothing decoded); BadInputFile otherwise."""
+    p = check_file(path, what)
+    shown = os.fspath(path)
+    with open(p, "rb") as f:
+        head = f.read(64)
+    png = png_header(head)
+    if png is not None and png[2] == 16:
+        return png[0], png[1]
+    if head[:4] in _TIFF_MAGIC:
+        import tifffile
+
+        try:
+            with tifffile.TiffFile(str(p)) as tif:
+                page = tif.pages.first
+                return int(page.imagewidth), int(page.imagelength)
+        except (tifffile.TiffFileError, OSError, ValueError, KeyError, IndexError) as e:
+            raise BadInputFile(f"{shown!r} is not a TIFF tilewise can read (corrupt or truncated?): "
+                               f"{e}") from e
+    with _pillow(str(p), shown) as im:
+        return im.size
+
+
+def _read_pillow(path: str, shown: str) -> Picture:
+    with _pillow(path, shown) as im:
+        mode, fmt = im.mode, im.format or "image"
+        _check_room(im.width, im.height, 4, 1 if mode not in _PIL_16 + ("I",) else 4, shown)
+        im.load()
+        arr = _pillow_array(im, mode, fmt, shown)
     bits = 16 if arr.dtype == np.uint16 else 8
     return _picture(arr, bits, f"{bits}-bit {mode} {fmt}", shown)
 

@@ -50,7 +50,8 @@ def check_fits(tv, kind: str, shape: tuple[int, ...], tile: int, staging: str, s
     plan = tv.plan(tuple(shape), kind=kind, tile_size=tile, staging=staging)
     out = 0 if streamed else plan.output_bytes
     what = f"TiledVAE {kind} of {tuple(shape)} (tile {tile}, staging {staging!r})"
-    other = "try staging='disk' (--staging disk)" if staging != "disk" else "use a smaller image"
+    other = ("try staging='disk' or a memory_budget (tilewise decode: --staging disk, --budget)"
+             if staging != "disk" else "use a smaller image")
     if staging == "disk":
         folder = tv.stage_dir or tempfile.gettempdir()
         check_disk(plan.staged_peak, folder, f"{what}: staging",
