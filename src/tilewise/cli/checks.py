@@ -79,3 +79,23 @@ def latents_input(path: Path) -> None:
     from ..sources.latents import check_latents
 
     check_latents(path)
+
+
+def device(name: str) -> None:
+    """--device names a torch device this machine has."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise BadRequest(f"--device {name!r} is not a torch device; e.g. cpu, cuda, cuda:1, mps") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            why = " was built without CUDA" if torch.version.cuda is None else ""
+            raise BadRequest(f"--device {name!r}: no CUDA device here (torch {torch.__version__}{why}); use "
+                             "--device cpu")
+        if dev.index is not None and dev.index >= n:
+            raise BadRequest(f"--device {name!r}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise BadRequest(f"--device {name!r}: MPS is not available here; use --device cpu")

@@ -59,6 +59,7 @@ def generate(
     checks.output(out, no_clobber=no_clobber, bits=8)
     checks.report_folder(report)
     checks.model_paths(model, config)
+    checks.device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
@@ -172,6 +173,7 @@ def upscale(
     checks.output(out, no_clobber=no_clobber)
     checks.image_input(image)
     checks.model_paths(model, config)
+    checks.device(device)
     src = read_image(image)  # at its depth (16-bit in, 16-bit out); alpha is not used
     check_upscale_fits(src.width, src.height, scale)
     group, rank = join_ranks(nproc)

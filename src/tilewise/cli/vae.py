@@ -41,6 +41,7 @@ def decode(
     checks.output(out, no_clobber=no_clobber, bits=bits)
     checks.report_folder(report)
     checks.model_paths(model, config)
+    checks.device(device)
     checks.latents_input(latents)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
@@ -94,6 +95,7 @@ def encode(
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
     checks.image_input(image)
     checks.model_paths(model, config)
+    checks.device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
@@ -132,6 +134,7 @@ def analyze(
     from ..pipelines import load_pipeline
 
     checks.model_paths(model, config)
+    checks.device(device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
