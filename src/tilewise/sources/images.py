@@ -65,11 +65,7 @@ class Picture:
 
 def read_image(path: str | os.PathLike, what: str = "image") -> Picture:
     """An input image at its depth (see the module docstring); BadInputFile naming `path` otherwise."""
-    p = check_file(path, what)
-    shown = os.fspath(path)
-    with open(p, "rb") as f:
-        head = f.read(64)
-    png = png_header(head)
+    p, shown, head, png = _open(path, what)
     if png is not None and png[2] == 16:
         _check_room(png[0], png[1], CHANNELS.get(png[3], 4), 2, shown)
         arr = read_png16(str(p))
@@ -78,6 +74,14 @@ def read_image(path: str | os.PathLike, what: str = "image") -> Picture:
     if head[:4] in _TIFF_MAGIC:
         return _read_tiff(str(p), shown)
     return _read_pillow(str(p), shown)
+
+
+def _open(path: str | os.PathLike, what: str) -> tuple[Any, str, bytes, tuple | None]:
+    """(checked path, the path as given, its first 64 bytes, its PNG header or None)."""
+    p = check_file(path, what)
+    with open(p, "rb") as f:
+        head = f.read(64)
+    return p, os.fspath(path), head, png_header(head)
 
 
 def _check_room(w: int, h: int, channels: int, itemsize: int, shown: str) -> None:
@@ -151,11 +155,7 @@ def _pillow(path: str, shown: str) -> Iterator[Any]:
 
 def check_image(path: str | os.PathLike, what: str = "image") -> tuple[int, int]:
     """(width, height) of an input image from its header (nothing decoded); BadInputFile otherwise."""
-    p = check_file(path, what)
-    shown = os.fspath(path)
-    with open(p, "rb") as f:
-        head = f.read(64)
-    png = png_header(head)
+    p, shown, head, png = _open(path, what)
     if png is not None and png[2] == 16:
         return png[0], png[1]
     if head[:4] in _TIFF_MAGIC:
