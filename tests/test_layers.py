@@ -18,7 +18,7 @@ LAYERS = {
     "vae": 2, "diffusion": 2, "buckets": 2,
     "locality": 1,
     "geometry": 0, "blending": 0, "sinks": 0, "metrics": 0, "patterns": 0, "memory": 0, "distributed": 0,
-    "atomic": 0, "plots": 0, "models": 0, "wrapper": 0,
+    "atomic": 0, "plots": 0, "models": 0, "wrapper": 0, "errors": 0, "limits": 0, "sources": 0,
 }
 
 

@@ -1,21 +1,74 @@
 """Atomic outputs: write under a temporary name beside the target, rename into place only when complete.
 
-An exception (or Ctrl-C) while writing removes the temporary file, so no half-written output is left.
+An exception (or Ctrl-C) while writing removes the temporary file, so no half-written output is left,
+and an existing target is replaced only by a complete file (or, with replace=False, never). Before any
+work, `check_target` refuses a target that cannot be written (missing folder, a folder, a read-only
+place); errors name the target the caller gave, never the hidden temporary.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import BadRequest, WontFit
+
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def check_target(path: str | os.PathLike, what: str = "output", replace: bool = True) -> None:
+    """Refuse (BadRequest; WontFit on a full disk) a target that cannot be written, before any work.
+
+    A folder is not a file; its folder must exist and take a new file (probed by creating and removing
+    a temporary one there, which also catches read-only mounts where root ignores permission bits); with
+    replace=False an existing target is refused."""
+    shown = os.fspath(path)
+    if shown == "":
+        raise BadRequest(f"{what} is an empty path: give a file name")
+    p = Path(path)
+    if p.is_dir():
+        raise BadRequest(f"{what} {shown!r} is a folder: give a file name inside it")
+    folder = p.parent
+    if not folder.exists():
+        raise BadRequest(f"{what} {shown!r}: folder {str(folder)!r} does not exist (create it first)")
+    if not folder.is_dir():
+        raise BadRequest(f"{what} {shown!r}: {str(folder)!r} is a file, not a folder")
+    if p.exists() and not replace:
+        raise BadRequest(f"{what} {shown!r} exists and replacing it was refused (--no-clobber); remove it or "
+                         "choose another name")
+    if p.exists() and not p.is_file():
+        raise BadRequest(f"{what} {shown!r} exists and is not a regular file (a device, pipe or socket)")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{p.name}.", suffix=".check")
+    except OSError as e:
+        raise _target_error(e, shown, what) from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _target_error(e: OSError, shown: str, what: str) -> Exception:
+    """The OSError of creating a file beside the target, told about the target."""
+    folder = os.path.dirname(shown) or "."
+    if e.errno == errno.EROFS:
+        return BadRequest(f"{what} {shown!r}: folder {folder!r} is on a read-only file system")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return BadRequest(f"{what} {shown!r}: no permission to create files in folder {folder!r}")
+    if e.errno in _FULL:
+        return WontFit(f"{what} {shown!r}: no space left on the device of folder {folder!r}")
+    return BadRequest(f"{what} {shown!r} cannot be written in folder {folder!r}: {e.strerror or e}")
+
 
 def temporary_path(path: str | os.PathLike) -> str:
     """A new, empty temporary file next to ``path`` (same directory, so os.replace is atomic)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    except OSError as e:
+        raise _target_error(e, os.fspath(path), "output") from e
     os.close(fd)
     return tmp
 
@@ -32,20 +85,46 @@ def umask() -> int:
     return 0o022
 
 
-def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Give the temporary file ordinary permissions (mkstemp makes it 0600) and rename it into place."""
+def publish(tmp: str | os.PathLike, path: str | os.PathLike, replace: bool = True) -> None:
+    """Give the temporary file ordinary permissions (mkstemp makes it 0600) and rename it into place.
+
+    replace=False never replaces an existing ``path``, even one made while the work ran (a hard link
+    fails if the name exists; where the file system has no hard links, the check is not atomic)."""
     os.chmod(tmp, 0o666 & ~umask())
-    os.replace(tmp, path)
+    if replace:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise BadRequest(f"output {os.fspath(path)!r} appeared while it was being written and replacing it "
+                         "was refused (--no-clobber); the new result was discarded") from None
+    except OSError:
+        if os.path.exists(path):
+            raise BadRequest(f"output {os.fspath(path)!r} exists and replacing it was refused "
+                             "(--no-clobber)") from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def name_target(e: BaseException, path: str | os.PathLike | None) -> None:
+    """An OSError raised while writing `path` (often without a file name, or with the temporary's) is
+    made to name `path`, so that the message names what the user asked for."""
+    if isinstance(e, OSError) and path is not None:
+        if e.filename is None or ".part" in os.fspath(e.filename):
+            e.filename = os.fspath(path)
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[str]:
     """Yield a temporary path to write; on success it becomes ``path``, on any exception it is removed."""
     tmp = temporary_path(path)
     try:
         yield tmp
-        publish(tmp, path)
-    except BaseException:
+        publish(tmp, path, replace=replace)
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        name_target(e, path)
         raise

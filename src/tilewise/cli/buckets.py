@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Policy, Report, parse_size
+from . import checks
+from .options import NoClobber, Policy, Report, parse_size
 from .report import finish_report, run_folder
 
 
@@ -23,6 +24,7 @@ def buckets(
     repeats: Annotated[int, typer.Option(min=1)] = 3,
     plot: Annotated[Path | None, typer.Option(help="cost vs tokens plot PNG")] = None,
     report: Report = None,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Bucket set, assignments with explanations, measured profile, chosen buckets and the cost plot.
 
@@ -30,7 +32,10 @@ def buckets(
     """
     from ..buckets import BucketPlanner, choose_buckets, profile_buckets
 
-    requests = [parse_size(r) for r in (request or ["800x1200", "1200x800", "2048x512", "512x512"])]
+    defaults = ["800x1200", "1200x800", "2048x512", "512x512"]
+    requests = [parse_size(r, "--request") for r in (request or defaults)]
+    checks.picture(plot, "--plot", no_clobber)
+    checks.report_folder(report)
     planner = BucketPlanner(area=area, step=step, max_aspect=max_aspect)
     typer.echo(
         f"{len(planner.buckets)} buckets under {area} px (step {step}): "

@@ -31,27 +31,21 @@ def _main(
     )
 
 
-def main() -> None:
-    """Entry point: one clear line per error (traceback with --debug); Ctrl-C leaves no partial file."""
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one clear line per error (traceback with --debug) and the exit status of its kind
+    (`tilewise.errors`); SIGINT / SIGTERM / SIGHUP leave no partial file and exit 130 / 143 / 129."""
+    from .failures import report, signals_raise
+
     # diffusers imports transformers' image processors, which warn about torchvision on every start
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = list(sys.argv[1:] if argv is None else argv)
+    STATE["debug"] = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")),
+                                              len(args))]
     try:
-        app(standalone_mode=False)
-    except KeyboardInterrupt:
-        typer.echo("interrupted: no partial output was left", err=True)
-        sys.exit(130)
+        with signals_raise():
+            code = app(args=args, standalone_mode=False)  # returns Exit codes instead of raising them
     except SystemExit:
         raise
-    except Exception as e:  # the CLI boundary: report, never hide
-        import click
-
-        if STATE["debug"]:
-            raise
-        if isinstance(e, click.exceptions.Abort):
-            typer.echo("aborted", err=True)
-            sys.exit(1)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2 if isinstance(e, ValueError) else 1)
+    except BaseException as e:  # the CLI boundary: report, never hide
+        code = report(e, args, STATE["debug"])
+    sys.exit(code if isinstance(code, int) else 0)

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Config, Device, DType, Method, Mode, Model, Nproc, Quiet, Report, Scheduler
+from . import checks
+from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
 
@@ -44,6 +45,7 @@ def generate(
     report: Report = None,
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Text to image at any size: tiled denoising, then tiled VAE decoding streamed to the output file.
 
@@ -54,6 +56,10 @@ def generate(
     from ..pipelines import load_pipeline, parse_region
 
     regions = [parse_region(r) for r in region or []]
+    checks.output(out, no_clobber=no_clobber, bits=8)
+    checks.report_folder(report)
+    checks.model_paths(model, config)
+    checks.device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
@@ -77,6 +83,7 @@ def generate(
         out=str(out),
         progress=not quiet,
         process_group=group,
+        replace=not no_clobber,
     )
     total = time.perf_counter() - t0
     if rank != 0:
@@ -151,26 +158,31 @@ def upscale(
     dtype: DType = "float32",
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Tiled img2img upscaling: Lanczos resize, tiled encode, partial noise, tiled denoise, tiled decode.
 
     Example: tilewise upscale photo.png --scale 2 --strength 0.3 --prompt brick --out photo_2x.png
     """
-    from PIL import Image
-
     from ..diffusion import upscale as run
     from ..pipelines import load_pipeline
+    from ..pipelines.fits import check_upscale_fits
     from ..sinks import open_sink
+    from ..sources import read_image
 
+    checks.output(out, no_clobber=no_clobber)
+    checks.image_input(image)
+    checks.model_paths(model, config)
+    checks.device(device)
+    src = read_image(image)  # at its depth (16-bit in, 16-bit out); alpha is not used
+    check_upscale_fits(src.width, src.height, scale)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
-    with Image.open(image) as im:
-        src = im.convert("RGB")
     result = run(
         loaded.pipe,
-        src,
+        src.tensor((0.0, 1.0)),
         scale=scale,
         strength=strength,
         tile_size=tile,
@@ -186,9 +198,8 @@ def upscale(
     )
     if rank != 0:
         return
-    import numpy as np
-
-    arr = np.asarray(result)
-    with open_sink(str(out), arr.shape[0], arr.shape[1], 3) as sink:
-        sink.write(0, 0, arr)
-    typer.echo(f"wrote {out} ({arr.shape[1]}x{arr.shape[0]}) from {src.width}x{src.height}")
+    h, w = result.shape[-2:]
+    bits = src.bits
+    with open_sink(str(out), h, w, 3, bits=bits, replace=not no_clobber, value_range=(0.0, 1.0)) as sink:
+        sink.write(0, 0, result)
+    typer.echo(f"wrote {out} ({w}x{h}, {bits}-bit) from {src.width}x{src.height} ({src.kind})")

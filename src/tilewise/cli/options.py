@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from ..errors import BadRequest
+
 
 class Method(str, Enum):
     multidiffusion = "multidiffusion"
@@ -65,6 +67,11 @@ Report = Annotated[
     typer.Option("--report", help="write a run folder with plan, pictures and an HTML report here"),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")]
+NoClobber = Annotated[
+    bool,
+    typer.Option("--no-clobber", help="refuse to replace an existing output file (by default it is replaced "
+                 "only once the new one is complete)"),
+]
 Nproc = Annotated[
     int,
     typer.Option(
@@ -76,10 +83,12 @@ Nproc = Annotated[
 ]
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    """'WxH' -> (W, H)."""
+def parse_size(text: str, option: str = "size") -> tuple[int, int]:
+    """'WxH' -> (W, H), both positive."""
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"size {text!r} must look like WIDTHxHEIGHT, e.g. 1024x768") from None
+        raise BadRequest(f"{option} {text!r} must look like WIDTHxHEIGHT, e.g. 1024x768") from None
+    if w < 1 or h < 1:
+        raise BadRequest(f"{option} {text!r}: width and height must be positive, e.g. 1024x768")
     return w, h

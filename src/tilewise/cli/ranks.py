@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import typer
@@ -29,7 +30,16 @@ def join_ranks(nproc: int) -> tuple[object, int]:
 
         cmd = torchrun_command(sys.argv[1:], nproc)
         logger.info("launching %d ranks: %s", nproc, " ".join(cmd))
-        code = subprocess.call(cmd)
+        launch = subprocess.Popen(cmd)
+        try:
+            code = launch.wait()
+        except BaseException as e:  # interrupted: torchrun passes the signal on and waits for its ranks
+            launch.send_signal(getattr(e, "signum", signal.SIGINT))
+            try:
+                launch.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launch.kill()
+            raise
         if code:
             raise RankFailure(f"{nproc} ranks under torchrun: exit status {code} (the failing rank's "
                               "error is printed above)", code)

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Config, Device, Mode, Model, Nproc, Quiet, Report, Staging, parse_size
+from . import checks
+from .options import Config, Device, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
 
@@ -29,6 +30,7 @@ def decode(
     report: Report = None,
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
@@ -36,6 +38,11 @@ def decode(
     """
     from ..pipelines import decode_file, load_pipeline
 
+    checks.output(out, no_clobber=no_clobber, bits=bits)
+    checks.report_folder(report)
+    checks.model_paths(model, config)
+    checks.device(device)
+    checks.latents_input(latents)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
@@ -50,6 +57,7 @@ def decode(
         bits=bits,
         progress=not quiet,
         process_group=group,
+        replace=not no_clobber,
     )
     if rank != 0:
         return
@@ -74,13 +82,20 @@ def encode(
     device: Device = "cpu",
     quiet: Quiet = False,
     nproc: Nproc = 1,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
+
+    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used.
 
     Example: tilewise encode photo.png --out latents.safetensors
     """
     from ..pipelines import encode_file, load_pipeline
 
+    checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
+    checks.image_input(image)
+    checks.model_paths(model, config)
+    checks.device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, device=device)
@@ -94,6 +109,7 @@ def encode(
         staging=staging.value,
         progress=not quiet,
         process_group=group,
+        replace=not no_clobber,
     )
     if rank != 0:
         return
@@ -117,6 +133,8 @@ def analyze(
     from ..locality import probe_receptive_field
     from ..pipelines import load_pipeline
 
+    checks.model_paths(model, config)
+    checks.device(device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -162,17 +180,24 @@ def plan(
     model: Model = None,
     config: Config = None,
     report: Report = None,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
 
     Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
     """
+    from ..errors import WontFit
     from ..geometry import TileGrid
     from ..pipelines import load_pipeline
     from ..vae import TiledVAE
 
     if kind not in ("decode", "encode"):
-        raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+        raise ValueError(f"--kind must be 'decode' or 'encode', got {kind!r}")
+    checks.picture(image, "--image", no_clobber)
+    checks.report_folder(report)
+    if over is not None:
+        checks.image_input(over, "--over")
+    checks.model_paths(model, config)
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -184,7 +209,10 @@ def plan(
         if kind == "decode"
         else (1, vae.config.in_channels, height, width)
     )
-    p = tv.plan(shape, kind=kind)
+    try:
+        p = tv.plan(shape, kind=kind)
+    except WontFit as e:
+        raise WontFit(f"plan of a {width}x{height} {kind} (latent {height // f}x{width // f}): {e}") from e
     typer.echo(str(p))
     owner = None
     if ranks > 1:
@@ -206,8 +234,11 @@ def plan(
         if over is not None:
             from PIL import Image
 
-            with Image.open(over) as im:
-                backdrop = np.asarray(im.convert("RGB").resize((width, height)))
+            from ..sources import read_image
+
+            pic = read_image(over)  # the grid is drawn over an 8-bit view of it
+            rgb = pic.pixels if pic.bits == 8 else (pic.pixels >> 8).astype(np.uint8)
+            backdrop = np.asarray(Image.fromarray(rgb).resize((width, height)))
         grid = TileGrid(height // f, width // f, p.tile_size, order="serpentine")
         for q in pictures:
             grid.draw(str(q), image=backdrop, scale=f, owner=owner)
@@ -227,6 +258,7 @@ def compare(
     config: Config = None,
     report: Report = None,
     quiet: Quiet = False,
+    no_clobber: NoClobber = False,
 ) -> None:
     """Tiled vs untiled decode of the same latent: max/mean error, PSNR, seam score, tone drift, heatmap.
 
@@ -242,8 +274,11 @@ def compare(
     from ..vae import TiledVAE
 
     if pattern not in ("white", "structured"):
-        raise ValueError(f"pattern must be 'white' or 'structured', got {pattern!r}")
-    w, h = parse_size(size)
+        raise ValueError(f"--pattern must be 'white' or 'structured', got {pattern!r}")
+    w, h = parse_size(size, "--size")
+    checks.picture(heatmap, "--heatmap", no_clobber)
+    checks.report_folder(report)
+    checks.model_paths(model, config)
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))

@@ -175,9 +175,17 @@ class TiledDenoiser(ModelWrapper):
                              f"got {self.process_group!r}")
 
     def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
+        if not isinstance(sample, torch.Tensor):
+            raise ValueError(f"sample must be a (batch, channels, height, width) tensor, got "
+                             f"{type(sample).__name__}")
         if sample.ndim != 4:
             raise ValueError(f"sample must be a (batch, channels, height, width) latent, got "
                              f"{tuple(sample.shape)}")
+        if sample.numel() == 0:
+            raise ValueError(f"sample is empty: shape {tuple(sample.shape)}; every side must be >= 1")
+        if not sample.is_floating_point():
+            raise ValueError(f"sample is a {sample.dtype} tensor; latents are floating point (the model's "
+                             f"dtype, e.g. sample.to({getattr(self.unet, 'dtype', torch.float32)}))")
         H, W = sample.shape[-2:]
         if H < self.align or W < self.align:
             raise ValueError(f"latent {H}x{W} is smaller than {self.adapter.align_name} {self.align}; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +126,10 @@ def upscale(
         raise ValueError(f"scale must be > 0, got {scale}")
     if not 0 < strength <= 1:
         raise ValueError(f"strength must be in (0, 1], got {strength}")
+    if int(num_inference_steps * strength) < 1:
+        raise ValueError(f"strength {strength} of num_inference_steps {num_inference_steps} leaves no "
+                         f"denoising step (int({num_inference_steps} * {strength}) = 0): use at least "
+                         f"{math.ceil(1 / strength)} steps")
     x, kind = _to_tensor(image)
     H, W = x.shape[-2:]
     size = (max(1, round(H * scale)), max(1, round(W * scale)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from .ops import Box, Op
@@ -160,6 +161,14 @@ def probe_receptive_field(module, example_input, position: tuple[int, int] | Non
     py, px = position if position is not None else (h // 2, w // 2)
     if not (0 <= py < h and 0 <= px < w):
         raise ValueError(f"position {(py, px)} is outside the input of size {(h, w)}")
+    if not (isinstance(delta, int | float) and math.isfinite(delta) and delta != 0):
+        raise ValueError(f"delta must be a finite non-zero number, got {delta!r}")
+    if not bool(torch.isfinite(example_input).all()):
+        bad = int((~torch.isfinite(example_input)).sum())
+        raise ValueError(f"example_input of shape {tuple(example_input.shape)} holds {bad} NaN or inf "
+                         "values: NaN != NaN, so every output would look changed and the receptive field be "
+                         "wrong; "
+                         "probe with a finite example")
     with torch.no_grad():
         y0 = module(example_input)
         x1 = example_input.clone()
@@ -167,6 +176,10 @@ def probe_receptive_field(module, example_input, position: tuple[int, int] | Non
         y1 = module(x1)
     y0 = getattr(y0, "sample", y0)
     y1 = getattr(y1, "sample", y1)
+    if not bool(torch.isfinite(y0).all()):
+        raise ValueError(f"{type(module).__name__} gives NaN or inf outputs on the finite example_input "
+                         f"(shape {tuple(example_input.shape)}): the probe cannot tell which outputs change; "
+                         "check the module's weights")
     changed = (y1 != y0).flatten(0, -3).any(0)
     ho, wo = changed.shape
     ys, xs = torch.nonzero(changed, as_tuple=True)

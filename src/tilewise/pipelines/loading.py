@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import BadRequest, ModelProblem, TilewiseError
 from .single_file import load_single_file
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -79,7 +83,7 @@ def load_pipeline(
         return Loaded(pipe, "embedded default (tilewise/models)", embedded=True, sdxl=False)
     path = Path(model)
     if not path.exists():
-        raise ValueError(
+        raise BadRequest(
             f"--model {str(model)!r} does not exist: give a diffusers pipeline folder (with "
             "model_index.json) or a single .safetensors checkpoint"
         )
@@ -89,17 +93,18 @@ def load_pipeline(
                 f"--config {str(config)!r} applies to a single-file --model only, but --model "
                 f"{str(path)!r} is a folder (it carries its own configs)"
             )
-        if not (path / "model_index.json").is_file():
-            raise ValueError(f"{str(path)!r} is a folder without model_index.json: not a diffusers pipeline")
+        read_model_index(path, "--model")
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only)
+        with model_errors(f"--model {str(path)!r}"):
+            pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only)
     elif path.suffix in (".safetensors", ".ckpt"):
-        pipe = load_single_file(path, config, local_files_only)
+        with model_errors(f"--model {str(path)!r}"):
+            pipe = load_single_file(path, config, local_files_only)
     else:
-        raise ValueError(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
+        raise BadRequest(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
     if not hasattr(pipe, "unet") or not hasattr(pipe, "vae"):
-        raise ValueError(
+        raise ModelProblem(
             f"{type(pipe).__name__} from {str(path)!r} has no unet/vae: tilewise needs an SD-family "
             "UNet pipeline"
         )
@@ -114,3 +119,35 @@ def load_pipeline(
     pipe.to(device, torch_dtype)
     sdxl = "XL" in type(pipe).__name__
     return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+
+def read_model_index(folder: Path, what: str) -> dict:
+    """A pipeline folder's model_index.json as a dict naming its class; ModelProblem naming the file."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise ModelProblem(f"{what} {str(folder)!r} is a folder without model_index.json: not a diffusers "
+                           "pipeline")
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelProblem(f"{str(index)!r} is not valid JSON ({e}); a diffusers model_index.json maps "
+                           "'_class_name' and each component to [library, class]") from e
+    if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
+        raise ModelProblem(f"{str(index)!r} names no pipeline class: it needs a '_class_name' string, e.g. "
+                           "\"StableDiffusionPipeline\"")
+    return data
+
+
+@contextmanager
+def model_errors(what: str) -> Iterator[None]:
+    """Errors of diffusers while loading a model (KeyError, OSError, a corrupt weight file) as one
+    ModelProblem naming the model; out-of-memory errors, tilewise's own errors and signals pass through."""
+    try:
+        yield
+    except (TilewiseError, MemoryError):
+        raise
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":
+            raise
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise ModelProblem(f"{what} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e

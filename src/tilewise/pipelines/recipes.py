@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic import atomic_path
+from .fits import check_generate_fits, check_image_output, check_latents_output
 from .loading import Loaded
 
 logger = logging.getLogger(__name__)
@@ -65,16 +67,21 @@ def generate(
     bits: int = 8,
     progress: bool = True,
     process_group: Any = None,
+    replace: bool = True,
 ) -> GenerateResult:
     """Text to image at any size: tiled denoising (TiledDenoiser) then tiled decoding (TiledVAE).
 
     With `process_group` ("default" under torchrun) the tiles of both stages are split over the ranks;
-    every rank calls this, rank 0 writes `out`.
+    every rank calls this, rank 0 writes `out`. Before anything runs, `out` is checked (suffix, folder,
+    replace=False: must not exist) and the full-size buffers of denoising and decoding are estimated
+    against the memory (and staging disk) there is (`WontFit` with the figure otherwise).
     """
     import torch
 
     from ..diffusion import Region, TiledDenoiser
     from ..vae import TiledVAE
+    from ..vae.checks import check_fits
+    from ..vae.settle import settle
 
     pipe = loaded.pipe
     f = int(getattr(pipe, "vae_scale_factor", 8))
@@ -82,14 +89,21 @@ def generate(
         raise ValueError(
             f"width and height have to be positive multiples of {f} but are {width} and {height}"
         )
+    check_image_output(out, bits, replace)
+    for box, _ in regions or []:
+        x0, y0, x1, y1 = box
+        if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
+            raise ValueError(f"region box {box} lies outside the {width}x{height} image")
+    check_generate_fits(pipe.unet, width, height, f, len(regions or []))
+    tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
+    zshape = (1, int(pipe.vae.config.latent_channels), height // f, width // f)
+    streamed = out is not None
+    check_fits(tv, "decode", zshape, settle(tv, "decode", zshape, streamed=streamed), streamed=streamed)
     if batch_size is None:  # the embedded UNet is tiny: per-call overhead dominates, batch many tiles
         batch_size = 32 if loaded.embedded else 4
     cond = loaded.encode(prompt, negative)
     tiled_regions = []
     for box, text in regions or []:
-        x0, y0, x1, y1 = box
-        if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
-            raise ValueError(f"region box {box} lies outside the {width}x{height} image")
         emb = loaded.encode(text, negative)
         tiled_regions.append(
             Region(
@@ -140,15 +154,14 @@ def generate(
         pipe.unet = unet
     sf, shift = latent_scale(pipe.vae)
     z = latents / sf + shift
-    tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
     plan = tv.plan(tuple(z.shape))
     t0 = time.perf_counter()
-    image = _decode_out(tv, z, out, bits)
+    image = _decode_out(tv, z, out, bits, replace)
     seconds["decode"] = time.perf_counter() - t0
     return GenerateResult(out=out, image=image, seconds=seconds, unet_tiles_per_call=tiles, vae_plan=plan)
 
 
-def _decode_out(tv, z, out: str | None, bits: int):
+def _decode_out(tv, z, out: str | None, bits: int, replace: bool = True):
     """Decode to a file sink (streamed, atomic) or to memory; returns the image tensor when in memory."""
     if out is None:
         return tv.decode(z).sample
@@ -158,7 +171,7 @@ def _decode_out(tv, z, out: str | None, bits: int):
         tv.decode_to(z, None)
         return None
     f = vae_factor(tv.vae)
-    with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, 3, bits=bits) as sink:
+    with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, 3, bits=bits, replace=replace) as sink:
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)
     return None
@@ -188,41 +201,39 @@ def decode_file(
     bits: int = 8,
     progress: bool = True,
     process_group: Any = None,
+    replace: bool = True,
 ):
-    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file."""
-    from safetensors.torch import load_file
+    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file.
 
+    The output and the latents file (header, shape, dtype, channels, values) are checked first."""
+    from ..sources import read_latents
     from ..vae import TiledVAE
 
-    tensors = load_file(latents_path)
-    if "latents" not in tensors:
-        raise ValueError(f"{latents_path!r} has no 'latents' tensor (keys: {sorted(tensors)})")
-    z = tensors["latents"].to(loaded.pipe.vae.device, loaded.pipe.vae.dtype)
-    if z.ndim == 3:
-        z = z[None]
-    sf, shift = latent_scale(loaded.pipe.vae)
-    tv = TiledVAE(loaded.pipe.vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+    check_image_output(out, bits, replace)
+    vae = loaded.pipe.vae
+    z = read_latents(latents_path, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
+    sf, shift = latent_scale(vae)
+    tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
                   progress=progress, process_group=process_group)
     plan = tv.plan(tuple(z.shape))
-    _decode_out(tv, z / sf + shift, out, bits)
+    _decode_out(tv, z / sf + shift, out, bits, replace)
     return plan
 
 
 def load_image(path: str, multiple: int = 8):
-    """An RGB image file as a (1, 3, H, W) float tensor in [-1, 1]; sides must be multiples of `multiple`."""
-    import numpy as np
-    import torch
-    from PIL import Image
+    """An image file as a (1, 3, H, W) float tensor in [-1, 1], read at its depth (`tilewise.sources`);
+    sides must be multiples of `multiple`."""
+    from ..errors import BadInputFile
+    from ..sources import read_image
 
-    with Image.open(path) as im:
-        rgb = np.array(im.convert("RGB"))
-    h, w = rgb.shape[:2]
+    pic = read_image(path)
+    h, w = pic.height, pic.width
     if h % multiple or w % multiple:
-        raise ValueError(
+        raise BadInputFile(
             f"image {path!r} is {w}x{h}; both sides must be multiples of {multiple} to encode "
             f"(crop to {w - w % multiple}x{h - h % multiple} or pad)"
         )
-    return torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 127.5 - 1
+    return pic.tensor((-1.0, 1.0))
 
 
 def encode_file(
@@ -236,6 +247,7 @@ def encode_file(
     staging: str = "auto",
     progress: bool = True,
     process_group: Any = None,
+    replace: bool = True,
 ):
     """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
 
@@ -244,6 +256,7 @@ def encode_file(
 
     from ..vae import TiledVAE
 
+    check_latents_output(out, replace)
     vae = loaded.pipe.vae
     x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
@@ -254,10 +267,12 @@ def encode_file(
     latents = ((dist.mean - shift) * sf).contiguous()
     if not _writes(tv):
         return plan
-    with atomic_path(out) as tmp:
-        save_file(
-            {"latents": latents.cpu()},
-            str(tmp),
-            metadata={"scaling_factor": str(sf), "shift_factor": str(shift)},
-        )
+    with atomic_path(out, replace=replace) as tmp:
+        try:
+            save_file({"latents": latents.cpu()}, str(tmp),
+                      metadata={"scaling_factor": str(sf), "shift_factor": str(shift)})
+        except Exception as e:  # safetensors' errors name neither the file nor errno
+            if "os error 28" in str(e) or "No space left" in str(e):
+                raise OSError(errno.ENOSPC, "No space left on device", str(out)) from e
+            raise
     return plan

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import BadRequest, ModelProblem
+
 
 def load_single_file(path: Path, config: str | os.PathLike | None, local_files_only: bool):
     """One original-format checkpoint through diffusers' from_single_file, configured by a local folder."""
@@ -12,7 +14,7 @@ def load_single_file(path: Path, config: str | os.PathLike | None, local_files_o
         if local_files_only:
             # diffusers would infer the model family and fetch its configs from the Hub (it even turns
             # local_files_only off to do so): refuse here, in one line, instead
-            raise ValueError(
+            raise BadRequest(
                 f"--model {str(path)!r} is a single checkpoint: loading it offline needs --config FOLDER, "
                 "a local diffusers pipeline folder of the same architecture (model_index.json, component "
                 "configs, tokenizer), or downloads allowed (load_pipeline(..., local_files_only=False))"
@@ -32,7 +34,7 @@ def load_single_file(path: Path, config: str | os.PathLike | None, local_files_o
         if isinstance(e, RuntimeError) and not lines[0].startswith("Error(s) in loading state_dict"):
             raise
         detail = lines[1] if isinstance(e, RuntimeError) and len(lines) > 1 else lines[0]
-        raise ValueError(
+        raise ModelProblem(
             f"--model {str(path)!r} does not fit the architecture of --config {str(folder)!r}: {detail}"
         ) from e
     _check_complete(pipe, path, folder)
@@ -79,7 +81,7 @@ def _check_complete(pipe, path: Path, folder: Path) -> None:
         want = {k.removeprefix("text_model.") for k in getattr(pipe, name).state_dict()}
         missing = sorted(want - have)
         if missing:
-            raise ValueError(
+            raise ModelProblem(
                 f"--model {str(path)!r} lacks {len(missing)} of the {len(want)} {name} weights that --config "
                 f"{str(folder)!r} describes (e.g. {missing[0]!r}); they would stay random: give the config "
                 "folder of the checkpoint's own architecture"
@@ -95,14 +97,18 @@ def _pipeline_class(folder: Path):
     index = folder / "model_index.json"
     if not folder.is_dir() or not index.is_file():
         what = "does not exist" if not folder.exists() else "has no model_index.json"
-        raise ValueError(
+        raise (BadRequest if not folder.exists() else ModelProblem)(
             f"--config {str(folder)!r} {what}: give a diffusers pipeline folder (model_index.json, "
             "component configs, tokenizer) of the checkpoint's architecture"
         )
-    name = json.loads(index.read_text()).get("_class_name")
+    try:
+        name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise ModelProblem(f"{str(index)!r} is not a valid model_index.json (a JSON object with "
+                           f"'_class_name'): {e}") from e
     cls = getattr(diffusers, str(name), None)
     if cls is None or not hasattr(cls, "from_single_file"):
-        raise ValueError(
+        raise ModelProblem(
             f"{str(index)!r} names pipeline class {name!r}, which diffusers cannot load from a single file"
         )
     return cls

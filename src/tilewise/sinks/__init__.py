@@ -28,7 +28,10 @@ File sinks and what they hold in memory:
   ``(th, tw, C)`` tiles by a writer thread). It buffers whole tile rows (``tile[0]`` rows high) from the
   first incomplete one to the lowest row written, and hands each complete tile row to the writer.
 
-``open_sink(path, ...)`` picks the sink by the path's suffix.
+``open_sink(path, ...)`` picks the sink by the path's suffix (``sink_for`` makes the same checks before any
+work); ``replace=False`` makes ``close()`` refuse to replace an existing file. An error while writing (a
+full disk) removes the temporary file and names ``path``; a ``.npy`` file's blocks are allocated on disk
+when it is opened, so a full disk is an error then, not a bus error while writing.
 
 One file per job: `pixels` (conversion), `coverage` (gaps, the row buffer), `base` (`Sink`), `arrays`
 (`TensorSink`, `MemmapSink`), `png`, `tiff`; this package's face re-exports them and has `open_sink`.
@@ -40,6 +43,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import BadRequest
 from .arrays import MemmapSink, TensorSink
 from .base import Sink
 from .coverage import Box, first_gap
@@ -48,21 +52,31 @@ from .png import PNG_FILTERS, PNGSink, png_chunk
 from .tiff import TIFFSink
 
 __all__ = ["FLOAT_DTYPES", "INT_BITS", "PNG_FILTERS", "SUFFIXES", "Box", "MemmapSink", "PNGSink", "Sink",
-           "TIFFSink", "TensorSink", "first_gap", "open_sink", "png_chunk", "to_hwc_uint"]
+           "TIFFSink", "TensorSink", "first_gap", "open_sink", "png_chunk", "sink_for", "to_hwc_uint"]
 
 SUFFIXES = {".png": "PNGSink", ".tif": "TIFFSink", ".tiff": "TIFFSink", ".npy": "MemmapSink"}
 
 
-def open_sink(path: str | os.PathLike, height: int, width: int, channels: int = 3, bits: int = 8,
-              **options: Any) -> Sink:
-    """The sink for ``path``'s suffix (.png, .tif/.tiff, .npy) storing ``bits``-bit pixels (32: float32)."""
+def sink_for(path: str | os.PathLike, bits: int = 8) -> tuple[type[Sink], str]:
+    """(sink class, pixel dtype) for ``path``'s suffix and ``bits``: the checks of `open_sink`, made before
+    any work (BadRequest naming the path, or the bits, and what is valid)."""
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIXES:
-        raise ValueError(f"cannot choose a sink for {os.fspath(path)!r}: suffix {suffix!r} is not one of "
+        raise BadRequest(f"cannot choose a sink for {os.fspath(path)!r}: suffix {suffix!r} is not one of "
                          f"{sorted(SUFFIXES)}")
     dtypes = {8: "uint8", 16: "uint16", 32: "float32"}
     if bits not in dtypes or (suffix == ".png" and bits == 32):
         valid = "8 or 16" if suffix == ".png" else "8, 16 or 32 (float32)"
-        raise ValueError(f"bits={bits!r} is not valid for {suffix}: use {valid}")
-    cls = globals()[SUFFIXES[suffix]]
-    return cls(path, height, width, channels, dtypes[bits], **options)
+        raise BadRequest(f"bits={bits!r} is not valid for {suffix}: use {valid}")
+    return globals()[SUFFIXES[suffix]], dtypes[bits]
+
+
+def open_sink(path: str | os.PathLike, height: int, width: int, channels: int = 3, bits: int = 8,
+              replace: bool = True, **options: Any) -> Sink:
+    """The sink for ``path``'s suffix (.png, .tif/.tiff, .npy) storing ``bits``-bit pixels (32: float32).
+
+    replace=False: closing refuses to replace an existing file (no-clobber)."""
+    cls, dtype = sink_for(path, bits)
+    sink = cls(path, height, width, channels, dtype, **options)
+    sink.replace = replace
+    return sink

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
 import numpy as np
 
-from ..atomic import temporary_path
+from ..atomic import name_target, temporary_path
 from .base import Sink
 from .coverage import Box, first_gap
 from .pixels import is_torch
@@ -77,7 +78,9 @@ class MemmapSink(_BoxCoverageSink):
         try:
             self._array = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=self.dtype,
                                                     shape=(self.height, self.width, self.channels))
-        except BaseException:
+            _allocate(self._tmp)
+        except BaseException as e:
+            name_target(e, self.path)
             self.abort()
             raise
 
@@ -101,3 +104,20 @@ class MemmapSink(_BoxCoverageSink):
             del array
             if mm is not None:
                 mm.close()
+
+
+def _allocate(path: str) -> None:
+    """Reserve a memmapped file's blocks on disk now: a mapped page the disk has no room for is a SIGBUS
+    (a bus error, no clean-up) when written, where posix_fallocate fails with ENOSPC at once."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: writes are on trust
+            return
+        e.filename = path
+        raise
+    finally:
+        os.close(fd)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import publish
+from ..atomic import name_target, publish
 from .coverage import Box
 from .pixels import FLOAT_DTYPES, INT_BITS, channels_first_3d, check_range, is_torch, quantize_torch
 
@@ -20,6 +20,7 @@ class Sink:
 
     dtypes: tuple[str, ...] = ("uint8", "uint16", *FLOAT_DTYPES)
     needs_path = True
+    replace = True  # False: close() refuses to replace an existing file at path (no-clobber)
 
     def __init__(self, path: str | os.PathLike | None, height: int, width: int, channels: int = 3,
                  dtype: Any = "uint8", *, value_range: tuple[float, float] = (-1.0, 1.0)):
@@ -59,6 +60,7 @@ class Sink:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
+            name_target(exc, self.path)
             self.abort()
         else:
             self.close()
@@ -140,10 +142,11 @@ class Sink:
                                  f"written; writes must cover the whole {self.height}x{self.width} image")
             self._finish()
             if self._tmp is not None:
-                publish(self._tmp, self.path)
+                publish(self._tmp, self.path, replace=self.replace)
                 self._tmp = None
                 logger.debug("wrote %s", self.path)
-        except BaseException:
+        except BaseException as e:
+            name_target(e, self.path)
             self.abort()
             raise
         self.closed = True

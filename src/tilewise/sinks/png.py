@@ -111,4 +111,7 @@ class PNGSink(Sink):
     def _discard(self) -> None:
         f = getattr(self, "_file", None)
         if f is not None:
-            f.close()
+            try:
+                f.close()
+            except OSError:  # a close that failed to flush (a full disk) fails again: the file is dropped
+                pass

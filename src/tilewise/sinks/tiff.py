@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
+import shutil
 import threading
 from typing import Any
 
@@ -70,8 +72,13 @@ class TIFFSink(Sink):
     def _check_writer(self) -> None:
         """Re-raise, in the caller's thread, whatever stopped the writer thread (its type unchanged)."""
         if self._error is not None and not isinstance(self._error, _Aborted):
-            logger.error("TIFF writer for %s failed: %r", self.path, self._error)
-            raise self._error
+            logger.debug("TIFF writer for %s failed: %r", self.path, self._error)
+            err = self._error
+            if isinstance(err, OSError) and err.errno is None and "requested and" in str(err):
+                if shutil.disk_usage(os.path.dirname(os.path.abspath(self._tmp))).free < 1 << 20:
+                    text = f"No space left on device (tifffile: {err})"
+                    raise OSError(errno.ENOSPC, text, self.path) from err
+            raise err
 
     def _send(self, band: Any) -> None:
         while True:

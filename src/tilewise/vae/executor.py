@@ -31,9 +31,10 @@ class NonFiniteError(FloatingPointError):
     """A NaN or inf appeared in a stage's output (`producer`: the op that made it; `dtype`: its dtype)."""
 
     def __init__(self, producer: str, dtype):
-        super().__init__(f"NaN or inf in the output of {producer!r} (dtype {dtype}); in float16 this is the "
-                         "known SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) or use an "
-                         "fp16-fixed VAE")
+        why = ("in float16 this is the known SD-VAE overflow: run the VAE in float32 (vae.to(torch.float32)) "
+               "or use an fp16-fixed VAE" if str(dtype) == "torch.float16" else
+               "not an fp16 overflow: check the input and the VAE's weights for NaN or inf values")
+        super().__init__(f"NaN or inf in the output of {producer!r} (dtype {dtype}); {why}")
         self.producer, self.dtype = producer, dtype
 
 

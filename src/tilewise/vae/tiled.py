@@ -20,6 +20,7 @@ from ..locality.lowering3d import is_video_vae, lower_video_vae
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import video_face
+from .checks import check_dtype, check_finite, check_fits
 from .devices import DeviceProfile, device_options, profile
 from .executor import Executor, NonFiniteError, check_output
 from .fast import crop_stats, fast_split, run_fast
@@ -183,6 +184,8 @@ class TiledVAE(ModelWrapper):
         if small is not None:
             raise ValueError(f"{what} of {h}x{w} is too small for the VAE {kind}r: {small.name} would have "
                              f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
+        check_dtype(t, what, self.vae)
+        check_finite(t, what)
         if torch.is_grad_enabled() and t.requires_grad:
             raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
                                "would break backward(); use the wrapped VAE directly to train")
@@ -251,6 +254,7 @@ class TiledVAE(ModelWrapper):
         import torch
 
         plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
+        check_fits(self, kind, tuple(t.shape), plan, streamed=emit is not None)
         tile, staging = plan.tile_size, plan.staging
         bands = (plan.band_bytes, plan.on_device, plan.staged_estimate)
         while True:

@@ -27,6 +27,15 @@ def downsampling_factor(unet) -> int:
     return 2 ** (len(blocks) - 1) if blocks else 1
 
 
+def _check_channels(model, sample) -> None:
+    """A (B, C, h, w) sample has the UNet's in_channels (its conv_in would fail on any other C)."""
+    want = getattr(getattr(model, "config", None), "in_channels", None)
+    got = sample.shape[1] if getattr(sample, "ndim", 0) == 4 else None
+    if isinstance(want, int) and got is not None and got != want:
+        raise ValueError(f"sample has {got} channels (shape {tuple(sample.shape)}) but the UNet takes "
+                         f"{want} (config.in_channels)")
+
+
 class UNetAdapter(Adapter):
     """diffusers UNets, and any denoiser module called like one (the fallback family)."""
 
@@ -68,6 +77,7 @@ class UNetAdapter(Adapter):
         if any(given.get(r) is not None for r in _RESIDUALS):
             raise NotImplementedError("ControlNet / adapter residuals are spatial and are not tiled yet; "
                                       "run them untiled or tile the control image per tile")
+        _check_channels(model, given["sample"])
         cond = {k: given[k] for k in _COND if given.get(k) is not None}
         return Call(given["sample"], given["timestep"], cond, return_dict=given.get("return_dict", True))
 
