@@ -209,3 +209,33 @@ def test_the_wrapper_presents_the_controlnet():
     assert isinstance(pipe.controlnet, ControlNetModel) and type(pipe.controlnet) is tw.TiledControlNet
     assert pipe.controlnet.config is inner.config and pipe.to(torch.float32).controlnet.dtype == torch.float32
     assert list(pipe.controlnet.state_dict()) == list(inner.state_dict())
+
+
+# ---- upscale with a tile ControlNet: every tile's control image is its crop of the resized input ----------
+def test_upscale_feeds_each_tile_its_crop_of_the_resized_input_as_control_image():
+    import tiny_pipes as tp
+
+    from tilewise.diffusion.upscale import lanczos_resize
+
+    image = tp._image(24, 20, seed=9)[0]  # -> 48x40 px, a 6x5 latent
+    pe, ne = tp._embeds()
+    kw = dict(scale=2, strength=0.5, tile_size=4, overlap=2, num_inference_steps=4, guidance_scale=2.0,
+              prompt_embeds=pe, negative_prompt_embeds=ne, disable=True)
+    controlnet = tw.TiledControlNet(tp._controlnet())
+    whole, per_tile = [], []
+    hooks = [_recorder(controlnet, whole, controlnet.controlnet), _recorder(controlnet.controlnet, per_tile)]
+    out = tw.upscale(tp.sd(), image, controlnet=controlnet, **kw)
+    for h in hooks:
+        h.remove()
+    plain = tw.upscale(tp.sd(), image, **kw)
+    assert out.shape == plain.shape == (1, 3, 48, 40) and (out - plain).abs().max() > 1e-3
+    want = lanczos_resize(image[None], (48, 40))
+    assert len(whole) == 2  # one recorded ControlNet call per step: 4 steps at strength 0.5
+    for call in whole:
+        assert torch.allclose(call["controlnet_cond"], torch.cat([want] * 2), atol=1e-6)  # CFG rows
+    boxes = [p.read for p in tw.TiledDenoiser(tp._unet(), tile_size=4, overlap=2).plan(6, 5)]
+    assert len(per_tile) == len(whole) * len(boxes)
+    for i, got in enumerate(per_tile):
+        y0, y1, x0, x1 = boxes[i % len(boxes)]
+        full = whole[0]["controlnet_cond"]
+        assert torch.equal(got["controlnet_cond"], full[..., y0 * 8 : y1 * 8, x0 * 8 : x1 * 8])
