@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -172,6 +173,8 @@ def upscale(
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     if controlnet is not None:
         pipe_kwargs = {"control_image": x, **pipe_kwargs}
+    if "height" in inspect.signature(i2i.__call__).parameters:  # Flux, SD3: else their default size
+        pipe_kwargs = {"height": x.shape[-2], "width": x.shape[-1], **pipe_kwargs}
     steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
     pieces = denoiser.count(x.shape[-2] // s, x.shape[-1] // s)
     from tqdm.auto import tqdm
