@@ -117,6 +117,12 @@ def test_several_tiles_do_not_depend_on_tile_batch_size(name):
     assert np.isfinite(outs[0]).all() and outs[0].std() > 0.01
 
 
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_tile_local_positions_batch_the_controlnet_calls_and_do_not_depend_on_batch_size(name):
+    outs = [tc.run(*tiled(name, **TILED["transformer"], positions="tile", batch_size=b)) for b in (1, 3)]
+    assert np.abs(outs[0] - outs[1]).max() <= 1e-5
+
+
 def test_regions_with_a_tiled_controlnet_in_guess_mode_do_not_depend_on_batch_size():
     """Regions split the rows (unconditional, conditional); guess mode's zeros take the ControlNet's rows."""
     region = tw.Region(box=(0, 0, 24, 64), prompt_embeds=torch.randn(1, 5, 32, generator=torch.Generator()
