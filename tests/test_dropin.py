@@ -23,11 +23,6 @@ from tilewise.vae.executor import Executor  # noqa: E402
 
 torch.set_num_threads(1)
 
-# families the TiledDenoiser does not call yet: their issues add them; strict, so the marker goes when they do
-NOT_YET = {
-    "sd_controlnet": "issue 18: ControlNet residuals per tile",
-    "sdxl_controlnet": "issue 18: ControlNet residuals per tile",
-}
 # bf16 against the stock bf16 pipeline: the tiled decode rounds differently (statistics in float64, one
 # GroupNorm affine), so it may differ by up to bf16's own error of the stock pipeline against fp32
 BF16_FACTOR = 2.0
@@ -73,9 +68,7 @@ def test_tiled_vae_in_stock_pipelines_equals_stock_fp32_and_bf16(name, executor_
 
 
 @pytest.mark.parametrize("name", list(tp.CASES))
-def test_one_tile_denoiser_in_stock_pipelines_equals_stock(name, request):
-    if name in NOT_YET:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=NOT_YET[name]))
+def test_one_tile_denoiser_in_stock_pipelines_equals_stock(name):
     build, run, attr = tp.CASES[name]
     ref = run(build())
     pipe = build()

@@ -79,7 +79,7 @@ def test_sigint_during_denoising_exits_130(tmp_path):
         def denoising():  # the recipe logs this line right before the first UNet call
             line = proc.stderr.readline()
             log.append(line)
-            return "UNet tiles" in line
+            return "tiles of" in line and "latent px per call" in line
 
         _wait(proc, denoising, "the denoising log line")
         proc.send_signal(signal.SIGINT)

@@ -187,7 +187,9 @@ def test_bad_positions_and_refused_inputs():
                                          "patch side in latent pixels, 2; use 6 or 8"):
         TiledDenoiser(model, tile_size=7, overlap=2)
     den = TiledDenoiser(model, **TILED)
-    with pytest.raises(NotImplementedError, match="controlnet_block_samples .* not tiled yet"):
+    # ControlNet residuals are tiled since issue 18 (tests/test_controlnet.py); a malformed one is refused
+    with pytest.raises(TypeError, match=r"controlnet_block_samples: a residual must be a \(batch, \.\.\.\) "
+                                        r"tensor .* got Tensor of shape \(1,\)"):
         den(*args, **kwargs, controlnet_block_samples=[torch.zeros(1)])
     with pytest.raises(TypeError, match="FluxTransformer2DModel.*unexpected keyword argument 'sample'"):
         den(*args, **kwargs, sample=1)

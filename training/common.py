@@ -48,6 +48,30 @@ def save_weights(module: torch.nn.Module, path: Path, dtype=torch.float16) -> No
     _atomic(path, lambda p: save_file(sd, str(p)))
 
 
+def denoiser_args(doc: str, steps: int, batch: int, bank: int, uncond: float, uncond_help: str):
+    """The command line of a denoiser training script (train_unet.py, train_controlnet.py), parsed."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--bank", type=int, default=bank, help="number of pre-encoded crops")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--uncond", type=float, default=uncond, help=uncond_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(MODELS_DIR))
+    return ap.parse_args()
+
+
+def clipped_step(opt, loss, params, max_norm: float = 1.0) -> None:
+    """One optimiser step on `loss` with the gradient norm of `params` clipped to `max_norm`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
 def load_weights(module: torch.nn.Module, path: Path) -> torch.nn.Module:
     """Load safetensors weights into a float32 module (strict)."""
     from safetensors.torch import load_file

@@ -11,14 +11,23 @@ on SD's scaled-linear schedule (1000 steps). Adam with warm-up and cosine decay.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 from pathlib import Path
 
 import torch
-from common import MODELS_DIR, RUNS_DIR, load_weights, public_config, save_json, save_weights, seed_everything
+from common import (
+    MODELS_DIR,
+    RUNS_DIR,
+    clipped_step,
+    denoiser_args,
+    load_weights,
+    public_config,
+    save_json,
+    save_weights,
+    seed_everything,
+)
 from data import IMAGES, TEMPLATES, load_images, random_crop, split
 from train_vae import lr_at
 
@@ -46,15 +55,16 @@ SCHEDULER_CONFIG = dict(
 
 
 @torch.no_grad()
-def latent_bank(vae, images, rng, n: int, size: int = 128):
-    """Encode n random training crops once: (latents (n, 4, size/8, size/8), class index per latent)."""
+def latent_bank(vae, images, rng, n: int, size: int = 128, keep_crops: bool = False):
+    """Encode n random training crops once: (latents (n, 4, size/8, size/8), class index per latent[, the
+    crops (n, 3, size, size) in [-1, 1]])."""
     names = list(images)
     parts = [split(images[k])[0] for k in names]
     labels = torch.tensor([i % len(names) for i in range(n)])
     x = torch.stack([random_crop(parts[int(i)], rng, out=size, lo=size, hi=2 * size) for i in labels])
     sf = vae.config.scaling_factor
     z = torch.cat([vae.encode(b).latent_dist.mode() * sf for b in x.split(32)])
-    return z, labels
+    return (z, labels, x) if keep_crops else (z, labels)
 
 
 def random_prompt(name: str, rng) -> str:
@@ -63,17 +73,19 @@ def random_prompt(name: str, rng) -> str:
     return TEMPLATES[int(rng.integers(len(TEMPLATES)))].format(w=words[int(rng.integers(len(words)))])
 
 
+def noised_batch(bank, labels, names, rng, batch: int, uncond: float, sched):
+    """A batch of the DDPM objective: (indices into the bank, z_t, t, eps, prompts)."""
+    idx = torch.from_numpy(rng.integers(0, len(bank), batch))
+    z0 = bank[idx]
+    prompts = ["" if rng.random() < uncond else random_prompt(names[int(labels[i])], rng) for i in idx]
+    eps = torch.randn_like(z0)
+    t = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (batch,))
+    return idx, sched.add_noise(z0, eps, t), t, eps, prompts
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1600)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--bank", type=int, default=1600, help="number of pre-encoded crops")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--uncond", type=float, default=0.1, help="classifier-free dropout probability")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(MODELS_DIR))
-    args = ap.parse_args()
+    args = denoiser_args(__doc__, steps=1600, batch=16, bank=1600, uncond=0.1,
+                         uncond_help="classifier-free dropout probability")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
@@ -97,19 +109,10 @@ def main() -> None:
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr)
-        idx = torch.from_numpy(rng.integers(0, len(bank), args.batch))
-        z0 = bank[idx]
-        prompts = ["" if rng.random() < args.uncond else random_prompt(names[int(labels[i])], rng)
-                   for i in idx]
-        eps = torch.randn_like(z0)
-        t = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (args.batch,))
-        zt = sched.add_noise(z0, eps, t)
+        _, zt, t, eps, prompts = noised_batch(bank, labels, names, rng, args.batch, args.uncond, sched)
         pred = unet(zt, t, encoder_hidden_states=encoder(tokenizer(prompts))).sample
         loss = ((pred - eps) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        clipped_step(opt, loss, params)
         if step % 100 == 0 or step == args.steps - 1:
             log.append({"step": step, "loss": loss.item(), "seconds": time.time() - t0})
             logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.time() - t0)

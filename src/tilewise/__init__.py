@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "TiledVAE": "vae",
     # diffusion
     "TiledDenoiser": "diffusion",
+    "TiledControlNet": "diffusion",
     "Region": "diffusion",
     "upscale": "diffusion",
     # buckets

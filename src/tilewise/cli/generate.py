@@ -90,7 +90,8 @@ def generate(
         return
     typer.echo(
         f"wrote {out} ({width}x{height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
-        f"({res.unet_tiles_per_call} UNet tiles per call), decode {res.seconds['decode']:.1f}s"
+        f"({res.unet_tiles_per_call} {'UNet' if loaded.denoiser == 'unet' else 'transformer'} tiles per "
+        f"call), decode {res.seconds['decode']:.1f}s"
     )
     run_dir = run_folder(
         report,
@@ -115,7 +116,8 @@ def generate(
         f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
         TileGrid(height // f, width // f, tile, overlap=overlap).draw(str(run_dir / "tiles.png"), scale=f)
         write_plan(run_dir, res.vae_plan)
-        _write_unet_costs(run_dir, loaded, guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
+        if loaded.denoiser == "unet":  # the cost curve is measured on UNet calls
+            _write_unet_costs(run_dir, loaded, guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
     finish_report(run_dir)
 
 
@@ -152,6 +154,17 @@ def upscale(
     guidance: Annotated[float, typer.Option(min=0.0)] = 5.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
+    controlnet: Annotated[
+        Path | None,
+        typer.Option(help="tile ControlNet folder (save_pretrained): run per tile with the resized input as "
+                     "its control image"),
+    ] = None,
+    controlnet_scale: Annotated[float, typer.Option(min=0.0, help="ControlNet conditioning scale")] = 1.0,
+    inversion_steps: Annotated[
+        int,
+        typer.Option(min=0, help="DDIM-invert the input in N steps (same tiles) instead of fresh noise; "
+                     "0: off"),
+    ] = 0,
     model: Model = None,
     config: Config = None,
     device: Device = "cpu",
@@ -163,10 +176,14 @@ def upscale(
     """Tiled img2img upscaling: Lanczos resize, tiled encode, partial noise, tiled denoise, tiled decode.
 
     Example: tilewise upscale photo.png --scale 2 --strength 0.3 --prompt brick --out photo_2x.png
+
+    Example: tilewise upscale photo.png --scale 2 --strength 0.5 --controlnet tile-cn --inversion-steps 10
+    --out photo_2x.png
     """
     from ..diffusion import upscale as run
     from ..pipelines import load_pipeline
     from ..pipelines.fits import check_upscale_fits
+    from ..pipelines.loading import load_controlnet
     from ..sinks import open_sink
     from ..sources import read_image
 
@@ -178,6 +195,10 @@ def upscale(
     check_upscale_fits(src.width, src.height, scale)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
+    extra = {}
+    if controlnet is not None:  # (small, and refused in one line before the pipeline loads)
+        extra = dict(controlnet=load_controlnet(controlnet, device, dtype),
+                     controlnet_conditioning_scale=controlnet_scale)
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
     result = run(
@@ -194,6 +215,8 @@ def upscale(
         guidance_scale=guidance,
         disable=quiet,
         process_group=group,
+        inversion_steps=inversion_steps,
+        **extra,
         **cond,
     )
     if rank != 0:

@@ -2,6 +2,8 @@
 
 - `TiledDenoiser`: MultiDiffusion (uniform), Mixture of Diffusers (Gaussian), SpotDiffusion (shifted
   non-overlapping windows) and halo-crop (exact for local models), with per-tile SDXL micro-conditioning.
+- `TiledControlNet`: a ControlNet (SD 1.x, SDXL, SD3, Flux; single or Multi) whose residuals the
+  TiledDenoiser computes per tile, on the tile's crop of the latent and of the control image.
 - `Region`: a box or mask with its own prompt embeddings that replaces the prompt where it applies.
 - `upscale`: Lanczos resize, encode, noise to `strength`, tiled denoise, decode; exactly `scale` x the input.
 
@@ -14,8 +16,9 @@ Schedulers with sample clipping or dynamic thresholding (`clip_sample=True`, `th
 affine: there the two orders differ, and the wrapper implements fuse-then-step.
 """
 
+from .controlnet import TiledControlNet
 from .fusion import METHODS, TiledDenoiser
 from .regions import Region
 from .upscale import upscale
 
-__all__ = ["METHODS", "Region", "TiledDenoiser", "upscale"]
+__all__ = ["METHODS", "Region", "TiledControlNet", "TiledDenoiser", "upscale"]

@@ -32,6 +32,7 @@ from ..wrapper import ModelWrapper
 from .adapters import Call, adapter_for
 from .pieces import Piece, plan_pieces
 from .regions import Region, region_weights
+from .rows import take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +42,6 @@ METHODS = ("multidiffusion", "mixture", "spot", "halo")
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-def _take_rows(value: Any, rows: torch.Tensor, n_rows: int, repeats: int) -> Any:
-    """Per-row conditioning (leading dim == batch) restricted to `rows` and repeated for `repeats` tiles."""
-    if isinstance(value, torch.Tensor):
-        if value.ndim >= 1 and value.shape[0] == n_rows:
-            part = value.index_select(0, rows.to(value.device))
-            return part.repeat(repeats, *([1] * (part.ndim - 1)))
-        return value
-    if isinstance(value, dict):
-        return {k: _take_rows(v, rows, n_rows, repeats) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_take_rows(v, rows, n_rows, repeats) for v in value)
-    return value
 
 
 class TiledDenoiser(ModelWrapper):
@@ -217,10 +204,10 @@ class TiledDenoiser(ModelWrapper):
 
         sample, B = call.sample, call.sample.shape[0]
         row = torch.zeros(1, dtype=torch.long)
-        t = _take_rows(call.timestep, row, B, 1)
+        t = take_rows(call.timestep, row, B, 1)
 
         def model(x: torch.Tensor) -> torch.Tensor:
-            cond = {k: _take_rows(v, row, B, 1) for k, v in call.cond.items()}
+            cond = {k: take_rows(v, row, B, 1) for k, v in call.cond.items()}
             box = (0, x.shape[-2], 0, x.shape[-1])
             return self.adapter.predict(self.unet, call, x, t, cond, [box], 1)
 
@@ -360,8 +347,8 @@ class TiledDenoiser(ModelWrapper):
         B = sample.shape[0]
         part = sample.index_select(0, rows.to(sample.device))
         x = torch.cat([part[(..., *box_slices(p.read))] for p in ps])
-        cond = {name: _take_rows(v, rows, B, len(ps)) for name, v in call.cond.items()}
-        t = _take_rows(call.timestep, rows, B, len(ps))
+        cond = {name: take_rows(v, rows, B, len(ps)) for name, v in call.cond.items()}
+        t = take_rows(call.timestep, rows, B, len(ps))
         if k > 0:
             self.adapter.apply_region(cond, self.regions[k - 1], len(rows) * len(ps))
         return self.adapter.predict(self.unet, call, x, t, cond, [p.read for p in ps], len(rows))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -60,15 +61,24 @@ def _pad_to(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, tuple[int, in
     return F.pad(x, (0, pw, 0, ph), mode=mode), (ph, pw)
 
 
-def _img2img(pipe: Any) -> Any:
-    """The pipeline's image-to-image variant, sharing its components (the input pipeline is not modified)."""
+def _img2img(pipe: Any, controlnet: Any = None) -> Any:
+    """The pipeline's image-to-image variant (its ControlNet variant with `controlnet`), sharing its
+    components (the input pipeline is not modified)."""
+    from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
+
+    if controlnet is not None:
+        return AutoPipelineForImage2Image.from_pipe(pipe, controlnet=controlnet)
     if "Img2Img" in type(pipe).__name__:
-        from diffusers import DiffusionPipeline
-
         return DiffusionPipeline.from_pipe(pipe)
-    from diffusers import AutoPipelineForImage2Image
-
     return AutoPipelineForImage2Image.from_pipe(pipe)
+
+
+def denoiser_attr(pipe: Any) -> str:
+    """Where the pipeline keeps its denoiser: `unet` (SD family) or `transformer` (SD3, Flux, ...)."""
+    for attr in ("unet", "transformer"):
+        if getattr(pipe, attr, None) is not None:
+            return attr
+    raise ValueError(f"{type(pipe).__name__} has neither a unet nor a transformer to denoise with")
 
 
 def _vae(vae: Any, vae_tile_size: int | None, disable: bool, process_group: Any = None) -> Any:
@@ -85,8 +95,10 @@ def _vae(vae: Any, vae_tile_size: int | None, disable: bool, process_group: Any 
 
 
 @torch.no_grad()
-def _decode(vae: Any, latents: torch.Tensor, base_vae: Any) -> torch.Tensor:
-    """Latents -> images in [0, 1]: undo the scaling (and shift) factor, decode."""
+def _decode(vae: Any, latents: torch.Tensor, base_vae: Any, pipe: Any = None, size=None) -> torch.Tensor:
+    """Latents -> images in [0, 1]: unpack packed tokens (Flux), undo the scaling (and shift), decode."""
+    if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):
+        latents = pipe._unpack_latents(latents, size[0], size[1], pipe.vae_scale_factor)
     cfg = base_vae.config
     z = latents / cfg.scaling_factor
     if getattr(cfg, "shift_factor", None):
@@ -113,6 +125,8 @@ def upscale(
     disable: bool = False,
     denoiser_kwargs: dict | None = None,
     process_group: Any = None,
+    controlnet: Any = None,
+    inversion_steps: int = 0,
     **pipe_kwargs: Any,
 ) -> Any:
     """Tiled img2img upscaling (Ultimate-SD-upscale style): returns exactly round(scale x input size).
@@ -121,6 +135,11 @@ def upscale(
     `pipe_kwargs` go to the img2img pipeline (prompt or prompt_embeds, guidance_scale, ...). `callback` is
     called after every step as callback(step, timestep, latents). With `process_group` (every rank calls
     this) the denoiser's and the VAE's tiles are split over the ranks; every rank returns the same image.
+    `controlnet` (a tile ControlNet, e.g. ControlNetModel): the pipeline's ControlNet img2img variant runs
+    it per tile (`TiledControlNet`) with the resized input as every tile's control image (its crop).
+    `inversion_steps` N > 0: instead of fresh noise, the encoded input is DDIM-inverted in N steps up to the
+    first denoising timestep under the same tiled denoiser and conditioning, and DDIM samples down from
+    there (`tilewise.diffusion.inversion`; both passes use DDIM built from the pipeline's scheduler).
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -130,26 +149,43 @@ def upscale(
         raise ValueError(f"strength {strength} of num_inference_steps {num_inference_steps} leaves no "
                          f"denoising step (int({num_inference_steps} * {strength}) = 0): use at least "
                          f"{math.ceil(1 / strength)} steps")
+    if not isinstance(inversion_steps, int) or inversion_steps < 0:
+        raise ValueError(f"inversion_steps must be an int >= 0 (0: fresh noise), got {inversion_steps!r}")
     x, kind = _to_tensor(image)
     H, W = x.shape[-2:]
     size = (max(1, round(H * scale)), max(1, round(W * scale)))
+    if inversion_steps:
+        from .inversion import check_invertible
+
+        check_invertible(pipe.scheduler)  # before the expensive work
     x = lanczos_resize(x, size)
-    i2i = _img2img(pipe)
-    unet = pipe.unet.unet if isinstance(pipe.unet, TiledDenoiser) else pipe.unet
+    attr = denoiser_attr(pipe)
+    model = getattr(pipe, attr)
+    model = model.unet if isinstance(model, TiledDenoiser) else model
+    if controlnet is not None:
+        from .controlnet import TiledControlNet
+
+        controlnet = controlnet if isinstance(controlnet, TiledControlNet) else TiledControlNet(controlnet)
+    i2i = _img2img(pipe, controlnet)
     s = i2i.vae_scale_factor
-    x, _ = _pad_to(x, s)
-    denoiser = TiledDenoiser(unet, tile_size=tile_size, overlap=overlap, method=method, batch_size=batch_size,
-                             seed=seed, vae_scale_factor=s, process_group=process_group,
-                             **(denoiser_kwargs or {}))
-    i2i.unet = denoiser
+    x, _ = _pad_to(x, s if attr == "unet" else 2 * s)  # transformers: whole 2x2 patches
+    denoiser = TiledDenoiser(model, tile_size=tile_size, overlap=overlap, method=method,
+                             batch_size=batch_size, seed=seed, vae_scale_factor=s,
+                             process_group=process_group, **(denoiser_kwargs or {}))
+    setattr(i2i, attr, denoiser)
     i2i.vae = _vae(pipe.vae, vae_tile_size, disable, process_group)
     i2i.set_progress_bar_config(disable=True)
     generator = generator if generator is not None else torch.Generator().manual_seed(seed)
+    if controlnet is not None:
+        pipe_kwargs = {"control_image": x, **pipe_kwargs}
+    if "height" in inspect.signature(i2i.__call__).parameters:  # Flux, SD3: else their default size
+        pipe_kwargs = {"height": x.shape[-2], "width": x.shape[-1], **pipe_kwargs}
     steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
     pieces = denoiser.count(x.shape[-2] // s, x.shape[-1] // s)
     from tqdm.auto import tqdm
 
-    with tqdm(total=steps * pieces, desc="upscale (steps x tiles)", disable=disable) as bar:
+    total = (steps + inversion_steps) * pieces
+    with tqdm(total=total, desc="upscale (steps x tiles)", disable=disable) as bar:
         denoiser.progress_bar = bar
 
         def on_step(_pipe, i, t, kw):
@@ -157,11 +193,17 @@ def upscale(
                 callback(i, t, kw["latents"])
             return kw
 
+        if inversion_steps:
+            from .inversion import ddim_invert, start_from
+
+            start = ddim_invert(i2i, x, strength, num_inference_steps, inversion_steps, generator=generator,
+                                **pipe_kwargs)
+            start_from(i2i, start)
         latents = i2i(image=x, strength=strength, num_inference_steps=num_inference_steps,
                       generator=generator, output_type="latent", callback_on_step_end=on_step,
                       **pipe_kwargs).images
         denoiser.progress_bar = None
-    out = _decode(i2i.vae, latents, pipe.vae)[..., : size[0], : size[1]].cpu()
+    out = _decode(i2i.vae, latents, pipe.vae, i2i, x.shape[-2:])[..., : size[0], : size[1]].cpu()
     if kind == "pt":
         return out
     from PIL import Image

@@ -30,7 +30,7 @@ SCHEDULERS = {
 __all__ = [
     "MODEL_DIR", "SCHEDULERS", "load_config", "load_default_vae", "load_default_unet",
     "load_default_text_encoder", "load_default_tokenizer", "load_default_scheduler", "encode_prompt",
-    "load_default_pipeline", "default_prompt_embeds", "vocabulary",
+    "load_default_pipeline", "default_prompt_embeds", "vocabulary", "load_default_controlnet",
 ]
 
 
@@ -82,6 +82,16 @@ def load_default_unet(device=None, dtype=None):
     from diffusers import UNet2DConditionModel
 
     return _load_weights(UNet2DConditionModel.from_config(load_config("unet")), "unet", device, dtype)
+
+
+def load_default_controlnet(device=None, dtype=None):
+    """The embedded tile ControlNet (ControlNetModel from the UNet's encoder, conditioned on the blurred
+    image in [0, 1]: what `tw.upscale(..., controlnet=...)` feeds it), trained by
+    training/train_controlnet.py."""
+    from diffusers import ControlNetModel
+
+    model = ControlNetModel.from_config(load_config("controlnet_tile"))
+    return _load_weights(model, "controlnet_tile", device, dtype)
 
 
 def load_default_tokenizer():

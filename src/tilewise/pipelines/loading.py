@@ -25,29 +25,59 @@ class Loaded:
     embedded: bool
     sdxl: bool
 
+    @property
+    def denoiser(self) -> str:
+        """The pipeline's denoiser attribute: "unet" (SD family) or "transformer" (SD3, Flux, ...)."""
+        return "unet" if getattr(self.pipe, "unet", None) is not None else "transformer"
+
     def encode(self, prompt: str, negative: str = "") -> dict[str, Any]:
-        """{prompt_embeds, negative_prompt_embeds[, pooled_prompt_embeds, negative_pooled_prompt_embeds]}."""
+        """{prompt_embeds, negative_prompt_embeds[, pooled_prompt_embeds, negative_pooled_prompt_embeds]}
+        (`tilewise.pipelines.prompts`: per family; other pipelines get the text)."""
         if self.embedded:
             from ..models import default_prompt_embeds
 
             return default_prompt_embeds(self.pipe, prompt, negative)
-        device = self.pipe.unet.device
-        if self.sdxl:
-            pe, npe, ppe, nppe = self.pipe.encode_prompt(
-                prompt,
-                device=device,
-                num_images_per_prompt=1,
-                do_classifier_free_guidance=True,
-                negative_prompt=negative,
-            )
-            return {
-                "prompt_embeds": pe,
-                "negative_prompt_embeds": npe,
-                "pooled_prompt_embeds": ppe,
-                "negative_pooled_prompt_embeds": nppe,
-            }
-        pe, npe = self.pipe.encode_prompt(prompt, device, 1, True, negative_prompt=negative)
-        return {"prompt_embeds": pe, "negative_prompt_embeds": npe}
+        from .prompts import encode
+
+        return encode(self.pipe, prompt, negative)
+
+    def region_embeds(self, prompt: str, negative: str = "") -> dict[str, Any]:
+        """A regional prompt's embeddings (refused in one line where tilewise does not encode prompts)."""
+        if self.embedded:
+            return self.encode(prompt, negative)
+        from .prompts import embeds_for_regions
+
+        return embeds_for_regions(self.pipe, prompt, negative)
+
+
+def _saved_as_none(path: Path) -> dict[str, None]:
+    """Components model_index.json lists as null (e.g. SD3 without T5): stock loading wants them as None."""
+    import json
+
+    index = json.loads((path / "model_index.json").read_text())
+    return {k: None for k, v in index.items() if isinstance(v, list) and v and v[0] is None}
+
+
+def load_controlnet(folder: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
+    """A ControlNet saved with save_pretrained (config.json naming its class, e.g. ControlNetModel)."""
+    import json
+
+    import diffusers
+
+    path = Path(folder)
+    config = path / "config.json"
+    if not config.is_file():
+        raise BadRequest(f"--controlnet {str(folder)!r} is not a diffusers model folder (no config.json)")
+    try:
+        name = json.loads(config.read_text()).get("_class_name", "")
+    except ValueError as e:
+        raise ModelProblem(f"{str(config)!r} is not valid JSON ({e})") from None
+    if not name.endswith(("ControlNetModel", "ControlNetUnionModel")) or not hasattr(diffusers, name):
+        raise ModelProblem(f"--controlnet {str(folder)!r} holds a {name or 'model without _class_name'}, not "
+                         "a diffusers ControlNet (ControlNetModel, SD3ControlNetModel, FluxControlNetModel, "
+                         "...)")
+    model = getattr(diffusers, name).from_pretrained(path, local_files_only=True)
+    return model.to(device, _torch_dtype(dtype)).eval()
 
 
 def _torch_dtype(name: str):
@@ -96,17 +126,24 @@ def load_pipeline(
         read_model_index(path, "--model")
         from diffusers import DiffusionPipeline
 
+        nones = _saved_as_none(path)
         with model_errors(f"--model {str(path)!r}"):
-            pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only)
+            pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only, **nones)
     elif path.suffix in (".safetensors", ".ckpt"):
         with model_errors(f"--model {str(path)!r}"):
             pipe = load_single_file(path, config, local_files_only)
     else:
         raise BadRequest(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
-    if not hasattr(pipe, "unet") or not hasattr(pipe, "vae"):
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    if denoiser is None or getattr(pipe, "vae", None) is None:
         raise ModelProblem(
-            f"{type(pipe).__name__} from {str(path)!r} has no unet/vae: tilewise needs an SD-family "
-            "UNet pipeline"
+            f"{type(pipe).__name__} from {str(path)!r} has no unet or transformer beside a vae: tilewise "
+            "needs a diffusers pipeline with a UNet (SD 1.x / 2.x, SDXL) or a transformer (SD3, Flux, ...)"
+        )
+    if scheduler != "ddim" and getattr(pipe, "unet", None) is None:
+        raise BadRequest(
+            f"--scheduler {scheduler} applies to UNet pipelines; {type(pipe).__name__} keeps its own "
+            f"{type(pipe.scheduler).__name__}"
         )
     if scheduler != "ddim":
         import diffusers

@@ -84,17 +84,19 @@ def generate(
     from ..vae.settle import settle
 
     pipe = loaded.pipe
+    attr = loaded.denoiser  # "unet", or "transformer" (SD3, Flux, ...: the adapter follows its class)
     f = int(getattr(pipe, "vae_scale_factor", 8))
-    if width <= 0 or height <= 0 or width % f or height % f:
+    m = f if attr == "unet" else 2 * f  # transformers take whole 2x2 latent patches
+    if width <= 0 or height <= 0 or width % m or height % m:
         raise ValueError(
-            f"width and height have to be positive multiples of {f} but are {width} and {height}"
+            f"width and height have to be positive multiples of {m} but are {width} and {height}"
         )
     check_image_output(out, bits, replace)
     for box, _ in regions or []:
         x0, y0, x1, y1 = box
         if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
             raise ValueError(f"region box {box} lies outside the {width}x{height} image")
-    check_generate_fits(pipe.unet, width, height, f, len(regions or []))
+    check_generate_fits(getattr(pipe, attr), width, height, f, len(regions or []))
     tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
     zshape = (1, int(pipe.vae.config.latent_channels), height // f, width // f)
     streamed = out is not None
@@ -104,7 +106,7 @@ def generate(
     cond = loaded.encode(prompt, negative)
     tiled_regions = []
     for box, text in regions or []:
-        emb = loaded.encode(text, negative)
+        emb = loaded.region_embeds(text, negative)
         tiled_regions.append(
             Region(
                 box=box,
@@ -112,9 +114,9 @@ def generate(
                 pooled_prompt_embeds=emb.get("pooled_prompt_embeds"),
             )
         )
-    unet = pipe.unet
+    model = getattr(pipe, attr)
     denoiser = TiledDenoiser(
-        unet,
+        model,
         tile_size=tile_size,
         overlap=overlap,
         method=method,
@@ -127,16 +129,17 @@ def generate(
     )
     tiles = denoiser.count(height // f, width // f)
     logger.info(
-        "generate %dx%d: %s over %d UNet tiles of %d latent px per call, %d steps",
+        "generate %dx%d: %s over %d %s tiles of %d latent px per call, %d steps",
         width,
         height,
         method,
         tiles,
+        type(model).__name__,
         tile_size,
         steps,
     )
     seconds: dict[str, float] = {}
-    pipe.unet = denoiser
+    setattr(pipe, attr, denoiser)
     try:
         pipe.set_progress_bar_config(disable=not progress, desc="denoise")
         t0 = time.perf_counter()
@@ -151,7 +154,9 @@ def generate(
         ).images
         seconds["denoise"] = time.perf_counter() - t0
     finally:
-        pipe.unet = unet
+        setattr(pipe, attr, model)
+    if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):  # Flux: packed 2x2 patch tokens
+        latents = pipe._unpack_latents(latents, height, width, f)
     sf, shift = latent_scale(pipe.vae)
     z = latents / sf + shift
     plan = tv.plan(tuple(z.shape))

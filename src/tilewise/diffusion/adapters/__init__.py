@@ -5,12 +5,15 @@ it never names a model's arguments. An adapter does, in four steps of every call
 
 1. `parse(model, args, kwargs) -> Call`: the pipeline's call as a (B, C, H, W) latent grid, the
    timestep, the per-row conditioning (tensors whose leading dim is the batch: split into row sets and
-   repeated per tile), what goes to every tile unchanged, and the layout that packs a prediction back
+   repeated per tile; objects that select their own rows, `take_rows(rows, n_rows, repeats)`: the
+   ControlNet residuals of `tilewise.diffusion.residuals`, which learn the call's row indices so),
+   what goes to every tile unchanged, and the layout that packs a prediction back
    (a transformer's token order and position ids).
 2. `apply_region(cond, region, n)`: a regional prompt's embeddings in place of the prompt's.
 3. `predict(model, call, x, t, cond, boxes, rows) -> prediction`: the model on a batch of tiles `x`
    (n tiles x `rows` rows, all of one size) cut at the grid boxes `boxes`, with the conditioning the
-   tiles need there (e.g. SDXL's crop micro-conditioning, a transformer's positions of those tokens).
+   tiles need there (e.g. SDXL's crop micro-conditioning, a transformer's positions of those tokens,
+   ControlNet residuals computed on those tiles: `residuals.evaluate(cond, Tiles(boxes, ...))`).
 4. `output(call, fused)`: the fused (B, C, H, W) prediction in the model's own return type.
 
 `adapter_for(model, **options)` picks the family from the model class and refuses an unsupported one

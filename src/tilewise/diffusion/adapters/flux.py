@@ -82,11 +82,10 @@ class FluxAdapter(TransformerAdapter):
     family = "flux"
     classes = ("FluxTransformer2DModel",)
     pooled_arg = "pooled_projections"
-    rows_args = ("encoder_hidden_states", "pooled_projections", "guidance")
+    rows_args = ("encoder_hidden_states", "pooled_projections", "guidance", "controlnet_block_samples",
+                 "controlnet_single_block_samples")
+    residual_args = ("controlnet_block_samples", "controlnet_single_block_samples")
     layout_args = ("img_ids", "txt_ids")
-    refused = dict.fromkeys(("controlnet_block_samples", "controlnet_single_block_samples"),
-                            "(Flux ControlNet residuals) are spatial and are not tiled yet; run the "
-                            "ControlNet pipeline untiled")
     shares_positions = True
 
     def text_ids(self, txt_ids, n: int):
@@ -111,6 +110,7 @@ class FluxAdapter(TransformerAdapter):
 
     def _predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
         lay = call.layout
+        cond = self.tile_residuals(call, cond, boxes)
         ids = lay.tile_ids(boxes[0], self.positions)  # the boxes of one call share their ids (see predict)
         prompt = cond.get(self.prompt_arg)
         txt_ids = lay.txt_ids
@@ -132,6 +132,7 @@ class Flux2Adapter(FluxAdapter):
     classes = ("Flux2Transformer2DModel",)
     pooled_arg = None
     rows_args = ("encoder_hidden_states", "guidance")
+    residual_args = ()
     refused = dict.fromkeys(("kv_cache", "kv_cache_mode"),
                             "(reference-image KV caching) is not tiled yet; run the pipeline untiled")
 

@@ -30,15 +30,31 @@ def global_pos_embed(patch_embed, hw: tuple[int, int], boxes, rows: int):
     return torch.stack(crops).repeat_interleave(rows, dim=0)
 
 
+def position_hook(patch_embed, hw: tuple[int, int], boxes, rows: int):
+    """A forward hook on `patch_embed` (an SD3 PatchEmbed) for one call on tiles `boxes` of the H x W latent:
+    each tile's tokens get their crop of the whole latent's position embedding (none needed for one tile
+    covering the latent, which has it already)."""
+    H, W = hw
+    if all(tuple(b) == (0, H, 0, W) for b in boxes):
+        return contextlib.nullcontext()
+    g = global_pos_embed(patch_embed, (H, W), boxes, rows)
+
+    def hook(module, args, output):
+        # PatchEmbed added the centred crop of the tile's size: swap it for the tile's crop of the image's
+        local = module.cropped_pos_embed(*args[0].shape[-2:])
+        return output + (g.to(output.device) - local).to(output.dtype)
+
+    return hooked(patch_embed, hook)
+
+
 class SD3Adapter(TransformerAdapter):
     """SD3 / SD3.5: per-row prompt and pooled embeddings; the tile's crop of the position table."""
 
     family = "sd3"
     classes = ("SD3Transformer2DModel",)
     pooled_arg = "pooled_projections"
-    rows_args = ("encoder_hidden_states", "pooled_projections")
-    refused = {"block_controlnet_hidden_states": "(SD3 ControlNet residuals) are spatial and are not tiled "
-                                                 "yet; run the ControlNet pipeline untiled"}
+    rows_args = ("encoder_hidden_states", "pooled_projections", "block_controlnet_hidden_states")
+    residual_args = ("block_controlnet_hidden_states",)
 
     def align(self, model) -> int:
         return int(model.config.patch_size)
@@ -59,23 +75,16 @@ class SD3Adapter(TransformerAdapter):
         return x, None
 
     def _predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
+        cond = self.tile_residuals(call, cond, boxes, int(model.config.patch_size))
         with self._positions(model, call, boxes, rows):
             out = model(hidden_states=x, timestep=t, **cond, **self.shared_kwargs(call), return_dict=False)
         return out[0]
 
     def _positions(self, model, call: Call, boxes, rows: int):
         """positions='global': the hook that gives each tile its crop of the image's position embedding."""
-        H, W = call.sample.shape[-2:]
-        if self.positions == "tile" or all(b == (0, H, 0, W) for b in boxes):
-            return contextlib.nullcontext()  # a tile covering the latent has the image's crop already
-        g = global_pos_embed(model.pos_embed, (H, W), boxes, rows)
-
-        def hook(module, args, output):
-            # PatchEmbed added the centred crop of the tile's size: swap it for the tile's crop of the image's
-            local = module.cropped_pos_embed(*args[0].shape[-2:])
-            return output + (g.to(output.device) - local).to(output.dtype)
-
-        return hooked(model.pos_embed, hook)
+        if self.positions == "tile":
+            return contextlib.nullcontext()
+        return position_hook(model.pos_embed, call.sample.shape[-2:], boxes, rows)
 
     def output(self, call: Call, fused):
         return self.wrap(call, fused)

@@ -18,17 +18,18 @@ import contextlib
 import inspect
 from typing import Any
 
+from ..residuals import Selected, Tiles, evaluate, residual_args
 from .base import Adapter, Call, expand_rows
 
 IP_ADAPTER_KEY = "ip_adapter_image_embeds"
 
 
-def bind_call(model, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_call(model, args: tuple, kwargs: dict, who: str = "TiledDenoiser") -> dict[str, Any]:
     """The call's arguments by the names of the model's forward (TypeError naming what is wrong)."""
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
-        raise TypeError(f"TiledDenoiser.forward() for {type(model).__name__}: {e}") from None
+        raise TypeError(f"{who}.forward() for {type(model).__name__}: {e}") from None
     return dict(bound.arguments)
 
 
@@ -38,6 +39,8 @@ def rows_of(value: Any, i: int, rows: int, n: int) -> Any:
 
     if isinstance(value, torch.Tensor):
         return value[i * rows : (i + 1) * rows] if value.ndim >= 1 and value.shape[0] == n else value
+    if isinstance(value, Selected):
+        return value.one_tile()
     if isinstance(value, dict):
         return {k: rows_of(v, i, rows, n) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -101,6 +104,7 @@ class TransformerAdapter(Adapter):
     prompt_arg = "encoder_hidden_states"
     pooled_arg: str | None = None
     rows_args: tuple[str, ...] = ()
+    residual_args: tuple[str, ...] = ()  # ControlNet residual tokens (of rows_args): per tile
     layout_args: tuple[str, ...] = ()
     refused: dict[str, str] = {}
     shares_positions = False
@@ -121,6 +125,8 @@ class TransformerAdapter(Adapter):
             if isinstance(value, dict) and value.get(IP_ADAPTER_KEY) is not None:
                 raise NotImplementedError(f"{name}: IP-Adapter image embeddings ({IP_ADAPTER_KEY}) are not "
                                           "tiled yet; run the pipeline untiled or without the IP-Adapter")
+        for arg in self.residual_args:  # tensors: token crops per tile; TiledControlNet outputs: run per tile
+            given[arg] = residual_args(given.get(arg), arg)
         grid, layout = self.to_grid(model, given)
         cond = {k: given[k] for k in self.rows_args if given.get(k) is not None}
         skip = {self.sample_arg, self.timestep_arg, "return_dict", *self.rows_args, *self.layout_args}
@@ -148,6 +154,19 @@ class TransformerAdapter(Adapter):
         N = x.shape[0]  # one call per tile: the model takes one set of positions for its whole batch
         return torch.cat([self._predict(model, call, x[i * rows : (i + 1) * rows], rows_of(t, i, rows, N),
                                         rows_of(cond, i, rows, N), boxes[i : i + 1], rows) for i in range(n)])
+
+    def tile_residuals(self, call: Call, cond: dict, boxes, patch: int = 2) -> dict:
+        """`cond` with its residual tokens for the tiles: crops of tensors, TiledControlNet outputs run."""
+        H, W = call.sample.shape[-2:]
+        h, w = H // patch, W // patch
+
+        def crop(r, box):
+            if r.ndim != 3 or r.shape[1] != h * w:
+                raise ValueError(f"a ControlNet residual of shape {tuple(r.shape)} is not (batch, {h * w} "
+                                 f"tokens, channels) of the {H}x{W} latent")
+            return r[:, tile_tokens(box, h, w, patch).to(r.device)]
+
+        return evaluate(cond, Tiles(list(boxes), (H, W), crop, positions=self.positions))
 
     def shared_kwargs(self, call: Call) -> dict[str, Any]:
         """The arguments every tile gets unchanged, dicts copied (forwards pop from their kwargs dicts)."""

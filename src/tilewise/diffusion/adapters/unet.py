@@ -3,12 +3,16 @@
 `model(sample, timestep, encoder_hidden_states, ..., return_dict=False)` on (B, C, h, w) tiles. Regions
 replace `encoder_hidden_states` (and SDXL's pooled `text_embeds`); SDXL's micro-conditioning gets the
 tile's crop top-left (`micro_conditioning="tile"`), the pipeline's (`"pipeline"`) or a callable's.
+ControlNet and T2I-Adapter residuals (`down_block_additional_residuals`, `mid_block_additional_residual`,
+`down_intrablock_additional_residuals`) are per tile: tensors are cropped at their own resolution,
+TiledControlNet outputs computed by running the ControlNet on the tile (`tilewise.diffusion.residuals`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..residuals import Tiles, crop_map, evaluate, residual_args
 from .base import Adapter, Call, expand_rows
 
 MICRO_CONDITIONING = ("tile", "pipeline")
@@ -74,9 +78,8 @@ class UNetAdapter(Adapter):
             raise TypeError(f"TiledDenoiser.forward() got unexpected keyword arguments {unknown}")
         if "sample" not in given or "timestep" not in given:
             raise TypeError("TiledDenoiser.forward() needs sample and timestep")
-        if any(given.get(r) is not None for r in _RESIDUALS):
-            raise NotImplementedError("ControlNet / adapter residuals are spatial and are not tiled yet; "
-                                      "run them untiled or tile the control image per tile")
+        for r in _RESIDUALS:  # tensors cropped per tile, TiledControlNet outputs computed per tile
+            given[r] = residual_args(given.get(r), r)
         _check_channels(model, given["sample"])
         cond = {k: given[k] for k in _COND if given.get(k) is not None}
         return Call(given["sample"], given["timestep"], cond, return_dict=given.get("return_dict", True))
@@ -95,7 +98,11 @@ class UNetAdapter(Adapter):
             cond["added_cond_kwargs"] = added
 
     def predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
-        self._micro_conditioning(cond, boxes, rows, call.sample.shape[-2:])
+        hw = tuple(call.sample.shape[-2:])
+        tiles = Tiles(list(boxes), hw, lambda r, box: crop_map(r, box, hw),
+                      condition=lambda kw, b, n: self._micro_conditioning(kw, b, n, hw))
+        cond = evaluate(cond, tiles)  # residuals: the tiles' crops, ControlNets run on the tiles
+        self._micro_conditioning(cond, boxes, rows, hw)
         out = model(x, t, return_dict=False, **cond, **call.shared)
         return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
 
