@@ -114,3 +114,55 @@ def load_pipeline(
     pipe.to(device, torch_dtype)
     sdxl = "XL" in type(pipe).__name__
     return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLQwenImage", "AutoencoderKLWan",
+               "AutoencoderKLLTXVideo")
+
+
+def vae_class(model: str | os.PathLike | None) -> str | None:
+    """The VAE class a --model folder names (a VAE folder's config.json, or a pipeline's model_index.json),
+    read from its JSON without loading anything; None for the embedded model, a file, or no VAE entry."""
+    import json
+
+    if model is None or not Path(model).is_dir():
+        return None
+    path = Path(model)
+    if (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+        return json.loads((path / "config.json").read_text()).get("_class_name")
+    if (path / "model_index.json").is_file():
+        entry = json.loads((path / "model_index.json").read_text()).get("vae")
+        return entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    return None
+
+
+def load_vae(
+    model: str | os.PathLike | None = None,
+    *,
+    config: str | os.PathLike | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    local_files_only: bool = True,
+):
+    """The VAE of --model for decode / encode: a VAE folder (config.json of a diffusers VAE class) loaded
+    alone; a pipeline folder whose VAE is a 3-D VAE (Qwen-Image, Wan, LTX-Video): its vae/ folder alone
+    (no transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
+    import diffusers
+
+    torch_dtype = _torch_dtype(dtype)
+    name = vae_class(model)
+    path = None if model is None else Path(model)
+    if path is not None and path.is_dir() and not (path / "model_index.json").is_file() and name is not None:
+        if name not in VAE_CLASSES:
+            raise ValueError(f"{str(path)!r} holds a {name}, not a VAE tilewise tiles: one of {VAE_CLASSES}")
+        if config is not None:
+            raise ValueError(f"--config {str(config)!r} applies to a single-file --model only, but --model "
+                             f"{str(path)!r} is a VAE folder (it carries its own config)")
+        vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
+    elif name in VAE_CLASSES[2:] and config is None:
+        vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
+                                                       local_files_only=local_files_only)
+    else:
+        return load_pipeline(model, config=config, device=device, dtype=dtype,
+                             local_files_only=local_files_only).pipe.vae
+    return vae.to(device, torch_dtype).eval()

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic import atomic_path
+from ..locality.lowering3d import is_video_vae
 from .loading import Loaded
+from .video import decode_video_file, encode_video_file
 
 logger = logging.getLogger(__name__)
 
@@ -189,19 +191,26 @@ def decode_file(
     progress: bool = True,
     process_group: Any = None,
 ):
-    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file."""
+    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file;
+    `loaded` is a pipeline or a VAE. A 3-D VAE (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W)
+    latents to an image or a video sink (`pipelines.video`)."""
     from safetensors.torch import load_file
 
     from ..vae import TiledVAE
 
+    vae = _vae(loaded)
+    if is_video_vae(vae):
+        _one_process(vae, process_group)
+        return decode_video_file(vae, latents_path, out, tile_size=tile_size, mode=mode, budget=budget,
+                                 staging=staging, bits=bits, progress=progress)
     tensors = load_file(latents_path)
     if "latents" not in tensors:
         raise ValueError(f"{latents_path!r} has no 'latents' tensor (keys: {sorted(tensors)})")
-    z = tensors["latents"].to(loaded.pipe.vae.device, loaded.pipe.vae.dtype)
+    z = tensors["latents"].to(vae.device, vae.dtype)
     if z.ndim == 3:
         z = z[None]
-    sf, shift = latent_scale(loaded.pipe.vae)
-    tv = TiledVAE(loaded.pipe.vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+    sf, shift = latent_scale(vae)
+    tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
                   progress=progress, process_group=process_group)
     plan = tv.plan(tuple(z.shape))
     _decode_out(tv, z / sf + shift, out, bits)
@@ -239,12 +248,17 @@ def encode_file(
 ):
     """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
 
-    With `process_group` every rank encodes its band of tiles and rank 0 writes the file."""
+    With `process_group` every rank encodes its band of tiles and rank 0 writes the file. `loaded` is a
+    pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`)."""
     from safetensors.torch import save_file
 
     from ..vae import TiledVAE
 
-    vae = loaded.pipe.vae
+    vae = _vae(loaded)
+    if is_video_vae(vae):
+        _one_process(vae, process_group)
+        return encode_video_file(vae, image_path, out, tile_size=tile_size, mode=mode, budget=budget,
+                                 staging=staging, progress=progress)
     x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
                   progress=progress, process_group=process_group)
@@ -261,3 +275,14 @@ def encode_file(
             metadata={"scaling_factor": str(sf), "shift_factor": str(shift)},
         )
     return plan
+
+
+def _vae(loaded):
+    """The VAE of a Loaded pipeline, or the VAE itself."""
+    return loaded.pipe.vae if isinstance(loaded, Loaded) else loaded
+
+
+def _one_process(vae, process_group) -> None:
+    if process_group is not None:
+        raise ValueError(f"{type(vae).__name__} (a 3-D VAE) decodes and encodes in one process for now: drop "
+                         f"--nproc")
