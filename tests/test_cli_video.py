@@ -115,6 +115,44 @@ def test_wan_vae_folder_encodes_a_video_stack_to_normalised_latents(folders, tmp
     assert got.shape == (1, 4, 2, 2, 3) and (got - (raw - mean) / std).abs().max() <= 1e-4
 
 
+def test_ltx_vae_folder_encode_normalises_with_its_buffers_and_scaling_factor(tmp_path):
+    """LTX-Video keeps latents_mean / latents_std as buffers (saved with the weights) beside a config
+    scaling_factor: encode writes (z - mean) * scaling_factor / std, which decode reads back."""
+    vae = copy.deepcopy(video_vae("ltx0.9.0"))
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.tensor(MEAN))
+        vae.latents_std.copy_(torch.tensor(STD))
+    vae.register_to_config(scaling_factor=0.5)
+    vae.save_pretrained(tmp_path / "ltx-vae")
+    video = np.random.default_rng(4).uniform(-1, 1, (5, 16, 16, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", tmp_path / "ltx-vae", "--out", tmp_path / "z.safetensors",
+         "--tile", 1, "--quiet")
+    mean, std = _norm()
+    with torch.no_grad():
+        raw = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mean
+    got = load_file(str(tmp_path / "z.safetensors"))["latents"]
+    assert got.shape == raw.shape and (got - (raw - mean) * 0.5 / std).abs().max() <= 1e-4
+
+
+def test_a_2d_vae_folder_decodes_as_its_pipeline_would(tmp_path):
+    """--model may be a VAE folder of an AutoencoderKL too (loaded alone, no UNet or text encoder)."""
+    from diffusers import AutoencoderKL
+    from tiny_sd import vae_config
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**vae_config()).eval()
+    vae.save_pretrained(tmp_path / "sd-vae")
+    z = torch.randn(1, 4, 5, 6, generator=torch.Generator().manual_seed(5))
+    save_file({"latents": z * vae.config.scaling_factor}, str(tmp_path / "z.safetensors"))
+    _run("decode", tmp_path / "z.safetensors", "--model", tmp_path / "sd-vae", "--out", tmp_path / "x.npy",
+         "--bits", 32, "--tile", 2, "--quiet")
+    with torch.no_grad():
+        ref = vae.decode(z).sample[0].permute(1, 2, 0).numpy()
+    got = np.load(tmp_path / "x.npy")
+    assert got.shape == ref.shape == (40, 48, 3) and np.abs(got - ref).max() <= 1e-4
+
+
 def test_frame_patterns_and_tiff_stacks_read_back_as_videos(tmp_path):
     import tifffile
 
