@@ -179,7 +179,7 @@ def vae_factor(vae) -> int:
 
 
 def decode_file(
-    loaded: Loaded,
+    loaded: Loaded | Any,
     latents_path: str,
     out: str,
     *,
@@ -235,7 +235,7 @@ def load_image(path: str, multiple: int = 8):
 
 
 def encode_file(
-    loaded: Loaded,
+    loaded: Loaded | Any,
     image_path: str,
     out: str,
     *,
