@@ -15,6 +15,8 @@ are against the untiled output. Variants:
 measured growth at the first size scaled by the pixel count, marked as a projection).
 
     python benchmarks/vae3d.py --latent 32 --frames 3 --tile 16 --big 64 --out benchmarks/results_vae3d.md
+
+The timed runs (both tasks at --latent) come first, the memory-only ones (--big) after them.
 """
 
 from __future__ import annotations
@@ -156,12 +158,17 @@ def main() -> None:
     import numpy as np
 
     variants = [v for v in args.variants.split(",") if v]
-    rows = []
+    rows, big_rows = [], []
+    tasks = args.tasks.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for task in args.tasks.split(","):
-            order = [v for v in dict.fromkeys(["untiled", *variants]) if task == "decode" or "sink" not in v]
+        # every timed run first (both tasks at the size untiled fits), then the memory-only size: a run
+        # whose timed part was kept quiet gives ratios to trust
+        untiled = {}
+        for task in tasks:
+            order = _order(task, variants)
             results = {v: run_variant(args, v, task, args.latent, tmp) for v in order}
             ref = np.load(results["untiled"]["path"])
+            untiled[task] = results["untiled"]
             for v in order:
                 r = results[v]
                 size = _size(task, args.latent, args.frames)
@@ -169,15 +176,16 @@ def main() -> None:
                          ratio=r["seconds"] / results["untiled"]["seconds"])
                 rows.append(r)
                 print(table([r])[-1], flush=True)
-            if args.big:
-                scale = (args.big / args.latent) ** 2
-                rows.append(dict(variant="untiled", task=task, size=_size(task, args.big, args.frames),
-                                 rss_growth=results["untiled"]["rss_growth"] * scale, projected=True))
-                for v in order[1:]:
-                    r = run_variant(args, v, task, args.big, tmp)
-                    r.update(task=task, size=_size(task, args.big, args.frames))
-                    rows.append(r)
-                    print(table([r])[-1], flush=True)
+        for task in tasks if args.big else []:
+            scale = (args.big / args.latent) ** 2
+            big_rows.append(dict(variant="untiled", task=task, size=_size(task, args.big, args.frames),
+                                 rss_growth=untiled[task]["rss_growth"] * scale, projected=True))
+            for v in _order(task, variants)[1:]:
+                r = run_variant(args, v, task, args.big, tmp)
+                r.update(task=task, size=_size(task, args.big, args.frames))
+                big_rows.append(r)
+                print(table([r])[-1], flush=True)
+    rows += big_rows
     head = (f"AutoencoderKLWan, Wan 2.1 layout at base width {args.base_dim}, seeded random weights, fp32, "
             f"CPU, {args.threads} thread(s); tiles of {args.tile} latent px ({8 * args.tile} px) for both "
             f"tilers.\n"
@@ -187,6 +195,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n" + text)
+
+
+def _order(task: str, variants: list[str]) -> list[str]:
+    """The variants of a task, untiled first (the sink variants decode only)."""
+    return [v for v in dict.fromkeys(["untiled", *variants]) if task == "decode" or "sink" not in v]
 
 
 def _size(task: str, side: int, frames: int) -> str:

@@ -115,3 +115,29 @@ def test_unknown_3d_module_names_it_and_points_to_probe():
     vae = video_vae("wan2.1")
     with pytest.raises(LoweringError, match="AutoencoderKLWan.*probe_receptive_field"):
         lower(vae)
+
+
+# (decoder scale, encoder align): the decoder alone of Wan 2.2 makes 8x (its unpatchify is the VAE's),
+# and its encoder takes the patchified video (8x below it)
+ANALYSIS = {"qwen": (8, 8), "wan2.1": (8, 8), "wan2.2": (8, 8), "ltx0.9.0": (8, 8), "ltx0.9.5": (16, 16)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_analyze_reports_segments_halos_sync_points_and_verdict(name):
+    """tw.analyze on the decoder and the encoder: Wan / Qwen-Image cut at the one mid-block attention,
+    LTX-Video has no sync op (exact_tileable with a finite halo); the alignment is the downsampling
+    along one path (a downsampler and its parallel shortcut count once)."""
+    vae = video_vae(name)
+    scale, align = ANALYSIS[name]
+    dec, enc = analyze(vae.decoder), analyze(vae.encoder)
+    assert dec.scale == scale and enc.scale == 1 / align and enc.align == align and dec.align == 1
+    for report in (dec, enc):
+        text = str(report)
+        if name.startswith("ltx"):
+            assert report.exact_tileable and report.sync_ops == [] and len(report.segments) == 1
+            assert report.halo == report.local_halo > 0 and f"halo {report.halo} input px" in text
+        else:
+            assert [s.kind for s in report.segments] == ["local", "attention", "local"]
+            assert report.sync_ops == [("mid_block.attentions.0", "attention")] and report.halo is None
+            assert report.segments[0].halo > 0 and report.segments[2].halo > 0
+            assert "exact_tileable: no, global ops: attention" in text

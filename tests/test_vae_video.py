@@ -38,7 +38,7 @@ def test_exact_decode_equals_untiled(name, frames):
 
 
 @pytest.mark.parametrize("name,frames", [("qwen", 1), ("wan2.1", 7), ("wan2.2", 5), ("ltx0.9.0", 5),
-                                         ("ltx0.9.5", 9)])
+                                         ("ltx0.9.0", 6), ("ltx0.9.5", 9)])
 def test_exact_encode_equals_untiled(name, frames):
     vae = video_vae(name)
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
@@ -86,6 +86,17 @@ def test_strips_are_exact(h, w, tile):
         assert (tv.decode(z).sample - vae.decode(z).sample).abs().max() <= TOL
     grid = tv.plan(tuple(z.shape)).grid
     assert 1 in grid and max(grid) > 1
+
+
+@pytest.mark.parametrize("h,w", [(1, 9), (7, 1)])
+def test_encode_strips_are_exact(h, w):
+    """Images one latent pixel high (or wide): a 1 x n (n x 1) grid of tiles."""
+    vae = video_vae("qwen")
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    x = _video(vae, 1, h, w, seed=10)
+    with torch.no_grad():
+        assert (tv.encode(x).latent_dist.mean - vae.encode(x).latent_dist.mean).abs().max() <= TOL
+    assert sorted(tv.plan(tuple(x.shape), kind="encode").grid) == [1, max(h, w) // 2 + 1]
 
 
 def test_tile_local_attention_is_the_named_approximation():
@@ -242,3 +253,25 @@ def test_wan22_long_video_on_a_larger_grid_is_exact(order):
         p = tv.program("encode")
         enc = VideoExecutor(p, 3, p.output, staging="host", order=order, progress=False).run(x)
         assert (enc - vae.encode(x).latent_dist.parameters).abs().max() <= TOL
+
+
+def test_drops_into_a_stock_wan_pipeline():
+    """pipe.vae = TiledVAE(...) in WanPipeline: the decoded video (5 frames, from 2 latent frames, over a
+    2x2 grid of tiles) equals the stock VAE's."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                        in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+                                        num_layers=1, rope_max_seq_len=32).eval()
+    vae = video_vae("wan2.1")
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt_embeds=torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(2)), height=32,
+                width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0, output_type="pt")
+    ref = pipe(generator=torch.Generator().manual_seed(1), **call).frames
+    pipe.vae = tw.TiledVAE(vae, tile_size=3, progress=False)
+    out = pipe(generator=torch.Generator().manual_seed(1), **call).frames
+    assert pipe.vae.plan((1, 4, 2, 4, 6)).grid == (2, 2)
+    assert out.shape == ref.shape == (1, 5, 3, 32, 48) and (out - ref).abs().max() <= TOL

@@ -41,6 +41,50 @@ def output(path: Path | None, option: str = "--out", suffixes: tuple[str, ...] =
                    "(--no-clobber keeps it)", err=True)
 
 
+def video_output(path: Path, no_clobber: bool = False, bits: int = 8) -> None:
+    """The output of a 3-D VAE's decode: an image (one frame), a frame pattern with a {} field
+    ("frames/f{:04d}.png": its folder must take the frames), a .npy or a .tif stack; bits 8, 16 or 32
+    (float: .npy / .tif)."""
+    name = str(path)
+    suffix = Path(name.replace("{", "").replace("}", "")).suffix.lower()
+    if suffix not in IMAGE_SUFFIXES:
+        what = "no suffix" if not suffix else f"suffix {suffix!r}"
+        raise BadRequest(f"--out {name!r}: {what} is not one this command writes; use one of "
+                         f"{', '.join(IMAGE_SUFFIXES)}, or a frame pattern such as 'frames/f{{:04d}}.png'")
+    if bits not in (8, 16, 32):
+        raise BadRequest(f"--bits {bits}: use 8 or 16 bits per channel, or 32 (float, .npy / .tif)")
+    if bits == 32 and suffix == ".png":
+        raise BadRequest(f"--bits 32 with --out {name!r}: PNG holds 8 or 16 bits; use a .npy or .tif output")
+    if "{" not in name:
+        output(path, no_clobber=no_clobber, bits=bits)
+        return
+    try:
+        first = Path(name.format(0))
+    except (IndexError, KeyError, ValueError) as e:
+        raise BadRequest(f"--out {name!r} is not a frame pattern with one {{}} field for the frame number "
+                         f"({e}); e.g. 'frames/f{{:04d}}.png'") from None
+    check_target(first, "--out (its first frame)", replace=not no_clobber)
+
+
+def video_input(path: Path) -> None:
+    """The input of a 3-D VAE's encode: an image, a frame pattern whose first frame is there, a .npy or a
+    .tif stack."""
+    from ..sources.files import check_file
+
+    name = str(path)
+    if "{" in name:
+        try:
+            first = name.format(0)
+        except (IndexError, KeyError, ValueError) as e:
+            raise BadRequest(f"image {name!r} is not a frame pattern with one {{}} field ({e}); e.g. "
+                             "'frames/f{:04d}.png'") from None
+        check_file(first, f"first frame of {name!r}")
+    elif path.suffix.lower() == ".npy":
+        check_file(path, "video")
+    else:
+        image_input(path)
+
+
 def picture(path: Path | None, option: str, no_clobber: bool = False) -> None:
     """A picture output (tile grid, heatmap, plot): always PNG, so the name must end in .png."""
     output(path, option, (".png",), no_clobber)
@@ -74,11 +118,12 @@ def image_input(path: Path, option: str = "image") -> None:
     check_image(path, "image" if option == "image" else f"{option} image")
 
 
-def latents_input(path: Path) -> None:
-    """A latents file whose .safetensors header opens and holds a float 'latents' tensor of one image."""
+def latents_input(path: Path, video: bool = False) -> None:
+    """A latents file whose .safetensors header opens and holds a float 'latents' tensor of one image (of
+    one video: (1, C, T, h, w) or (C, T, h, w), with video=True)."""
     from ..sources.latents import check_latents
 
-    check_latents(path)
+    check_latents(path, video=video)
 
 
 def device(name: str) -> None:

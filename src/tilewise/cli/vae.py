@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ..errors import BadRequest
 from . import checks
 from .options import Config, Device, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
 from .ranks import join_ranks
@@ -15,15 +16,23 @@ from .report import finish_report, run_folder, write_plan
 
 
 def decode(
-    latents: Annotated[Path, typer.Argument(help=".safetensors with a 'latents' tensor (pipeline-scaled)")],
-    out: Annotated[Path, typer.Option(help="output .png / .tif / .npy")],
+    latents: Annotated[
+        Path,
+        typer.Argument(help=".safetensors with a 'latents' tensor (pipeline-scaled; 3-D VAE: B, C, T, H, W)"),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="output .png / .tif / .npy; a video: frame pattern f{:04d}.png, .npy or .tif stack"
+        ),
+    ],
     mode: Annotated[Mode, typer.Option()] = Mode.exact,
     tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
     budget: Annotated[
         str | None, typer.Option(help="memory budget, e.g. 2GiB: picks tile and staging")
     ] = None,
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
-    bits: Annotated[int, typer.Option(help="8 or 16 bits per channel")] = 8,
+    bits: Annotated[int, typer.Option(help="8 or 16 bits per channel (32: float, .npy / .tif)")] = 8,
     model: Model = None,
     config: Config = None,
     device: Device = "cpu",
@@ -34,20 +43,29 @@ def decode(
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
-    Example: tilewise decode latents.safetensors --out image.tif --mode exact --budget 2GiB
-    """
-    from ..pipelines import decode_file, load_pipeline
+    --model: a pipeline folder, a checkpoint, or a VAE folder; a 3-D VAE (Qwen-Image, Wan, LTX-Video)
+    decodes (B, C, T, H, W) latents, one frame to an image, several to a video.
 
-    checks.output(out, no_clobber=no_clobber, bits=bits)
-    checks.report_folder(report)
+    Example: tilewise decode latents.safetensors --out image.tif --mode exact --budget 2GiB
+
+    Example: tilewise decode video.safetensors --model wan-folder --out "frames/f{:04d}.png"
+    """
+    from ..pipelines import decode_file, load_vae
+
     checks.model_paths(model, config)
+    video = _video_vae(model, nproc)
+    if video:
+        checks.video_output(out, no_clobber=no_clobber, bits=bits)
+    else:
+        checks.output(out, no_clobber=no_clobber, bits=bits)
+    checks.report_folder(report)
     checks.device(device)
-    checks.latents_input(latents)
+    checks.latents_input(latents, video=video)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
-    loaded = load_pipeline(model, config=config, device=device)
+    vae = load_vae(model, config=config, device=device)
     plan = decode_file(
-        loaded,
+        vae,
         str(latents),
         str(out),
         tile_size=tile,
@@ -71,7 +89,12 @@ def decode(
 
 
 def encode(
-    image: Annotated[Path, typer.Argument(help="input image (sides multiples of 8)")],
+    image: Annotated[
+        Path,
+        typer.Argument(
+            help="input image; 3-D VAE: or a video (frame pattern f{:04d}.png, .npy or .tif stack)"
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="output latents .safetensors")],
     mode: Annotated[Mode, typer.Option()] = Mode.exact,
     tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
@@ -86,21 +109,27 @@ def encode(
 ) -> None:
     """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
 
-    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used.
+    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used. --model as
+    for decode; sides must be multiples of the VAE's factor (8, 16 for Wan 2.2).
 
     Example: tilewise encode photo.png --out latents.safetensors
+
+    Example: tilewise encode video.npy --model wan-folder --out video.safetensors
     """
-    from ..pipelines import encode_file, load_pipeline
+    from ..pipelines import encode_file, load_vae
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
-    checks.image_input(image)
     checks.model_paths(model, config)
+    if _video_vae(model, nproc):
+        checks.video_input(image)
+    else:
+        checks.image_input(image)
     checks.device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
-    loaded = load_pipeline(model, config=config, device=device)
+    vae = load_vae(model, config=config, device=device)
     plan = encode_file(
-        loaded,
+        vae,
         str(image),
         str(out),
         tile_size=tile,
@@ -115,6 +144,20 @@ def encode(
         return
     typer.echo(str(plan))
     typer.echo(f"wrote {out}")
+
+
+def _video_vae(model, nproc: int) -> bool:
+    """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded); --nproc is refused for one
+    before launching ranks (its tiled runs are single-process)."""
+    from ..pipelines.loading import VIDEO_VAE_CLASSES, vae_class
+
+    name = vae_class(model)
+    if name not in VIDEO_VAE_CLASSES:
+        return False
+    if nproc > 1:
+        raise BadRequest(f"--nproc {nproc}: {name} (a 3-D VAE) decodes and encodes in one process for now; "
+                         "drop --nproc")
+    return True
 
 
 def analyze(

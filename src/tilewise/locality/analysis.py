@@ -88,6 +88,15 @@ class Report:
         return "\n".join(rows)
 
 
+def cumulative_stride(program: Program) -> int:
+    """The downsampling factor tiles must align to: the largest product of strides along any path from
+    the input to an op (parallel branches, such as a downsampler and its shortcut, count once)."""
+    acc = {program.input: 1}
+    for op in program.ops:
+        acc[op.dst] = max(acc.get(s, 1) for s in op.src) * getattr(op, "stride", (1, 1))[0]
+    return max(acc.values())
+
+
 def _blockers(sync: list[tuple[str, str]]) -> list[str]:
     names = {"group_norm": "GroupNorm (needs global statistics)", "attention": "attention (needs all tokens)"}
     out = []
@@ -111,9 +120,7 @@ def analyze_program(program: Program, hw: tuple[int, int] = (64, 64)) -> Report:
     shapes = program.shapes(hw)
     segs = split_segments(program)
     sync = [(op.name, op.kind) for op in program.ops if op.sync]
-    align = 1
-    for op in program.ops:
-        align *= getattr(op, "stride", (1, 1))[0]
+    align = cumulative_stride(program)
     local = radius(program.ops, program.input, program.output, shapes)
     scale = shapes[program.output][0] / hw[0]
     return Report(program.name, [_segment_report(i, s, shapes) for i, s in enumerate(segs)], sync, local,
@@ -126,9 +133,7 @@ def analyze(module, example_input=None) -> Report:
 
     program = module if isinstance(module, Program) else lower(module)
     hw = (64, 64) if example_input is None else tuple(int(s) for s in example_input.shape[-2:])
-    grow = 1
-    for op in program.ops:  # make the analysis image large enough that the halo is not clipped
-        grow *= getattr(op, "stride", (1, 1))[0]
+    grow = cumulative_stride(program)  # make the analysis image large enough that the halo is not clipped
     hw = (max(hw[0], 64 * grow), max(hw[1], 64 * grow))
     return analyze_program(program, hw)
 

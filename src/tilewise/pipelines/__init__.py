@@ -3,11 +3,14 @@
 Every recipe is a plain function the CLI calls; each keeps the denoiser and the decoder choices separate
 (seed 000: tiling the denoiser changes the trajectory, tiling the VAE in exact mode does not).
 
-One file per job: `loading` (`load_pipeline`, `Loaded`), `single_file` (a checkpoint file configured by
-a local folder) and `recipes` (generate, decode_file, encode_file); this package re-exports them.
+One file per job: `loading` (`load_pipeline`, `load_vae`, `Loaded`), `single_file` (a checkpoint file
+configured by a local folder), `recipes` (generate, decode_file, encode_file), `video` (their 3-D VAE
+forms: latents of (B, C, T, H, W), video sinks) and `frames` (reading a video to encode); this package
+re-exports them.
 """
 
-from .loading import DTYPES, Loaded, load_pipeline
+from .frames import load_video
+from .loading import DTYPES, Loaded, load_pipeline, load_vae
 from .recipes import (
     GenerateResult,
     decode_file,
@@ -18,6 +21,8 @@ from .recipes import (
     parse_region,
     vae_factor,
 )
+from .video import decode_video_file, encode_video_file, latent_norm
 
-__all__ = ["DTYPES", "GenerateResult", "Loaded", "decode_file", "encode_file", "generate", "latent_scale",
-           "load_image", "load_pipeline", "parse_region", "vae_factor"]
+__all__ = ["DTYPES", "GenerateResult", "Loaded", "decode_file", "decode_video_file", "encode_file",
+           "encode_video_file", "generate", "latent_norm", "latent_scale", "load_image", "load_pipeline",
+           "load_vae", "load_video", "parse_region", "vae_factor"]

@@ -188,3 +188,61 @@ def model_errors(what: str) -> Iterator[None]:
             raise
         detail = " ".join(str(e).split()) or type(e).__name__
         raise ModelProblem(f"{what} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e
+
+
+VIDEO_VAE_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan", "AutoencoderKLLTXVideo")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAE_CLASSES)
+
+
+def vae_class(model: str | os.PathLike | None) -> str | None:
+    """The VAE class a --model folder names (a VAE folder's config.json, or a pipeline's model_index.json),
+    read from its JSON without loading anything; None for the embedded model, a file, no VAE entry, or
+    JSON that does not parse (loading then says what is wrong with it)."""
+    if model is None or not Path(model).is_dir():
+        return None
+    path = Path(model)
+    try:
+        if (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            name = json.loads((path / "config.json").read_text()).get("_class_name")
+            return name if isinstance(name, str) else None
+        if (path / "model_index.json").is_file():
+            entry = json.loads((path / "model_index.json").read_text()).get("vae")
+            return entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return None
+
+
+def load_vae(
+    model: str | os.PathLike | None = None,
+    *,
+    config: str | os.PathLike | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    local_files_only: bool = True,
+):
+    """The VAE of --model for decode / encode: a VAE folder (config.json of a diffusers VAE class) loaded
+    alone; a pipeline folder whose VAE is a 3-D VAE (Qwen-Image, Wan, LTX-Video): its vae/ folder alone
+    (no transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
+    import diffusers
+
+    torch_dtype = _torch_dtype(dtype)
+    name = vae_class(model)
+    path = None if model is None else Path(model)
+    if path is not None and path.is_dir() and not (path / "model_index.json").is_file() and name is not None:
+        if name not in VAE_CLASSES:
+            raise ModelProblem(f"{str(path)!r} holds a {name}, not a VAE tilewise tiles: one of "
+                               f"{', '.join(VAE_CLASSES)}")
+        if config is not None:
+            raise BadRequest(f"--config {str(config)!r} applies to a single-file --model only, but --model "
+                             f"{str(path)!r} is a VAE folder (it carries its own config)")
+        with model_errors(f"VAE folder {str(path)!r}"):
+            vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
+    elif name in VIDEO_VAE_CLASSES and config is None:
+        with model_errors(f"the VAE of {str(path)!r}"):
+            vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
+                                                           local_files_only=local_files_only)
+    else:
+        return load_pipeline(model, config=config, device=device, dtype=dtype,
+                             local_files_only=local_files_only).pipe.vae
+    return vae.to(device, torch_dtype).eval()

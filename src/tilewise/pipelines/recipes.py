@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic import atomic_path
+from ..errors import BadRequest
+from ..locality.lowering3d import is_video_vae
 from .fits import check_generate_fits, check_image_output, check_latents_output
 from .loading import Loaded
+from .video import decode_video_file, encode_video_file
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +198,7 @@ def vae_factor(vae) -> int:
 
 
 def decode_file(
-    loaded: Loaded,
+    loaded: Loaded | Any,
     latents_path: str,
     out: str,
     *,
@@ -208,14 +211,20 @@ def decode_file(
     process_group: Any = None,
     replace: bool = True,
 ):
-    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file.
+    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file;
+    `loaded` is a pipeline or a VAE. A 3-D VAE (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W)
+    latents to an image or a video sink (`pipelines.video`).
 
     The output and the latents file (header, shape, dtype, channels, values) are checked first."""
     from ..sources import read_latents
     from ..vae import TiledVAE
 
+    vae = _vae(loaded)
+    if is_video_vae(vae):
+        _one_process(vae, process_group)
+        return decode_video_file(vae, latents_path, out, tile_size=tile_size, mode=mode, budget=budget,
+                                 staging=staging, bits=bits, progress=progress, replace=replace)
     check_image_output(out, bits, replace)
-    vae = loaded.pipe.vae
     z = read_latents(latents_path, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
     sf, shift = latent_scale(vae)
     tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
@@ -242,7 +251,7 @@ def load_image(path: str, multiple: int = 8):
 
 
 def encode_file(
-    loaded: Loaded,
+    loaded: Loaded | Any,
     image_path: str,
     out: str,
     *,
@@ -256,13 +265,18 @@ def encode_file(
 ):
     """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
 
-    With `process_group` every rank encodes its band of tiles and rank 0 writes the file."""
+    With `process_group` every rank encodes its band of tiles and rank 0 writes the file. `loaded` is a
+    pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`)."""
     from safetensors.torch import save_file
 
     from ..vae import TiledVAE
 
     check_latents_output(out, replace)
-    vae = loaded.pipe.vae
+    vae = _vae(loaded)
+    if is_video_vae(vae):
+        _one_process(vae, process_group)
+        return encode_video_file(vae, image_path, out, tile_size=tile_size, mode=mode, budget=budget,
+                                 staging=staging, progress=progress, replace=replace)
     x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
                   progress=progress, process_group=process_group)
@@ -281,3 +295,14 @@ def encode_file(
                 raise OSError(errno.ENOSPC, "No space left on device", str(out)) from e
             raise
     return plan
+
+
+def _vae(loaded):
+    """The VAE of a Loaded pipeline, or the VAE itself."""
+    return loaded.pipe.vae if isinstance(loaded, Loaded) else loaded
+
+
+def _one_process(vae, process_group) -> None:
+    if process_group is not None:
+        raise BadRequest(f"{type(vae).__name__} (a 3-D VAE) decodes and encodes in one process for now: drop "
+                         f"--nproc")

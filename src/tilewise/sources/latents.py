@@ -15,23 +15,27 @@ _ITEMSIZE = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
              "I32": 4, "U32": 4, "I64": 8, "U64": 8}
 
 
-def check_latents(path: str | os.PathLike, key: str = "latents", channels: int | None = None) -> tuple:
+def check_latents(path: str | os.PathLike, key: str = "latents", channels: int | None = None,
+                  video: bool = False) -> tuple:
     """The shape of tensor `key` of a .safetensors file, its header, dtype and shape checked (no data
-    read); BadInputFile naming the file otherwise."""
-    return _read(path, key, channels, load=False)[0]
+    read); BadInputFile naming the file otherwise. video=True: one video's latents, (C, T, h, w) or
+    (1, C, T, h, w), as the 3-D VAEs decode them."""
+    return _read(path, key, channels, load=False, video=video)[0]
 
 
-def read_latents(path: str | os.PathLike, key: str = "latents", channels: int | None = None) -> Any:
-    """The (1, C, h, w) float tensor `key` of a .safetensors file; BadInputFile naming the file when it is
-    not a safetensors file, lacks the tensor, has another shape or dtype, or holds NaN / inf values."""
-    z = _read(path, key, channels, load=True)[1]
-    if z.ndim == 3:
+def read_latents(path: str | os.PathLike, key: str = "latents", channels: int | None = None,
+                 video: bool = False) -> Any:
+    """The (1, C, h, w) float tensor `key` of a .safetensors file ((1, C, T, h, w) with video=True);
+    BadInputFile naming the file when it is not a safetensors file, lacks the tensor, has another shape or
+    dtype, or holds NaN / inf values."""
+    z = _read(path, key, channels, load=True, video=video)[1]
+    if z.ndim == (4 if video else 3):
         z = z[None]
     _check_values(z, os.fspath(path), key)
     return z
 
 
-def _read(path: str | os.PathLike, key: str, channels: int | None, load: bool) -> tuple:
+def _read(path: str | os.PathLike, key: str, channels: int | None, load: bool, video: bool) -> tuple:
     from safetensors import safe_open
 
     p = check_file(path, "latents file")
@@ -44,7 +48,7 @@ def _read(path: str | os.PathLike, key: str, channels: int | None, load: bool) -
                                    f"tilewise decode reads the latents from a tensor named {key!r}")
             part = f.get_slice(key)
             shape, dtype = tuple(part.get_shape()), part.get_dtype()
-            _check_layout(shown, key, shape, dtype, channels)
+            _check_layout(shown, key, shape, dtype, channels, video)
             if not load:
                 return shape, None
             check_memory(math.prod(shape) * (_ITEMSIZE.get(dtype, 8) + 4), f"latents {key!r} of {shown!r}")
@@ -58,16 +62,19 @@ def _read(path: str | os.PathLike, key: str, channels: int | None, load: bool) -
                            f"{str(e).strip() or type(e).__name__}") from e
 
 
-def _check_layout(shown: str, key: str, shape: tuple[int, ...], dtype: str, channels: int | None) -> None:
+def _check_layout(shown: str, key: str, shape: tuple[int, ...], dtype: str, channels: int | None,
+                  video: bool) -> None:
     if dtype not in _FLOATS:
         raise BadInputFile(f"{key!r} in {shown!r} is of dtype {dtype}; latents are floats (F16, BF16, F32, "
                            "F64)")
-    if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1):
-        raise BadInputFile(f"{key!r} in {shown!r} has shape {list(shape)}; expected one latent, (C, h, w) or "
-                           "(1, C, h, w)")
+    rank = 4 if video else 3
+    if len(shape) not in (rank, rank + 1) or (len(shape) == rank + 1 and shape[0] != 1):
+        expected = ("one video's latents, (C, T, h, w) or (1, C, T, h, w) (T = 1 for an image)" if video
+                    else "one latent, (C, h, w) or (1, C, h, w)")
+        raise BadInputFile(f"{key!r} in {shown!r} has shape {list(shape)}; expected {expected}")
     if min(shape) < 1:
         raise BadInputFile(f"{key!r} in {shown!r} is empty: shape {list(shape)}")
-    c = shape[-3]
+    c = shape[-rank]
     if channels is not None and c != channels:
         raise BadInputFile(f"{key!r} in {shown!r} has {c} channels (shape {list(shape)}) but the model's "
                            f"VAE decodes {channels}-channel latents")

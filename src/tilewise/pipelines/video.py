@@ -1,0 +1,120 @@
+"""The decode / encode recipes of the 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video): latents
+files, images and videos in, images and video sinks out.
+
+Latents files hold a `latents` tensor (B, C, T, H, W) (or one video's (C, T, H, W)), normalised as the
+pipeline's denoiser sees them: z = (raw - latents_mean) * scaling_factor / latents_std, per channel
+(Wan / Qwen-Image: their config's latents_mean / latents_std, scaling 1; LTX-Video: its latents_mean /
+latents_std buffers and config.scaling_factor). Videos are read by `frames` (a frame pattern, a .npy
+or a multi-page TIFF stack, an image as one frame); a decode of one frame writes an image (PNG, TIFF,
+.npy), a decode of several frames a video sink (`tilewise.sinks.video`), frame blocks streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_path, check_target
+from ..errors import BadRequest
+
+logger = logging.getLogger(__name__)
+
+
+def latent_norm(vae) -> tuple[Any, Any, float]:
+    """(latents_mean, latents_std, scaling_factor) of a 3-D VAE as (1, C, 1, 1, 1) tensors and a float."""
+    import torch
+
+    cfg = vae.config
+    if type(vae).__name__ == "AutoencoderKLLTXVideo":
+        mean, std, sf = vae.latents_mean, vae.latents_std, float(cfg.scaling_factor)
+    else:
+        c = int(cfg.z_dim)
+        mean = torch.tensor(cfg.latents_mean or [0.0] * c)
+        std = torch.tensor(cfg.latents_std or [1.0] * c)
+        sf = 1.0
+    shape = (1, -1, 1, 1, 1)
+    return mean.detach().reshape(shape).float().cpu(), std.detach().reshape(shape).float().cpu(), sf
+
+
+def _video_vae(vae, tile_size, mode, budget, staging, progress):
+    from ..vae import TiledVAE
+
+    if staging == "disk":
+        raise BadRequest(f"--staging disk is not available for {type(vae).__name__} (a 3-D VAE stages its "
+                         f"values on the device or the host): use auto, device or host")
+    return TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+                    progress=progress)
+
+
+def _latents(path: str, channels: int):
+    """The `latents` tensor of a .safetensors as (1, C, T, H, W): header, shape, dtype, channels and
+    values checked (`sources.latents`)."""
+    from ..sources import read_latents
+
+    return read_latents(path, channels=channels, video=True)
+
+
+def _check_bits(out: str, bits: int, frames: int) -> None:
+    """Refuse bits the output cannot store before anything runs (PNG frames hold 8 or 16 bits)."""
+    if bits not in (8, 16, 32):
+        raise BadRequest(f"bits must be 8, 16 or 32 (float32: .npy / .tif), got {bits!r}")
+    if bits == 32 and Path(out.replace("{", "").replace("}", "")).suffix.lower() == ".png":
+        raise BadRequest(f"bits=32 is not valid for PNG {out!r}: use 8 or 16, or a .npy / .tif output")
+    if frames > 1 and "{" not in out and Path(out).suffix.lower() not in (".npy", ".tif", ".tiff"):
+        raise BadRequest(f"the decode makes {frames} frames: write them to a frame pattern such as "
+                         f"'frames/f{{:04d}}.png', a .npy stack or a .tif stack, not {out!r}")
+
+
+def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
+                      budget: str | None = None, staging: str = "auto", bits: int = 8, progress: bool = True,
+                      replace: bool = True):
+    """Decode a latents .safetensors with a 3-D VAE, streamed: one frame to an image file, several to a
+    frame sequence or a .npy / TIFF stack. Returns the plan it ran."""
+    import torch
+
+    from ..sinks import open_sink
+    from ..sinks.video import open_video_sink
+    from ..vae.video_plan import make_video_plan
+
+    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
+    z = _latents(latents_path, tv.program("decode").in_channels)
+    mean, std, sf = latent_norm(vae)
+    z = (z.float() * std / sf + mean).to(vae.device, vae.dtype)
+    shape = tuple(z.shape)
+    _, c, t, h, w = make_video_plan(tv, shape, "decode", to_sink=True).output_shape
+    _check_bits(out, bits, t)
+    check_target(out.format(0) if "{" in out else out, "output", replace=replace)
+    image = t == 1 and "{" not in out
+    sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
+            else open_video_sink(out, t, h, w, c, bits=bits))
+    sequential = image or not getattr(sink, "random_access", False)
+    plan = make_video_plan(tv, shape, "decode", to_sink=True, sequential=sequential)
+    with sink, torch.no_grad():
+        tv.decode_to(z, sink)
+    logger.info("wrote %s", out)
+    return plan
+
+
+def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
+                      budget: str | None = None, staging: str = "auto", progress: bool = True,
+                      replace: bool = True):
+    """Encode an image or a video (frame pattern, .npy / TIFF stack) with a 3-D VAE into a latents
+    .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .frames import load_video
+
+    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
+    x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)
+    plan = tv.plan(tuple(x.shape), kind="encode")
+    with torch.no_grad():
+        raw = tv.encode(x).latent_dist.mean
+    mean, std, sf = latent_norm(vae)
+    latents = ((raw.float().cpu() - mean) * sf / std).contiguous()
+    with atomic_path(out, replace=replace) as tmp:
+        save_file({"latents": latents}, str(tmp),
+                  metadata={"normalised": "(z - latents_mean) * scaling_factor / latents_std",
+                            "scaling_factor": str(sf), "vae": type(vae).__name__})
+    return plan
