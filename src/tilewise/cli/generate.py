@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from . import options
 from .options import Config, Device, DType, Method, Mode, Model, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
@@ -39,7 +40,7 @@ def generate(
     ] = Mode.exact,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     dtype: DType = "float32",
     report: Report = None,
     quiet: Quiet = False,
@@ -56,6 +57,7 @@ def generate(
     regions = [parse_region(r) for r in region or []]
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
+    device = options.resolve_device(device)
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
     t0 = time.perf_counter()
     res = run(
@@ -147,7 +149,7 @@ def upscale(
     vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     dtype: DType = "float32",
     quiet: Quiet = False,
     nproc: Nproc = 1,
@@ -164,6 +166,7 @@ def upscale(
 
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
+    device = options.resolve_device(device)
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
     with Image.open(image) as im:

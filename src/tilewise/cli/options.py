@@ -56,7 +56,9 @@ Config = Annotated[
         "as a single-file --model; needed offline, e.g. --model sd15.safetensors --config sd15-folder",
     ),
 ]
-Device = Annotated[str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1")]
+Device = Annotated[
+    str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1; auto: cuda when one is present, else cpu")
+]
 DType = Annotated[
     str, typer.Option(help="float32 | float16 | bfloat16 (keep the VAE in float32 on fp16 overflow)")
 ]
@@ -74,6 +76,29 @@ Nproc = Annotated[
         "--nproc-per-node 8 --rdzv-endpoint HOST:29500 -m tilewise.cli generate ...",
     ),
 ]
+
+
+def resolve_device(device: str, present: bool = True) -> str:
+    """The torch device a command runs on (or plans for): "auto" is CUDA when one is present (under
+    torchrun the rank's own, cuda:LOCAL_RANK), else the CPU. `present`: the device must be on this
+    machine (plans need not run where they are made)."""
+    import os
+
+    import torch
+
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ else "cuda"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device: give auto, cpu, cuda or cuda:N") \
+            from None
+    if present and kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: this machine has no CUDA device (torch.cuda.is_available() "
+                         "is False); use --device cpu, or `tilewise plan --device cuda` to plan for one")
+    return device
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Config, Device, Mode, Model, Nproc, Quiet, Report, Staging, parse_size
+from . import options
+from .options import Config, Device, DType, Mode, Model, Nproc, Quiet, Report, Staging, parse_size
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
 
@@ -25,7 +26,7 @@ def decode(
     bits: Annotated[int, typer.Option(help="8 or 16 bits per channel")] = 8,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     report: Report = None,
     quiet: Quiet = False,
     nproc: Nproc = 1,
@@ -38,7 +39,7 @@ def decode(
 
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
-    loaded = load_pipeline(model, config=config, device=device)
+    loaded = load_pipeline(model, config=config, device=options.resolve_device(device))
     plan = decode_file(
         loaded,
         str(latents),
@@ -71,7 +72,7 @@ def encode(
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     quiet: Quiet = False,
     nproc: Nproc = 1,
 ) -> None:
@@ -83,7 +84,7 @@ def encode(
 
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
-    loaded = load_pipeline(model, config=config, device=device)
+    loaded = load_pipeline(model, config=config, device=options.resolve_device(device))
     plan = encode_file(
         loaded,
         str(image),
@@ -105,7 +106,7 @@ def analyze(
     size: Annotated[int, typer.Option(min=8, help="latent side used for the analysis and the probe")] = 32,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
 ) -> None:
     """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet.
 
@@ -117,6 +118,7 @@ def analyze(
     from ..locality import probe_receptive_field
     from ..pipelines import load_pipeline
 
+    device = options.resolve_device(device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -161,11 +163,21 @@ def plan(
     ] = 1,
     model: Model = None,
     config: Config = None,
+    device: Annotated[
+        str,
+        typer.Option(help="the device to plan for, e.g. cuda, cpu (need not be on this machine); "
+                     "auto: cuda when one is present, else cpu"),
+    ] = "auto",
+    dtype: DType = "float32",
     report: Report = None,
 ) -> None:
-    """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
+    """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage, and what
+    it dispatches on the device it is planned for (FLOPs, kernel launches, device peak, host<->device
+    bytes, estimated time). A CUDA plan can be made and read on any machine.
 
     Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
+
+    Example: tilewise plan --width 4096 --height 4096 --device cuda --dtype float16 --budget 16GiB
     """
     from ..geometry import TileGrid
     from ..pipelines import load_pipeline
@@ -173,12 +185,15 @@ def plan(
 
     if kind not in ("decode", "encode"):
         raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
-    loaded = load_pipeline(model, config=config)
+    device = options.resolve_device(device, present=False)
+    kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
+    loaded = load_pipeline(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
     if width % f or height % f:
         raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
-    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value)
+    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value,
+                  device_kind=kind_of)
     shape = (
         (1, vae.config.latent_channels, height // f, width // f)
         if kind == "decode"
@@ -186,6 +201,7 @@ def plan(
     )
     p = tv.plan(shape, kind=kind)
     typer.echo(str(p))
+    typer.echo(f"  device {device}: {_here(device)}")
     owner = None
     if ranks > 1:
         from ..vae.plan import plan_ranks
@@ -214,6 +230,17 @@ def plan(
             typer.echo(f"wrote {q}")
     write_plan(run_dir, p)
     finish_report(run_dir)
+
+
+def _here(device: str) -> str:
+    """Whether the device planned for is on this machine (and which it is)."""
+    import torch
+
+    if device.startswith("cpu"):
+        return "this machine's CPU"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} on this machine"
+    return "not on this machine (a plan runs nothing: its counts come from its tiles, its time from the model)"
 
 
 def compare(
