@@ -5,7 +5,8 @@ same operators are dispatched as on a CPU or GPU; tests/test_counting.py checks 
 CPU counts), so untiled runs of any size are counted too. Per VAE shape (SD, SDXL: 128, 256, 512, 512;
 Flux: 16 latent channels), task and size, in float16: the untiled forward, diffusers' enable_tiling at
 its default tiles (config.sample_size), tilewise exact and fast planned for CUDA (device_kind="cuda")
-at 4 GiB and 16 GiB budgets, and exact with diffusers' measured peak as its budget. Columns: kernel
+at 4 GiB and 16 GiB budgets, and exact with diffusers' counted peak as its budget (where no exact plan
+fits in it: the smallest multiple of it, SMALLEST, that one does). Columns: kernel
 launches (operators that write memory), per tile and without the statistics' own (GroupNorm moments,
 their merge, the GroupNorm affine, finite checks), GFLOP and the ratio to untiled, device peak of live
 tensors, host<->device bytes, and the plan's own figures beside them: its launches, device peak and
@@ -29,6 +30,7 @@ import tilewise as tw
 
 GIB = 1 << 30
 MIB = 1 << 20
+SMALLEST = (1.25, 1.5, 2, 2.5, 3, 4, 6, 8)  # budgets tried, x diffusers' peak, where it fits no exact plan
 
 
 @contextlib.contextmanager
@@ -95,7 +97,17 @@ def rows_for(kind: str, task: str, px: int, budgets: list[int]) -> list[dict]:
                 plan = tv.plan(tuple(t.shape), kind=task)
             except ValueError as err:
                 rows.append(dict(variant=f"tilewise {mode}, {label}", error=str(err)))
-                continue
+                if label != "diffusers' peak":
+                    continue
+                # the smallest multiple of diffusers' peak an exact plan fits in, counted instead
+                for m in SMALLEST:
+                    tv = tw.TiledVAE(vae, memory_budget=int(m * peak), progress=False, device_kind="cuda")
+                    with contextlib.suppress(ValueError):
+                        plan = tv.plan(tuple(t.shape), kind=task)
+                        budget, label = int(m * peak), f"{m:g}x diffusers' peak"
+                        break
+                else:
+                    continue
             got = measure(forward, tv)
             rows.append(dict(variant=f"tilewise {mode}, {label}", counts=got, plan=plan, budget=budget,
                              tiles=plan.grid[0] * plan.grid[1]))
@@ -166,7 +178,7 @@ def targets(rows: list[dict]) -> list[str]:
             line(r, "FLOPs <= 1.10x untiled", f"{ratio:.3f}x", ratio <= 1.10)
         line(r, f"device peak <= budget {r['budget'] / MIB:,.0f} MiB", f"{peak / MIB:,.0f} MiB",
              peak <= r["budget"])
-        if r["variant"].endswith("diffusers' peak"):
+        if "diffusers' peak" in r["variant"]:
             d = next(q for q in rows if q["px"] == r["px"] and q["task"] == r["task"]
                      and q["variant"].startswith("diffusers"))["counts"]
             line(r, f"launches <= half of diffusers' {d.launches:,}, peak <= its "
