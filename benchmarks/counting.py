@@ -51,12 +51,14 @@ class Counts:
     allocs: int = 0
     syncs: int = 0
     copies: int = 0  # host <-> device copies
+    stats: int = 0  # launches while `counter.in_stats` is set (a benchmark's own attribution)
     flops: int = 0
     h2d: int = 0  # bytes host -> device
     d2h: int = 0  # bytes device -> host
     peak: dict[str, int] = field(default_factory=dict)  # device type -> peak live bytes born in the run
     ops: Tally = field(default_factory=Tally)  # launch operator name -> count
     view_ops: Tally = field(default_factory=Tally)  # view / metadata operator name -> count
+    counter: object = field(default=None, repr=False)  # the Counter that fills these
 
     def device_peak(self, device: str) -> int:
         return self.peak.get(device, 0)
@@ -70,6 +72,7 @@ class Counter(TorchDispatchMode):
     def __init__(self, device: str = "meta"):
         super().__init__()
         self.device, self.counts = device, Counts()
+        self.counts.counter, self.in_stats = self, False
         self._live: dict[int, tuple[int, str]] = {}  # storage key -> (bytes, device type)
         self._seen: set[int] = set()  # storages that existed before they were first seen (weights, input)
         self._now: Tally = Tally()
@@ -96,6 +99,7 @@ class Counter(TorchDispatchMode):
             c.copies += 1
         elif packet not in _META_ONLY and (func._schema.is_mutable or (new and packet not in _ALLOC)):
             c.launches += 1
+            c.stats += self.in_stats
             c.ops[str(packet).removeprefix("aten.")] += 1
         elif new and packet not in _META_ONLY:
             c.allocs += 1

@@ -136,3 +136,21 @@ def test_device_profile_time_model_and_bad_kinds():
     assert prof.seconds(2e12, 0, 0, half=False) == pytest.approx(4)
     with pytest.raises(ValueError, match="device_kind must be.*'tpu'"):
         tw.TiledVAE(build_vae("sd", torch.float32, "cpu", **NARROW), device_kind="tpu")
+
+
+def test_gpu_fast_mode_whose_one_tile_covers_the_latent_runs_untiled_and_cpu_plans_do_not():
+    vae = build_vae("sd", torch.float32, "cpu", **NARROW)
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    gpu = tw.TiledVAE(vae, tile_size=8, mode="fast", progress=False, device_kind="cuda")
+    cpu = tw.TiledVAE(vae, tile_size=8, mode="fast", progress=False, device_kind="cpu")
+    from tilewise.vae.settle import settle  # (the plan a run follows)
+
+    assert settle(gpu, "decode", tuple(z.shape)).untiled and not settle(cpu, "decode", tuple(z.shape)).untiled
+    budgeted = tw.TiledVAE(vae, mode="fast", memory_budget="1GiB", progress=False, device_kind="cuda")
+    assert budgeted.plan(tuple(z.shape)).untiled
+    c = _counted("cpu", gpu.decode, z)
+    assert (gpu.decode(z).sample - ref).abs().max() <= 1e-4  # the untiled run itself: exact
+    assert c.launches <= _counted("cpu", vae.decode, z).launches + 40  # (its pads and finite check apart)
+    assert _counted("cpu", cpu.decode, z).launches > 2 * c.launches  # (CPU plans keep fast mode's passes)

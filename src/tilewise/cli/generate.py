@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from . import checks
+from . import checks, options
 from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
@@ -40,7 +40,7 @@ def generate(
     ] = Mode.exact,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     dtype: DType = "float32",
     report: Report = None,
     quiet: Quiet = False,
@@ -59,7 +59,7 @@ def generate(
     checks.output(out, no_clobber=no_clobber, bits=8)
     checks.report_folder(report)
     checks.model_paths(model, config)
-    checks.device(device)
+    device = options.resolve_device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
@@ -167,7 +167,7 @@ def upscale(
     ] = 0,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     dtype: DType = "float32",
     quiet: Quiet = False,
     nproc: Nproc = 1,
@@ -190,7 +190,7 @@ def upscale(
     checks.output(out, no_clobber=no_clobber)
     checks.image_input(image)
     checks.model_paths(model, config)
-    checks.device(device)
+    device = options.resolve_device(device)
     src = read_image(image)  # at its depth (16-bit in, 16-bit out); alpha is not used
     check_upscale_fits(src.width, src.height, scale)
     group, rank = join_ranks(nproc)

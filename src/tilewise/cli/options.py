@@ -58,7 +58,9 @@ Config = Annotated[
         "as a single-file --model; needed offline, e.g. --model sd15.safetensors --config sd15-folder",
     ),
 ]
-Device = Annotated[str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1")]
+Device = Annotated[
+    str, typer.Option(help="torch device, e.g. cpu, cuda, cuda:1; auto: cuda when one is present, else cpu")
+]
 DType = Annotated[
     str, typer.Option(help="float32 | float16 | bfloat16 (keep the VAE in float32 on fp16 overflow)")
 ]
@@ -81,6 +83,31 @@ Nproc = Annotated[
         "--nproc-per-node 8 --rdzv-endpoint HOST:29500 -m tilewise.cli generate ...",
     ),
 ]
+
+
+def resolve_device(device: str, present: bool = True) -> str:
+    """The torch device a command runs on (or plans for): "auto" is CUDA when one is present (under
+    torchrun the rank's own, cuda:LOCAL_RANK), else the CPU. `present`: the device must be on this
+    machine (`checks.device`; plans need not run where they are made)."""
+    import os
+
+    import torch
+
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ else "cuda"
+    if present:
+        from . import checks
+
+        checks.device(device)
+        return device
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise BadRequest(f"--device {device!r} is not a torch device: give auto, cpu, cuda or cuda:N") \
+            from None
+    return device
 
 
 def parse_size(text: str, option: str = "size") -> tuple[int, int]:

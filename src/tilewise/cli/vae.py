@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from ..errors import BadRequest
-from . import checks
-from .options import Config, Device, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
+from . import checks, options
+from .options import Config, Device, DType, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
 
@@ -35,7 +35,7 @@ def decode(
     bits: Annotated[int, typer.Option(help="8 or 16 bits per channel (32: float, .npy / .tif)")] = 8,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     report: Report = None,
     quiet: Quiet = False,
     nproc: Nproc = 1,
@@ -59,7 +59,7 @@ def decode(
     else:
         checks.output(out, no_clobber=no_clobber, bits=bits)
     checks.report_folder(report)
-    checks.device(device)
+    device = options.resolve_device(device)
     checks.latents_input(latents, video=video)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
@@ -102,7 +102,7 @@ def encode(
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     quiet: Quiet = False,
     nproc: Nproc = 1,
     no_clobber: NoClobber = False,
@@ -124,7 +124,7 @@ def encode(
         checks.video_input(image)
     else:
         checks.image_input(image)
-    checks.device(device)
+    device = options.resolve_device(device)
     group, rank = join_ranks(nproc)
     quiet = quiet or rank != 0
     vae = load_vae(model, config=config, device=device)
@@ -164,7 +164,7 @@ def analyze(
     size: Annotated[int, typer.Option(min=8, help="latent side used for the analysis and the probe")] = 32,
     model: Model = None,
     config: Config = None,
-    device: Device = "cpu",
+    device: Device = "auto",
 ) -> None:
     """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet.
 
@@ -177,7 +177,7 @@ def analyze(
     from ..pipelines import load_pipeline
 
     checks.model_paths(model, config)
-    checks.device(device)
+    device = options.resolve_device(device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -222,12 +222,22 @@ def plan(
     ] = 1,
     model: Model = None,
     config: Config = None,
+    device: Annotated[
+        str,
+        typer.Option(help="the device to plan for, e.g. cuda, cpu (need not be on this machine); "
+                     "auto: cuda when one is present, else cpu"),
+    ] = "auto",
+    dtype: DType = "float32",
     report: Report = None,
     no_clobber: NoClobber = False,
 ) -> None:
-    """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage.
+    """Print the plan of a tiled VAE run before spending anything: tiles, halos, memory per stage, and what
+    it dispatches on the device it is planned for (FLOPs, kernel launches, device peak, host<->device
+    bytes, estimated time). A CUDA plan can be made and read on any machine.
 
     Example: tilewise plan --width 8192 --height 8192 --budget 2GiB --image plan.png --ranks 4
+
+    Example: tilewise plan --width 4096 --height 4096 --device cuda --dtype float16 --budget 16GiB
     """
     from ..errors import WontFit
     from ..geometry import TileGrid
@@ -241,12 +251,15 @@ def plan(
     if over is not None:
         checks.image_input(over, "--over")
     checks.model_paths(model, config)
-    loaded = load_pipeline(model, config=config)
+    device = options.resolve_device(device, present=False)
+    kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
+    loaded = load_pipeline(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
     if width % f or height % f:
         raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
-    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value)
+    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value,
+                  device_kind=kind_of)
     shape = (
         (1, vae.config.latent_channels, height // f, width // f)
         if kind == "decode"
@@ -257,6 +270,7 @@ def plan(
     except WontFit as e:
         raise WontFit(f"plan of a {width}x{height} {kind} (latent {height // f}x{width // f}): {e}") from e
     typer.echo(str(p))
+    typer.echo(f"  device {device}: {_here(device)}")
     owner = None
     if ranks > 1:
         from ..vae.plan import plan_ranks
@@ -288,6 +302,18 @@ def plan(
             typer.echo(f"wrote {q}")
     write_plan(run_dir, p)
     finish_report(run_dir)
+
+
+def _here(device: str) -> str:
+    """Whether the device planned for is on this machine (and which it is)."""
+    import torch
+
+    if device.startswith("cpu"):
+        return "this machine's CPU"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} on this machine"
+    return ("not on this machine (a plan runs nothing: its counts come from its tiles, its time from the "
+            "model)")
 
 
 def compare(

@@ -163,7 +163,8 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     profile's; a CPU plan's BAND_BYTES). `untiled`: an exact plan whose one tile covers the latent is the
     plain untiled run (what `decode` / `encode` do; streaming to a sink runs the tile program).
     staging "device+host" (GPU plans): the values in `on_device` staged on the device, the others in
-    pinned host memory (`settle.place`).
+    pinned host memory (`settle.place`). A GPU plan in fast mode whose one tile covers the latent is
+    the untiled run too (exact, and less work than fast mode's passes on that one tile).
     """
     import torch
 
@@ -181,7 +182,8 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
                       prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global",
                       frozenset(on_device))
     k = fast_split(tv, p, kind)
-    one = untiled and tv.mode == "exact" and max(shapes[ref]) <= tile
+    # (a GPU plan in fast mode too: with one tile its estimation passes only add work, launches and bytes)
+    one = untiled and (tv.mode == "exact" or prof.kind != "cpu") and max(shapes[ref]) <= tile
     if one:
         passes = [_untiled_pass(tv, p, shape, tile, setting)]
     elif k is not None:

@@ -21,7 +21,7 @@ from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import video_face
 from .checks import check_dtype, check_finite, check_fits
-from .devices import DeviceProfile, device_options, profile
+from .devices import DeviceProfile, device_options, device_profile, profile
 from .executor import Executor, NonFiniteError, check_output
 from .fast import crop_stats, fast_split, run_fast
 from .plan import Plan, make_plan
@@ -317,8 +317,12 @@ class TiledVAE(ModelWrapper):
         p = self.program(kind)
         shapes = p.shapes(tuple(t.shape[-2:]))
         ref = p.input if kind == "decode" else p.output
-        if self.mode == "exact" and max(shapes[ref]) <= tile and emit is None:
-            return check_output(p.run(t), p)  # fits one tile: the plain untiled path (exact by definition)
+        if max(shapes[ref]) <= tile and emit is None:  # fits one tile: the plain untiled path (exact)
+            if self.mode == "exact":
+                return check_output(p.run(t), p)
+            if device_profile(self).kind != "cpu":  # (fast mode's passes on one tile only add work)
+                logger.info("TiledVAE %s: one tile covers the input; fast mode runs it untiled (exact)", kind)
+                return check_output(p.run(t), p)
         slack = TRIM_FREE  # freed host heap disk staging keeps; budgeted only where the budget is host memory
         if self.memory_budget is not None and staging == "disk" and t.device.type == "cpu":
             slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
