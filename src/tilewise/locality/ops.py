@@ -6,6 +6,8 @@ padding), and can compute any output box from source tensors that cover at least
 boxes (`run`). Running every op on the full box is the untiled forward; running it on a tile's box with
 explicit zero padding only where the box leaves the image is what makes tiles exact at image borders.
 `RunContext` says where the sync ops (GroupNorm statistics, attention keys and values) take theirs from.
+(One file of a little over 400 lines: every op here is the same three methods over the same box
+arithmetic, and a reader checks one op's `input_boxes` against its `run` side by side.)
 """
 
 from __future__ import annotations
