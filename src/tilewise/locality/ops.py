@@ -25,6 +25,15 @@ def clip_box(box: Box, shape: tuple[int, int]) -> Box:
     return max(y0, 0), min(y1, h), max(x0, 0), min(x1, w)
 
 
+def zero_pad(need: Box, inner: Box) -> tuple[tuple[int, int, int, int], bool]:
+    """The zero padding (left, right, top, bottom) a conv reading `need` adds around the part `inner` of
+    it that lies in the image, and whether the conv can add it itself (the same on both sides of each
+    axis, as for the untiled call or a tile spanning the image's width and height): then no padded copy
+    is made (one kernel and one tile-sized buffer fewer)."""
+    pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
+    return pad, pad[0] == pad[1] and pad[2] == pad[3]
+
+
 def union_box(a: Box | None, b: Box) -> Box:
     """Bounding box of two boxes."""
     if a is None:
@@ -188,10 +197,11 @@ class Conv(Op):
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shape)
         x = sub_tensor(x, have, inner)
-        pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
-        if any(pad):
-            x = F.pad(x, pad)
-        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        pad, native = zero_pad(need, inner)
+        if native:
+            return F.conv2d(x, self.weight, self.bias, self.stride, (pad[2], pad[0]), self.dilation,
+                            self.groups)
+        return F.conv2d(F.pad(x, pad), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
     def describe(self):
         (kh, kw), t = self.kernel, self.padding

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..locality.ops import box_area, clip_box, map_box
+from ..locality.ops import box_area, clip_box, map_box, zero_pad
 from ..locality.program import back_propagate, last_use
 from .bands import band_rows, row_local, tile_bands, working_bytes
 
@@ -163,7 +163,8 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
         for y in range(box[0], box[1], step):
             part = (y, min(y + step, box[1]), box[2], box[3])
             want = op.input_boxes(part)[0]
-            cost.launches += 1 + (want != clip_box(want, shape)) + lazy  # conv, pad, the upsampled band
+            padded = not zero_pad(want, clip_box(want, shape))[1]
+            cost.launches += 1 + padded + lazy  # conv, pad (unless the conv pads), the upsampled band
         if step < rows:
             cost.launches += -(-rows // step)  # every band copied into the one output
         return cost
@@ -290,16 +291,19 @@ def untiled_peak(program, shapes, chans, unit: int) -> int:
     caller's)."""
     full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
     last = last_use(program.ops, [program.output])
-    return live_peak(program.ops, full, shapes, chans, unit, set(), (), last)
+    return live_peak(program.ops, full, shapes, chans, unit, set(), (), last, norms_in_place=False)
 
 
-def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0) -> int:
+def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0,
+              norms_in_place: bool = True) -> int:
     """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
     `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
     reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
     reads band by band), and its temporaries: a conv's zero-padded input copy and the upsampled rows it
     reads, attention's queries and heads. Values in `keep` (the band's cores) live to the end, when
-    storing them holds `stores` bytes more (their statistics' float32 copy)."""
+    storing them holds `stores` bytes more (their statistics' float32 copy). `norms_in_place`: GroupNorms
+    apply their affine over their dying input (tiles); False for the untiled run, whose GroupNorms are
+    torch's own and write a new tensor."""
 
     def size(v, box=None):
         return box_area(need[v] if box is None else box) * chans[v] * unit
@@ -319,7 +323,7 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
         elif op.kind == "conv":
             want = op.input_boxes(need[d])[0]
             inner = clip_box(want, shapes[src])
-            padded = size(src, want) if want != inner else 0  # the zero-padded copy
+            padded = 0 if zero_pad(want, inner)[1] else size(src, want)  # the zero-padded copy
             if _lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
                 ups = size(src, inner)
                 temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
@@ -327,8 +331,10 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
                 temp = padded
         elif op.kind == "attention":
             temp = 3 * size(d)  # queries, attention output, heads back
+        elif op.kind == "group_norm" and not norms_in_place:
+            temp = 2 * op.groups * unit  # torch's GroupNorm: its mean and rstd beside the output
         dies = last.get(src) == i and src not in keep and op.src.count(src) == 1
-        if dies and src in ours and _overwrites(op):
+        if dies and src in ours and _overwrites(op) and (norms_in_place or op.kind != "group_norm"):
             out = 0
         peak = max(peak, sum(live.values()) + temp + out)
         if out == 0 and not lazy:
