@@ -11,7 +11,7 @@ from tilewise.cli import app
 from tilewise.cli.options import resolve_device
 
 runner = CliRunner()
-PLAN = ["plan", "--width", "512", "--height", "512", "--budget", "96MiB"]
+PLAN = ["plan", "--width", "512", "--height", "512", "--budget", "64MiB"]
 
 
 def _run(*args):
@@ -25,7 +25,7 @@ def _plan(device_kind: str, dtype=torch.float32):
     from tilewise.models import load_default_vae
 
     vae = load_default_vae(dtype=dtype)
-    tv = tw.TiledVAE(vae, memory_budget="96MiB", device_kind=device_kind)
+    tv = tw.TiledVAE(vae, memory_budget="64MiB", device_kind=device_kind)
     return tv.plan((1, vae.config.latent_channels, 64, 64))
 
 
