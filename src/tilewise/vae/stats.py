@@ -9,6 +9,20 @@ the whole value within float error, whatever the tile order, and a tile costs no
 from __future__ import annotations
 
 
+def _merged(name: str) -> property:
+    """A merged moment of GroupStats: pending parts are folded in before it is read or replaced."""
+
+    def get(self):
+        self._merge()
+        return getattr(self, name)
+
+    def put(self, value) -> None:
+        self._merge()
+        setattr(self, name, value)
+
+    return property(get, put)
+
+
 class GroupStats:
     """Exact per-(batch, group) mean and variance merged over disjoint tiles (Chan et al. 1979).
 
@@ -37,36 +51,9 @@ class GroupStats:
         return self.mean, self.m2 / self.n
 
     # the merged moments (sharding replaces them by the merge over all ranks)
-
-    @property
-    def n(self) -> int:
-        self._merge()
-        return self._n
-
-    @n.setter
-    def n(self, value: int) -> None:
-        self._merge()
-        self._n = value
-
-    @property
-    def mean(self):
-        self._merge()
-        return self._mean
-
-    @mean.setter
-    def mean(self, value) -> None:
-        self._merge()
-        self._mean = value
-
-    @property
-    def m2(self):
-        self._merge()
-        return self._m2
-
-    @m2.setter
-    def m2(self, value) -> None:
-        self._merge()
-        self._m2 = value
+    n = _merged("_n")
+    mean = _merged("_mean")
+    m2 = _merged("_m2")
 
     def _merge(self) -> None:
         """Fold the pending parts in, in float64: n = sum n_i, mean = sum n_i mean_i / n,
