@@ -70,3 +70,17 @@ def test_bad_writes_and_paths_are_refused(tmp_path):
     with pytest.raises(ValueError, match="frames must be a positive int"):
         open_video_sink(tmp_path / "v.npy", 0, 4, 4)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name,bits,needle", [
+    ("f{:02d}.png", 32, "bits=32 is not valid for .png"),  # a frame's own sink refuses it
+    ("f{:03d}.jpg", 8, "suffix '.jpg'"),
+    ("f{}{}.png", 8, "not a frame pattern with one {} field"),
+    ("v.npy", 12, "bits must be 8, 16 or 32"),
+])
+def test_a_sink_that_cannot_take_the_video_is_refused_when_opened(tmp_path, name, bits, needle):
+    from tilewise.errors import BadRequest
+
+    with pytest.raises(BadRequest, match=needle):
+        open_video_sink(tmp_path / name, 2, 4, 4, bits=bits)
+    assert list(tmp_path.iterdir()) == []

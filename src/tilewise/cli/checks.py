@@ -51,19 +51,16 @@ def video_output(path: Path, no_clobber: bool = False, bits: int = 8) -> None:
         what = "no suffix" if not suffix else f"suffix {suffix!r}"
         raise BadRequest(f"--out {name!r}: {what} is not one this command writes; use one of "
                          f"{', '.join(IMAGE_SUFFIXES)}, or a frame pattern such as 'frames/f{{:04d}}.png'")
-    if bits not in (8, 16, 32):
-        raise BadRequest(f"--bits {bits}: use 8 or 16 bits per channel, or 32 (float, .npy / .tif)")
-    if bits == 32 and suffix == ".png":
-        raise BadRequest(f"--bits 32 with --out {name!r}: PNG holds 8 or 16 bits; use a .npy or .tif output")
     if "{" not in name:
         output(path, no_clobber=no_clobber, bits=bits)
         return
+    from ..sinks.video import video_sink_for
+
     try:
-        first = Path(name.format(0))
-    except (IndexError, KeyError, ValueError) as e:
-        raise BadRequest(f"--out {name!r} is not a frame pattern with one {{}} field for the frame number "
-                         f"({e}); e.g. 'frames/f{{:04d}}.png'") from None
-    check_target(first, "--out (its first frame)", replace=not no_clobber)
+        video_sink_for(name, bits)
+    except BadRequest as e:
+        raise BadRequest(f"--bits {bits} with --out {name!r}: {e}") from None
+    check_target(Path(name.format(0)), "--out (its first frame)", replace=not no_clobber)
 
 
 def video_input(path: Path) -> None:

@@ -55,15 +55,17 @@ def _latents(path: str, channels: int):
     return read_latents(path, channels=channels, video=True)
 
 
-def _check_bits(out: str, bits: int, frames: int) -> None:
-    """Refuse bits the output cannot store before anything runs (PNG frames hold 8 or 16 bits)."""
-    if bits not in (8, 16, 32):
-        raise BadRequest(f"bits must be 8, 16 or 32 (float32: .npy / .tif), got {bits!r}")
-    if bits == 32 and Path(out.replace("{", "").replace("}", "")).suffix.lower() == ".png":
-        raise BadRequest(f"bits=32 is not valid for PNG {out!r}: use 8 or 16, or a .npy / .tif output")
+def _check_output(out: str, bits: int, frames: int) -> None:
+    """Refuse an output that cannot take the decode before anything runs: several frames need a frame
+    pattern or a stack; the suffix and bits as the sink opening it takes them (`sink_for`,
+    `video_sink_for`)."""
+    from ..sinks import sink_for
+    from ..sinks.video import video_sink_for
+
     if frames > 1 and "{" not in out and Path(out).suffix.lower() not in (".npy", ".tif", ".tiff"):
         raise BadRequest(f"the decode makes {frames} frames: write them to a frame pattern such as "
                          f"'frames/f{{:04d}}.png', a .npy stack or a .tif stack, not {out!r}")
+    (sink_for if frames == 1 and "{" not in out else video_sink_for)(out, bits)
 
 
 def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
@@ -83,7 +85,7 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
     z = (z.float() * std / sf + mean).to(vae.device, vae.dtype)
     shape = tuple(z.shape)
     _, c, t, h, w = make_video_plan(tv, shape, "decode", to_sink=True).output_shape
-    _check_bits(out, bits, t)
+    _check_output(out, bits, t)
     check_target(out.format(0) if "{" in out else out, "output", replace=replace)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image

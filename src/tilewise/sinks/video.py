@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from ..atomic import publish, temporary_path
-from . import open_sink
+from ..errors import BadRequest
+from . import open_sink, sink_for
 from .coverage import first_gap
 from .pixels import to_hwc_uint
 
@@ -236,17 +237,30 @@ class TIFFStackSink(VideoSink):
             os.unlink(self._tmp)
 
 
-def open_video_sink(path: str | os.PathLike, frames: int, height: int, width: int, channels: int = 3,
-                    bits: int = 8, **options: Any) -> VideoSink:
-    """The video sink for `path`: a pattern with a {} field -> one image per frame (by its suffix), .npy ->
-    a (T, H, W, C) stack, .tif / .tiff -> a multi-page TIFF stack."""
+def video_sink_for(path: str | os.PathLike, bits: int = 8) -> type[VideoSink]:
+    """The video sink class for `path` and `bits`: the checks of `open_video_sink`, made before any work
+    (BadRequest naming the path or the bits and what is valid). A pattern with a {} field -> one image
+    per frame (its frames' suffix and bits as `sink_for` takes them), .npy -> a (T, H, W, C) stack,
+    .tif / .tiff -> a multi-page TIFF stack; 8, 16 or 32 (float32) bits."""
     path = os.fspath(path)
     if "{" in path:
-        return FrameSequenceSink(path, frames, height, width, channels, bits, **options)
-    suffix = Path(path).suffix.lower()
-    if suffix == ".npy":
-        return NpyStackSink(path, frames, height, width, channels, bits, **options)
-    if suffix in (".tif", ".tiff"):
-        return TIFFStackSink(path, frames, height, width, channels, bits, **options)
-    raise ValueError(f"cannot choose a video sink for {path!r}: use a frame pattern such as 'f{{:04d}}.png', "
-                     f"a .npy stack or a .tif stack")
+        try:
+            first = path.format(0)
+        except (IndexError, KeyError, ValueError) as e:
+            raise BadRequest(f"{path!r} is not a frame pattern with one {{}} field for the frame number "
+                             f"({e}); e.g. 'frames/f{{:04d}}.png'") from None
+        sink_for(first, bits)
+        return FrameSequenceSink
+    cls = {".npy": NpyStackSink, ".tif": TIFFStackSink, ".tiff": TIFFStackSink}.get(Path(path).suffix.lower())
+    if cls is None:
+        raise BadRequest(f"cannot choose a video sink for {path!r}: use a frame pattern such as "
+                         f"'f{{:04d}}.png', a .npy stack or a .tif stack")
+    if bits not in DTYPES:
+        raise BadRequest(f"bits must be 8, 16 or 32 (float32), got {bits!r}")
+    return cls
+
+
+def open_video_sink(path: str | os.PathLike, frames: int, height: int, width: int, channels: int = 3,
+                    bits: int = 8, **options: Any) -> VideoSink:
+    """The video sink for `path` (`video_sink_for`: a frame pattern, a .npy or a .tif stack)."""
+    return video_sink_for(path, bits)(path, frames, height, width, channels, bits, **options)
