@@ -149,10 +149,11 @@ def encode(
 def _video_vae(model, nproc: int) -> bool:
     """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded); --nproc is refused for one
     before launching ranks (its tiled runs are single-process)."""
-    from ..pipelines.loading import VIDEO_VAE_CLASSES, vae_class
+    from ..locality.lowering3d import VIDEO_VAES
+    from ..pipelines.loading import vae_class
 
     name = vae_class(model)
-    if name not in VIDEO_VAE_CLASSES:
+    if name not in VIDEO_VAES:
         return False
     if nproc > 1:
         raise BadRequest(f"--nproc {nproc}: {name} (a 3-D VAE) decodes and encodes in one process for now; "

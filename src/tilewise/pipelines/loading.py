@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
+from ..locality.lowering3d import VIDEO_VAES
 from .single_file import load_single_file
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -190,8 +191,7 @@ def model_errors(what: str) -> Iterator[None]:
         raise ModelProblem(f"{what} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e
 
 
-VIDEO_VAE_CLASSES = ("AutoencoderKLQwenImage", "AutoencoderKLWan", "AutoencoderKLLTXVideo")
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAE_CLASSES)
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
 
 
 def vae_class(model: str | os.PathLike | None) -> str | None:
@@ -238,7 +238,7 @@ def load_vae(
                              f"{str(path)!r} is a VAE folder (it carries its own config)")
         with model_errors(f"VAE folder {str(path)!r}"):
             vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
-    elif name in VIDEO_VAE_CLASSES and config is None:
+    elif name in VIDEO_VAES and config is None:
         with model_errors(f"the VAE of {str(path)!r}"):
             vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
                                                            local_files_only=local_files_only)
