@@ -154,3 +154,31 @@ def test_gpu_fast_mode_whose_one_tile_covers_the_latent_runs_untiled_and_cpu_pla
     assert (gpu.decode(z).sample - ref).abs().max() <= 1e-4  # the untiled run itself: exact
     assert c.launches <= _counted("cpu", vae.decode, z).launches + 40  # (its pads and finite check apart)
     assert _counted("cpu", cpu.decode, z).launches > 2 * c.launches  # (CPU plans keep fast mode's passes)
+
+
+def test_gpu_plan_streams_attention_keys_values_from_host_memory_when_they_do_not_fit():
+    with fake():
+        # (a wide middle: global attention's keys and values are the biggest thing a segment holds)
+        vae = build_vae("sd", torch.float16, "meta", blocks=(8, 8, 8, 128), groups=8)
+        z = torch.randn(1, 4, 64, 64, device="meta", dtype=torch.float16)
+        roomy = tw.TiledVAE(vae, memory_budget=3_000_000, progress=False, device_kind="cuda").plan(z.shape)
+        tv = tw.TiledVAE(vae, memory_budget=2_000_000, progress=False, device_kind="cuda")
+        plan = tv.plan(tuple(z.shape))
+        c = _counted("meta", tv.decode, z)
+    assert roomy.kv_chunk == 0 and plan.kv_chunk > 0 and plan.query_rows > 0
+    assert "streamed" in str(plan) and plan.attention_bytes < roomy.attention_bytes
+    assert plan.flops == c.flops and plan.syncs == c.syncs
+    assert abs(plan.launches - c.launches) <= 0.03 * c.launches
+    assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h)
+    assert c.device_peak("meta") <= plan.peak <= min(1.15 * c.device_peak("meta"), 2_000_000)
+
+
+def test_streamed_plan_run_on_real_values_equals_the_stock_decode():
+    vae = build_vae("sd", torch.float32, "cpu", blocks=(8, 8, 8, 128), groups=8)
+    z = torch.randn(1, 4, 64, 64, generator=torch.Generator().manual_seed(0))
+    tv = tw.TiledVAE(vae, progress=False, device_kind="cuda", memory_budget=3_600_000)
+    plan = tv.plan(tuple(z.shape))
+    with torch.no_grad():
+        out, ref = tv.decode(z).sample, vae.decode(z).sample
+    assert plan.kv_chunk > 0 and not plan.untiled
+    assert (out - ref).abs().max() <= 1e-4

@@ -237,3 +237,59 @@ def test_sampled_tile_statistics_staged_on_disk_equal_the_together_run_and_exact
         for done in (together[1], staged[1], banded[1]):
             assert (done[t.index] - ref[..., y0:y1, x0:x1]).abs().max() <= 1e-4
     assert not list(tmp_path.iterdir())  # the staged files are gone
+
+
+@pytest.mark.parametrize("kv_chunk,query_rows,query_chunk", [(64, 0, 4096), (37, 7, 50), (29, 3, 16),
+                                                              (1000, 20, 4096)])
+def test_streamed_attention_keys_values_equal_the_untiled_decoder_and_encoder(kv_chunk, query_rows,
+                                                                              query_chunk):
+    vae = kl_vae("sd")
+    kw = dict(kv_chunk=kv_chunk, query_rows=query_rows, query_chunk=query_chunk, progress=False)
+    with torch.no_grad():
+        z = structured_latent(2, 4, 20, 17)
+        p = lower(vae.decoder)
+        assert (Executor(p, 8, p.input, **kw).run(z) - vae.decoder(z)).abs().max() <= 1e-4
+        x = torch.randn(1, 3, 88, 72, generator=torch.Generator().manual_seed(2))
+        p = lower(vae.encoder)
+        assert (Executor(p, 4, p.output, staging="host", **kw).run(x) - vae.encoder(x)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_streamed_attention_is_the_online_softmax_of_sdpa_in_float32_and_bfloat16(fused, monkeypatch, caplog):
+    from tilewise.locality import streamed_attention as sa
+    from tilewise.locality.streamed_attention import streamed_attention
+
+    if not fused:  # as after a fused kernel refused its inputs: float32 score blocks
+        monkeypatch.setattr(sa, "_REFUSED", {"cpu"})
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) * 3 for n in (37, 101, 101))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    tokens = [t.transpose(1, 2).reshape(2, 101, 24) for t in (k, v)]
+    for qc, kc in ((5, 7), (37, 101), (64, 1)):
+        out = streamed_attention(q.clone(), *tokens, 3, qc, kc)
+        assert out.dtype == q.dtype and (out - ref).abs().max() <= 1e-4
+    half = [t.bfloat16() for t in (q, *tokens)]
+    own = (torch.nn.functional.scaled_dot_product_attention(*(t.bfloat16() for t in (q, k, v))).float()
+           - ref).abs().max()
+    out = streamed_attention(*half, 3, 8, 16)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() <= 2 * own
+
+
+def test_streamed_attention_says_once_when_no_fused_kernel_runs_and_stays_exact(monkeypatch, caplog):
+    from tilewise.locality import streamed_attention as sa
+
+    def refuse(*args):
+        raise RuntimeError("no kernel for these inputs\nmore")
+
+    monkeypatch.setattr(sa, "_REFUSED", set())
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", refuse)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (9, 40, 40))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    tokens = [t.transpose(1, 2).reshape(1, 40, 16) for t in (k, v)]
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert (sa.streamed_attention(q.clone(), *tokens, 2, 4, 16) - ref).abs().max() <= 1e-5
+    assert [r.message for r in caplog.records].count(
+        "streamed attention: no fused kernel on cpu (no kernel for these inputs); computing its scores in "
+        "float32 blocks instead (exact, more kernels)") == 1

@@ -332,31 +332,41 @@ class AttentionCore(Op):
 
     def run(self, ctx, inputs, have, box, shapes):
         n = sub_tensor(inputs[0], have[0], box)
-        kv = ctx.attention_kv(self, n, box)
-        y = self.attend(n, *kv, chunk=ctx.query_chunk)  # a new tensor: the residual adds in place
+        k, v = ctx.attention_kv(self, n, box)
+        # a new tensor: the residual adds in place
+        y = self.attend(n, k, v, chunk=ctx.query_chunk, kv_chunk=ctx.kv_chunk)
         if self.residual:
             y = y.add_(sub_tensor(inputs[1], have[1], box))
         return y.div_(self.rescale) if self.rescale != 1.0 else y
 
     def keys_values(self, n):
-        """(B, heads, N, d) keys and values of the tokens of n (B, C, h, w)."""
+        """(B, N, C) keys and values of the tokens of n (B, C, h, w)."""
         t = n.flatten(2).transpose(1, 2)
-        return self._heads(self.to_k(t)), self._heads(self.to_v(t))
+        return self.to_k(t), self.to_v(t)
 
     def _heads(self, t):
         b, n, c = t.shape
         return t.view(b, n, self.heads, c // self.heads).transpose(1, 2)
 
-    def attend(self, n, k, v, chunk: int = 4096):
-        """Queries of n (B, C, h, w) attend to k, v in query chunks; returns to_out(attn) as (B, C, h, w)."""
+    def attend(self, n, k, v, chunk: int = 4096, kv_chunk: int = 0):
+        """Queries of n (B, C, h, w) attend to the (B, N, C) tokens k, v; to_out(attn) as (B, C, h, w).
+
+        kv_chunk 0: fused attention in query chunks, k and v on the device. kv_chunk > 0: k and v read
+        that many tokens at a time, from the host or the device (`streamed_attention`, exact)."""
         import torch
         import torch.nn.functional as F
 
         b, c, h, w = n.shape
         q = self._heads(self.to_q(n.flatten(2).transpose(1, 2)))
-        outs = [F.scaled_dot_product_attention(q[:, :, i : i + chunk], k, v)
-                for i in range(0, q.shape[2], chunk)]
-        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        if kv_chunk:
+            from .streamed_attention import streamed_attention
+
+            o = streamed_attention(q, k, v, self.heads, chunk, kv_chunk)
+        else:
+            k, v = self._heads(k), self._heads(v)
+            outs = [F.scaled_dot_product_attention(q[:, :, i : i + chunk], k, v)
+                    for i in range(0, q.shape[2], chunk)]
+            o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         o = o.transpose(1, 2).reshape(b, h * w, -1).to(q.dtype)
         return self.to_out[1](self.to_out[0](o)).transpose(1, 2).reshape(b, -1, h, w)
 
@@ -407,6 +417,7 @@ class RunContext:
     stats: dict[int, Any] = field(default_factory=dict)  # id(op) -> (mean, var) to apply; absent -> native
     kv: dict[int, Any] = field(default_factory=dict)  # id(op) -> (k, v); absent -> keys of the box itself
     query_chunk: int = 4096
+    kv_chunk: int = 0  # attention keys / values read this many tokens at a time (0: all at once)
     conv_workspace: int = 0  # bytes of im2col workspace one conv call may use (0: unbounded)
 
     def group_stats(self, op, x, box, shape):

@@ -29,6 +29,9 @@ from .bands import band_rows, row_local, tile_bands, working_bytes
 ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), heads back, to_out, residual
 ATTENTION_COPY = 1  # ... plus one copy when the tile's box is not contiguous in its tensor
 KEYS_VALUES = 4  # to_k and to_v of one band of tokens (matmul and bias each)
+KV_STORE = 2  # ... written into their stores when there are several bands (a copy each)
+STREAMED = 2  # streamed attention (locality.streamed_attention), once a query box: o, lse (half: a cast)
+STREAMED_CHUNK = 8  # ... and per key chunk: the fused kernel, the log-sum-exp merge and the output's
 MERGE = 13  # GroupStats: the tiles' moments merged (two or more parts; float32 ones widened: 2 more)
 AFFINE = 14  # a GroupNorm's per-channel affine from its statistics (once per run)
 CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host sync
@@ -71,6 +74,8 @@ class Setting:
     query_chunk: int = 4096
     global_attention: bool = True
     on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
+    kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
+    query_rows: int = 0  # attention segments' queries in row bands of this many reference rows (0: tiles)
 
     def off(self, v: str) -> bool:
         """Whether staged value v lives across the link (its reads and writes are transfers)."""
@@ -114,7 +119,8 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
-            held = live_peak(seg.ops, need, shapes, chans, unit, owned - {program.input}, cores, last, stores)
+            held = live_peak(seg.ops, need, shapes, chans, unit, owned - {program.input}, cores, last, stores,
+                             stream=streamed(s))
         else:
             held = working_bytes(need, chans, unit)
         band = Cost(working=held)
@@ -197,11 +203,15 @@ def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
         proj += 2 * nq * c * c * 2  # the box's own keys and values
     flops = s.batch * (proj + 4 * op.heads * nq * nk * d)
     launches = ATTENTION_TILE + (chunks - 1) + (chunks > 1)  # one fused kernel a chunk, then joined
+    h2d = 0
+    if s.kv_chunk and s.global_attention:  # the online softmax over key chunks, all read once per box
+        launches = ATTENTION_TILE - 1 + STREAMED + (s.item < 4) + STREAMED_CHUNK * -(-nk // s.kv_chunk)
+        h2d = 2 * s.batch * nk * c * s.item if s.gpu else 0
     if not (box[2] == 0 and box[3] == w) and box[1] - box[0] > 1:
         launches += ATTENTION_COPY
     if not s.global_attention:
         launches += KEYS_VALUES
-    return Cost(flops=flops, launches=launches)
+    return Cost(flops=flops, launches=launches, h2d=h2d)
 
 
 def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Cost:
@@ -243,11 +253,15 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
             src = op.src[0]
             h, w = shapes[src]
             c = chans[src]
-            bands = -(-h // max(1, min(h, s.query_chunk // max(w, 1))))
-            cost.launches += KEYS_VALUES * bands + 2
+            bands = -(-h // max(1, min(h, (s.kv_chunk or s.query_chunk) // max(w, 1))))
+            # (one band on the device: its keys and values are the store; into host memory: copies)
+            stored = (bands > 1 or s.kv_chunk) and not (s.kv_chunk and s.gpu)
+            cost.launches += (KEYS_VALUES + (KV_STORE if stored else 0)) * bands
             cost.flops += s.batch * 2 * 2 * h * w * c * c
             if s.off(src):
                 cost.h2d += h * w * c * unit
+            if s.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
+                cost.d2h += 2 * h * w * c * unit
         if op.kind == "group_norm":
             cost.launches += AFFINE
     sums = any(v not in tracked for v in seg.outputs)
@@ -294,14 +308,29 @@ def untiled_peak(program, shapes, chans, unit: int) -> int:
     return live_peak(program.ops, full, shapes, chans, unit, set(), (), last, norms_in_place=False)
 
 
+def streamed(s: Setting) -> tuple[int, int] | None:
+    """(key chunk, bytes per element) of streamed global attention, or None."""
+    return (s.kv_chunk, s.item) if s.kv_chunk and s.global_attention else None
+
+
+def streamed_bytes(op, nq: int, nk: int, c: int, stream, batch: int) -> int:
+    """Device bytes streamed attention holds beside its queries (`locality.streamed_attention`): the
+    float32 output, its log-sum-exp and the merged one, one chunk of keys and values, the chunk's output
+    and log-sum-exp (the fused kernel holds no scores)."""
+    kc, item = stream
+    kc = min(kc, nk)
+    return batch * (nq * c * (4 + item) + 3 * op.heads * nq * 4 + 2 * kc * c * item)
+
+
 def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0,
-              norms_in_place: bool = True) -> int:
+              norms_in_place: bool = True, stream=None) -> int:
     """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
     `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
     reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
     reads band by band), and its temporaries: a conv's zero-padded input copy and the upsampled rows it
-    reads, attention's queries and heads. Values in `keep` (the band's cores) live to the end, when
-    storing them holds `stores` bytes more (their statistics' float32 copy). `norms_in_place`: GroupNorms
+    reads, attention's queries and heads (`stream`: streamed attention's, `streamed_bytes`). Values in
+    `keep` (the band's cores) live to the end, when storing them holds `stores` bytes more (their
+    statistics' float32 copy). `norms_in_place`: GroupNorms
     apply their affine over their dying input (tiles); False for the untiled run, whose GroupNorms are
     torch's own and write a new tensor."""
 
@@ -329,6 +358,10 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
                 temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
             else:
                 temp = padded
+        elif op.kind == "attention" and stream is not None:  # queries, then the online softmax's own
+            h, w = shapes[src]
+            batch = unit // stream[1]
+            temp = size(d) + streamed_bytes(op, box_area(need[d]), h * w, chans[src], stream, batch)
         elif op.kind == "attention":
             temp = 3 * size(d)  # queries, attention output, heads back
         elif op.kind == "group_norm" and not norms_in_place:

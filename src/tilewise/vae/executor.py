@@ -21,6 +21,7 @@ from typing import Any
 
 from ..locality.ops import Box, Op, RunContext, box_area, box_empty, map_box, sub_tensor
 from ..locality.program import Program, Segment, back_propagate, last_use, split_segments
+from .attention import keys_values, query_grid
 from .bands import BAND_BYTES, band_rows, row_local, run_bands, tile_bands
 from .sharding import RowBands, exchange_rows, gather_rows, merge_group_stats, stream_rows
 from .staging import TRIM_FREE, Staging
@@ -87,6 +88,8 @@ class Executor:
     heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
     band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (run_bands)
     on_device: frozenset = frozenset()  # values staged on the device whatever `staging` says
+    kv_chunk: int = 0  # global attention: keys / values in host memory, streamed this many tokens at a time
+    query_rows: int = 0  # global attention: queries in row bands of this many reference rows (0: the tiles)
 
     _bands = None  # RowBands of the current run with a process group
     _checks = None  # FiniteChecks of the current segment
@@ -113,7 +116,7 @@ class Executor:
         chans = self.program.channels()
         segs = self.segments()
         ctx = ExecContext(stats=dict(self.fixed_stats), query_chunk=self.query_chunk,
-                          conv_workspace=self.conv_workspace)
+                          kv_chunk=self.kv_chunk, conv_workspace=self.conv_workspace)
         trackers = self._trackers(segs)
         self._band_cache, self._unit = {}, x.shape[0] * x.element_size()
         stage = Staging(self.staging, self.device, self.stage_dir, self.heap_slack, self.on_device)
@@ -123,7 +126,7 @@ class Executor:
             stage.put(self.program.input, x)
             self._finish_stats(ctx, trackers, self.program.input, x)
             last = self._last_reader(segs)
-            bar = self._bar(len(segs) * len(self._my_tiles(shapes)))
+            bar = self._bar(sum(len(self._seg_tiles(seg, shapes)) for seg in segs))
             for i, seg in enumerate(segs):
                 for v in seg.outputs:
                     full = (x.shape[0], chans[v], *shapes[v])
@@ -170,6 +173,12 @@ class Executor:
         bands = RowBands.build(grid, rank, world)
         bands.plan_segments(segs, shapes, grid, self.ref, skip={self.program.input})
         return bands
+
+    def _seg_tiles(self, seg, shapes) -> list:
+        """The tiles a segment runs: the grid's, or an attention segment's query bands (`query_rows`)."""
+        if seg.kind == "attention" and self.query_rows and self._bands is None:
+            return list(query_grid(shapes[self.ref], self.query_rows))
+        return self._my_tiles(shapes)
 
     def _my_tiles(self, shapes) -> list:
         """The grid's tiles this process runs, in visit order."""
@@ -256,34 +265,21 @@ class Executor:
         return last
 
     def _prepare_attention(self, seg: Segment, stage: Staging, shapes, ctx) -> None:
-        """Keys and values of every token, computed band by band from the staged normalised input."""
-        import torch
-
+        """Keys and values of every token (`attention.keys_values`), on the device or, streamed, in host
+        memory."""
         op = seg.ops[0]
         n_name = op.src[0]
         h, w = shapes[n_name]
-        lo, hi = (0, h) if self._bands is None else self._bands.owned_rows(h)
-        band = max(1, min(h, self.query_chunk // max(w, 1)))
-        ks, vs = [], []
-        for y0 in range(lo, hi, band):
-            k, v = op.keys_values(stage.read(n_name, (y0, min(hi, y0 + band), 0, w)))
-            ks.append(k)
-            vs.append(v)
-        if not ks:  # a rank without rows: no tokens, the right shapes
-            k, v = op.keys_values(stage.read(n_name, (lo, lo, 0, w)))
-            ks, vs = [k], [v]
-        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        if self._bands is not None:  # every rank's tokens, in rank order = row-major token order
-            from ..distributed import all_gather_cat
-
-            k, v = all_gather_cat(k, self.group, dim=2), all_gather_cat(v, self.group, dim=2)
-        ctx.kv[id(op)] = (k, v)
+        rows = (0, h) if self._bands is None else self._bands.owned_rows(h)
+        chunk = self.kv_chunk or self.query_chunk  # (streamed: made a key chunk at a time)
+        ctx.kv[id(op)] = keys_values(op, lambda box: stage.read(n_name, box), h, w, rows, chunk, self.device,
+                                     self.kv_chunk > 0, self.group)
 
     def _run_segment(self, seg, stage, shapes, ctx, trackers, out, emit, bar) -> None:
         """Every tile of the grid: read the needed regions, run the ops, write the cores."""
         ref = shapes[self.ref]
         last = last_use(seg.ops, seg.outputs)
-        for tile in self._my_tiles(shapes):
+        for tile in self._seg_tiles(seg, shapes):
             cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
             cores = {v: b for v, b in cores.items() if not box_empty(b)}
             if cores and tile.index in self.done and list(cores) == [self.program.output]:

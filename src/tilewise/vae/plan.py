@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..locality.ops import box_area, map_box
 from ..locality.program import Program
+from .attention import query_grid
 from .counts import Cost, Setting, segment_cost, stats_copy, untiled_cost
 from .devices import DeviceProfile, device_profile
 from .estimators import sample_tiles
@@ -24,6 +25,10 @@ from .ranks import RankPlan, plan_ranks  # noqa: F401  (part of this module's in
 from .staging import TRIM_FREE
 
 _PROFILE = object()  # make_plan(band_bytes=...) default: the device profile's row bands
+# Device bytes of the small tensors a segment's peak holds that the plan does not follow one by one: the
+# finite checks' sums, the statistics' per-tile parts, the affines' float64 temporaries (counted: ~2 KiB
+# on the narrow test VAE; a few tens of KiB at 512 channels).
+SMALL_TENSORS = 64 << 10
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Plan:
     staged_estimate: bool = False  # fast mode: sampled tiles one at a time, staged (not all at once)
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
+    query_rows: int = 0  # ... its queries in row bands of this many latent rows (0: in the tiles)
 
     def __str__(self) -> str:
         from ..memory import format_bytes as fb
@@ -129,6 +136,10 @@ class Plan:
             rows.append(f"    ... {len(self.stages) - 6} more")
         rows.append(f"  per-tile working set ~{fb(self.working)}, attention K/V + scores "
                     f"{fb(self.attention_bytes)}, output buffer {fb(self.output_bytes)}")
+        if self.kv_chunk:
+            rows.append(f"  attention keys and values in host memory, streamed {self.kv_chunk:,} tokens at a "
+                        f"time (online softmax, exact); queries in "
+                        + (f"row bands of {self.query_rows} latent rows" if self.query_rows else "the tiles"))
         for q in self.passes:
             rows.append(f"  pass {q.name}: {q.tiles} tiles, {q.segments} segments, {len(q.stages)} staged "
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "
@@ -153,7 +164,7 @@ def _ms(seconds: float) -> str:
 
 def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
               staging: str | None = None, band_bytes=_PROFILE, untiled: bool = False,
-              on_device: frozenset = frozenset()) -> Plan:
+              on_device: frozenset = frozenset(), attention: tuple[int, int] = (0, 0)) -> Plan:
     """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak, and what
     it dispatches on its device profile (FLOPs, launches, transfers, estimated time).
 
@@ -165,6 +176,9 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     staging "device+host" (GPU plans): the values in `on_device` staged on the device, the others in
     pinned host memory (`settle.place`). A GPU plan in fast mode whose one tile covers the latent is
     the untiled run too (exact, and less work than fast mode's passes on that one tile).
+    `attention` = (kv_chunk, query_rows): exact global attention with its keys and values in host
+    memory, streamed kv_chunk tokens at a time, and its queries in row bands of query_rows rows
+    (`vae.attention`; (0, 0): keys and values on the device, queries in the tiles).
     """
     import torch
 
@@ -180,7 +194,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     item = torch.empty((), dtype=tv.vae.dtype).element_size()
     setting = Setting(st, prof.kind != "cpu", prof.conv_workspace, bands if tv.mode == "exact" else None,
                       prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global",
-                      frozenset(on_device))
+                      frozenset(on_device), *attention)
     k = fast_split(tv, p, kind)
     # (a GPU plan in fast mode too: with one tile its estimation passes only add work, launches and bytes)
     one = untiled and (tv.mode == "exact" or prof.kind != "cpu") and max(shapes[ref]) <= tile
@@ -201,6 +215,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     plan.passes = passes if k is not None and not one else []
     plan.device, plan.profile, plan.untiled = prof.kind, prof, one
     plan.band_bytes, plan.on_device = setting.band_bytes, setting.on_device
+    plan.kv_chunk, plan.query_rows = attention
     plan.staged_estimate = any(q.name == "sampled tiles, staged" for q in passes)
     plan.segment_bytes, plan.lifetimes = last.segment_bytes, last.lifetimes
     passes[0].launches += 5  # the input's finite check (vae.checks.check_finite): a sum, isfinite's four,
@@ -323,25 +338,25 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
     # at 1024 px planned at 210 MiB grew by 264 before this was counted)
     im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
-    cost, attn, held, lifetimes, gpu_peak = Cost(), 0, [], {}, 0
+    cost, attn, held, lifetimes, gpu_peak, kept = Cost(), 0, [], {}, 0, 0
     for i, seg in enumerate(segs):
         for v in seg.outputs:
             if v != p.output:
                 stages.append(Stage(v, producer[v], (b, chans[v], *shapes[v]), nbytes(v), where(v)))
                 alive[v], lifetimes[v] = nbytes(v), (i, i)
         peak_staged = max(peak_staged, sum(alive.values()))
-        kv = 0
+        kv, seg_grid = 0, grid
         if seg.kind == "attention":
-            op, src = seg.ops[0], seg.ops[0].src[0]
-            tokens = shapes[src][0] * shapes[src][1]
-            per_tile = -(-tokens // len(grid))
-            # (GPU plans: fused attention kernels hold no scores; keys and values twice while joined)
-            scores = 0 if s.gpu else b * op.heads * min(tv.query_chunk, per_tile) * tokens * 4
-            kv = (4 if s.gpu else 2) * nbytes(src) + scores
+            kv = _keys_values_bytes(seg.ops[0], shapes, chans, s, len(grid))
             attn = max(attn, kv)
-        c = segment_cost(seg, grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
+            if s.query_rows and tiles is None:
+                seg_grid = query_grid(shapes[ref], s.query_rows)
+        c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
         cost.add(c)
-        held.append(c.working + kv + out_b + im2col)
+        out_now = out_b if any(v == p.output for sg in segs[: i + 1] for v in sg.outputs) else 0
+        kept += sum(b * (8 * chans[op.src[0]] + 16 * op.groups) for op in seg.ops  # statistics, affines
+                    if op.kind == "group_norm" and id(op) not in fixed)  # (kept to the end of the run)
+        held.append(c.working + kv + out_now + im2col + kept + SMALL_TENSORS)  # (output: by its segment)
         gpu_peak = max(gpu_peak, held[-1] + sum(n for v, n in alive.items() if where(v) == "device"))
         for v in [v for v, j in last.items() if j == i]:
             if alive.pop(v, None) is not None:
@@ -354,6 +369,21 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     q.segment_bytes, q.lifetimes = held, lifetimes
     _count(q, cost)
     return q
+
+
+def _keys_values_bytes(op, shapes, chans, s: Setting, tiles: int) -> int:
+    """Device bytes of a global attention's keys and values: their stores and one band of them being
+    made (`attention.keys_values`), only that band when they are streamed from host memory; a CPU plan
+    adds one query chunk's scores (its fused kernel holds them)."""
+    src = op.src[0]
+    h, w = shapes[src]
+    tokens, unit = h * w, s.batch * s.item * chans[src]
+    band = max(1, min(h, (s.kv_chunk or s.query_chunk) // max(w, 1))) * w
+    made = 2 * min(band, tokens) * unit if band < tokens or s.kv_chunk else 0
+    if s.kv_chunk and s.gpu:
+        return made
+    scores = 0 if s.gpu else s.batch * op.heads * min(s.query_chunk, -(-tokens // tiles)) * tokens * 4
+    return 2 * tokens * unit + made + scores
 
 
 def _pass_slack(q: Pass, slack: int) -> int:

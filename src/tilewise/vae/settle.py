@@ -58,7 +58,7 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
         mixed = tv.mode == "exact" and tv.process_group is None
         stagings = ("device", "device+host", "host", "disk") if mixed else ("device", "host", "disk")
     host = prof.host_bytes()
-    budget, last = tv.memory_budget, None
+    budget, last, least = tv.memory_budget, None, None  # (least: the smallest peak tried, for the error)
     for bands in (None, BAND_BYTES):
         fits, settled = [], set()  # stagings that fit at a bigger tile, or at none
         for tile in tiles:
@@ -67,6 +67,8 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                     continue
                 if st == "device+host":
                     plan = place(tv, shape, kind, tile, bands)
+                    if (plan is None or plan.peak > budget) and _can_stream(tv, kind):
+                        plan = _stream(tv, shape, kind, tile, st, bands)
                     if plan is not None and plan.peak <= budget and plan.staged_peak <= host:
                         fits.append(plan)
                         settled.add(st)
@@ -76,9 +78,15 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                     continue  # (row bands do not apply to the untiled run)
                 if st == "disk" and tv.staging == "auto" and last.staged_peak <= host:
                     settled.add(st)  # disk only when host memory cannot hold the staged values
-                elif st == "host" and last.staged_peak > host:
+                    continue
+                if st == "host" and last.staged_peak > host:
                     settled.add(st)
-                elif last.peak <= budget:
+                    continue
+                if last.peak > budget and not last.untiled and _can_stream(tv, kind):
+                    last = _stream(tv, shape, kind, tile, st, bands) or last
+                if least is None or last.peak < least.peak:
+                    least = last
+                if last.peak <= budget:
                     fits.append(last)
                     settled.add(st)  # (a smaller tile only adds launches and halo work)
                 elif not last.untiled and _resident(last) > budget:
@@ -87,14 +95,64 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                 break  # (device staging at this tile beats every staging at a smaller one)
         if fits:
             return min(fits, key=lambda q: (q.seconds, -q.tile_size))
-    raise _no_fit(tv, last)
+    raise _no_fit(tv, least or last)
 
 
-def place(tv, shape, kind: str, tile: int, bands) -> Plan | None:
+def _can_stream(tv, kind: str) -> bool:
+    """Whether exact global attention could stream its keys and values (one process, exact mode)."""
+    return (tv.mode == "exact" and tv.attention == "global" and tv.process_group is None
+            and any(op.kind == "attention" for op in tv.program(kind).ops))
+
+
+def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None:
+    """The plan of a tile and staging with global attention's keys and values in host memory (`vae.
+    attention`), or None when none fits: the least (kv_chunk, query_rows) first (when even that does
+    not fit, the other segments do not), then of the key chunks in STREAM_CHUNKS the biggest query
+    bands that fit, the one of least estimated time."""
+    budget = tv.memory_budget
+    p = tv.program(kind)
+    h = p.shapes(tuple(shape[-2:]))[p.input if kind == "decode" else p.output][0]
+    rows = sorted({max(1, h >> i) for i in range(12)} | {min(tile, h)}, reverse=True)
+
+    def plan(kv, q):
+        if staging == "device+host":
+            return place(tv, shape, kind, tile, bands, (kv, q))
+        return make_plan(tv, shape, kind, tile, staging, bands, attention=(kv, q))
+
+    def fits(got):
+        return got is not None and got.peak <= budget
+
+    least = plan(STREAM_CHUNKS[-1], rows[-1])
+    if not fits(least):
+        return None
+    found = [least]
+    for kv in STREAM_CHUNKS:
+        lo, hi = 0, len(rows) - 1  # rows[hi] fits (or it is the least); find the biggest that does
+        best = plan(kv, rows[hi])
+        if not fits(best):
+            continue
+        while lo < hi:  # (the peak grows with the query band)
+            mid = (lo + hi) // 2
+            got = plan(kv, rows[mid])
+            if fits(got):
+                best, hi = got, mid
+            else:
+                lo = mid + 1
+        found.append(best)
+    return min(found, key=lambda q: q.seconds)
+
+
+# Key / value chunks (tokens) streamed attention tries, biggest first: at 512 channels in float16 a chunk
+# of keys and values is 64 MiB at 32768 tokens (fewer merges: 8 launches a chunk), 8 MiB at 4096; the
+# smaller ones for small budgets and latents.
+STREAM_CHUNKS = (32768, 4096, 512, 64)
+
+
+def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (0, 0)) -> Plan | None:
     """The "device+host" plan of a tile: staged values on the device while they fit beside what each
     segment holds (the values read soonest after they are made first: they are held the shortest for
     the transfers they save), the others in pinned host memory. None when none fits."""
-    host = make_plan(tv, shape, kind, tile, "host", bands)  # (each segment's bytes with every read a copy)
+    host = make_plan(tv, shape, kind, tile, "host", bands, attention=attention)  # (every read a copy)
     room = [tv.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
     chosen = set()
@@ -105,7 +163,8 @@ def place(tv, shape, kind: str, tile: int, bands) -> Plan | None:
             chosen.add(v)
     if not chosen or len(chosen) == len(size):
         return None  # (all of them: device staging itself)
-    return make_plan(tv, shape, kind, tile, "device+host", bands, on_device=frozenset(chosen))
+    return make_plan(tv, shape, kind, tile, "device+host", bands, on_device=frozenset(chosen),
+                     attention=attention)
 
 
 def _resident(plan: Plan) -> int:

@@ -256,7 +256,7 @@ class TiledVAE(ModelWrapper):
         plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
         check_fits(self, kind, tuple(t.shape), plan, streamed=emit is not None)
         tile, staging = plan.tile_size, plan.staging
-        bands = (plan.band_bytes, plan.on_device, plan.staged_estimate)
+        bands = (plan.band_bytes, plan.on_device, plan.staged_estimate, (plan.kv_chunk, plan.query_rows))
         while True:
             try:
                 with torch.no_grad():
@@ -298,12 +298,12 @@ class TiledVAE(ModelWrapper):
         group = self._group()
         fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
         # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
-        rows, on_device, _ = bands
+        rows, on_device, _, (kv_chunk, query_rows) = bands
         return Executor(p, tile, ref, attention=self.attention, staging=staging.split("+")[-1],
                         device=t.device, fixed_stats=fixed, query_chunk=self.query_chunk,
                         progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack,
                         band_bytes=None if self.mode == "fast" else rows, on_device=on_device,
-                        **device_options(self))
+                        kv_chunk=kv_chunk, query_rows=query_rows, **device_options(self))
 
     def _group(self):
         """The resolved process group (None: single process)."""
@@ -311,9 +311,11 @@ class TiledVAE(ModelWrapper):
 
         return resolve_group(self.process_group)
 
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands=(None, frozenset(), False)):
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit,
+                  bands=(None, frozenset(), False, (0, 0))):
         """One run; `bands`: the plan's row bands of exact segments, values staged on the device with
-        "device+host", and whether fast mode estimates from sampled tiles staged segment by segment."""
+        "device+host", whether fast mode estimates from sampled tiles staged segment by segment, and
+        how exact global attention streams its keys and values (kv_chunk, query_rows)."""
         p = self.program(kind)
         shapes = p.shapes(tuple(t.shape[-2:]))
         ref = p.input if kind == "decode" else p.output
