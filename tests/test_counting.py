@@ -121,7 +121,10 @@ def test_device_plan_places_what_fits_on_the_device_and_the_rest_in_host_memory(
         dev = tw.TiledVAE(vae, tile_size=8, staging="device", progress=False, device_kind="cuda")
         host = tw.TiledVAE(vae, tile_size=8, staging="host", progress=False, device_kind="cuda")
         hi, lo = dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak
-        tv = tw.TiledVAE(vae, memory_budget=(hi + lo) // 2, progress=False, device_kind="cuda")
+        # (a link slow beside the compute: what host staging moves is not hidden under this small decode's
+        # kernels, so placing values on the device pays)
+        slow = CUDA.replace(link_bytes_s=5e9)
+        tv = tw.TiledVAE(vae, memory_budget=(hi + lo) // 2, progress=False, device_kind=slow)
         plan = tv.plan(tuple(z.shape))
         c = _counted("meta", tv.decode, z)
     assert plan.staging == "device+host" and 0 < len(plan.on_device) < len(plan.stages)
@@ -134,6 +137,8 @@ def test_device_profile_time_model_and_bad_kinds():
     prof = CUDA.replace(flops=1e12, flops_fp32=5e11, launch_s=1e-5, link_bytes_s=1e9)
     assert prof.seconds(2e12, 1000, 3e9, half=True) == pytest.approx(2 + 0.01 + 3)
     assert prof.seconds(2e12, 0, 0, half=False) == pytest.approx(4)
+    assert prof.hidden(2e12, 1000, 3e9, half=True) == pytest.approx(2.01)  # (copies outlast the compute)
+    assert prof.hidden(2e12, 0, 1e9, half=True) == pytest.approx(1)
     with pytest.raises(ValueError, match="device_kind must be.*'tpu'"):
         tw.TiledVAE(build_vae("sd", torch.float32, "cpu", **NARROW), device_kind="tpu")
 

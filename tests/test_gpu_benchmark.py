@@ -15,7 +15,7 @@ import gpu  # noqa: E402
 from counting import build_vae  # noqa: E402
 
 DRY = ["--device", "cpu", "--device-kind", "cuda", "--narrow", "--budget", "512KiB", "--diffusers-tile", "32",
-       "--repeats", "1", "--dtype", "float16"]
+       "--repeats", "1", "--dtype", "float16", "--small-budget", "384KiB"]
 
 
 @pytest.fixture
@@ -32,7 +32,8 @@ def test_gpu_benchmark_dry_run_times_every_variant_and_writes_the_table(tmp_path
     out = tmp_path / "results_gpu.md"
     rows = gpu.main([*DRY, "--sizes", "64", "--out", str(out)])
     by = {r["variant"]: r for r in rows}
-    assert list(by) == ["untiled", "diffusers tiling", "tilewise exact", "tilewise fast"]
+    assert list(by) == ["untiled", "diffusers tiling", "tilewise exact", "tilewise fast",
+                        "tilewise exact, 384KiB"]
     assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows) and by["untiled"]["ratio"] == 1.0
     exact, fast = by["tilewise exact"], by["tilewise fast"]
     # CUDA-shaped plans that tile at this budget (not the untiled run), with their device and estimate
@@ -48,7 +49,9 @@ def test_gpu_benchmark_dry_run_times_every_variant_and_writes_the_table(tmp_path
     assert 0 < own < 0.5 and exact["max_abs"] <= own
     assert by["diffusers tiling"]["max_abs"] > 10 * own  # (its tiles are blended: a different image)
     text = out.read_text()
-    assert "Command: python benchmarks/gpu.py" in text and text.count("| 64 | ") == 4
+    assert "Command: python benchmarks/gpu.py" in text and text.count("| 64 | ") == 5
+    small = by["tilewise exact, 384KiB"]
+    assert small["plan"].staging == "host" and small["max_abs"] <= own  # (host staging's copies: exact)
     assert "| 64 | tilewise exact |" in text and "tile 4" in text
 
 

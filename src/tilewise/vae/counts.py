@@ -52,11 +52,13 @@ class Cost:
     h2d: int = 0  # bytes host -> device
     d2h: int = 0
     working: int = 0
+    d2h_side: int = 0  # ... of them copied on a side stream (host staging's stores: vae/copies.py)
 
     def add(self, other: Cost, together: bool = False) -> None:
         self.work, self.flops = self.work + other.work, self.flops + other.flops
         self.launches, self.syncs = self.launches + other.launches, self.syncs + other.syncs
         self.h2d, self.d2h = self.h2d + other.h2d, self.d2h + other.d2h
+        self.d2h_side += other.d2h_side
         self.working = self.working + other.working if together else max(self.working, other.working)
 
 
@@ -223,6 +225,7 @@ def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Co
         cost.launches += 1  # into the output tensor (decode_to: to the sink)
     elif s.off(v):
         cost.d2h += n
+        cost.d2h_side += n
     elif s.staging == "disk":
         cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
     else:

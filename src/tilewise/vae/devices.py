@@ -9,14 +9,17 @@ A `DeviceProfile` says how the executor runs on a device kind and what its work 
   bands, row bands only where the memory budget needs them (the planner decides), moments in one pass,
   tiles as big as the budget allows. Host staging uses pinned memory.
 
-Estimated time (`estimate`), a stated model, not a measurement:
+Estimated time (`seconds`, less `hidden` per segment), a stated model, not a measurement:
     compute   = FLOPs / flops (half or float32 throughput) + kernel launches x launch_s
     transfers = host<->device bytes / link_bytes_s
-    time      = compute + transfers
-Transfers are summed, not overlapped: the copies run on the compute stream (asynchronous to the host,
-serial on the device). The model leaves out memory-bound kernel time (GroupNorm, activations, copies
-read and write every byte once: at ~3 TB/s small beside the convolutions) and cuDNN's choice of
-algorithm; `benchmarks/gpu.sh` measures the real times beside it.
+    time      = compute + transfers - hidden
+    hidden    = per segment, min(its side-stream copies' time, its compute)
+Host staging's device -> host copies run on a side stream (`copies.CudaLane`) and overlap the compute
+of their segment; host -> device reads and streamed attention's keys and values run on the compute
+stream (asynchronous to the host, serial on the device) and are summed. The model leaves out
+memory-bound kernel time (GroupNorm, activations, copies read and write every byte once: at ~3 TB/s
+small beside the convolutions) and cuDNN's choice of algorithm; `benchmarks/gpu.sh` measures the real
+times beside it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class DeviceProfile:
         """Estimated time of the work (module docstring): compute plus launches plus transfers."""
         rate = self.flops if half else self.flops_fp32
         return flops / rate + launches * self.launch_s + transfer_bytes / self.link_bytes_s
+
+    def hidden(self, flops: int, launches: int, side_bytes: int, half: bool) -> float:
+        """Seconds of side-stream copies (`side_bytes`) that overlap compute of (flops, launches)."""
+        rate = self.flops if half else self.flops_fp32
+        return min(side_bytes / self.link_bytes_s, flops / rate + launches * self.launch_s)
 
     def host_bytes(self) -> int:
         """Host memory host staging may fill: host_memory, or what this machine has available now."""

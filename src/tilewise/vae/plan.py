@@ -66,6 +66,7 @@ class Pass:
     h2d: int = 0  # bytes host -> device
     d2h: int = 0  # bytes device -> host
     seconds: float = 0.0  # estimated on the plan's device profile (devices.DeviceProfile.seconds)
+    hidden: float = 0.0  # ... less this: side-stream copies under their segment's compute (vae/copies.py)
     segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
 
@@ -223,7 +224,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     for name in ("flops", "launches", "syncs", "h2d", "d2h"):
         setattr(plan, name, sum(getattr(q, name) for q in passes))
     for q in passes:
-        q.seconds = prof.seconds(q.flops, q.launches, q.h2d + q.d2h, item < 4)
+        q.seconds = prof.seconds(q.flops, q.launches, q.h2d + q.d2h, item < 4) - q.hidden
     plan.seconds = sum(q.seconds for q in passes)
     plan.untiled_flops = untiled_cost(p, shapes, p.channels(), setting).flops
     if st == "disk" and prof.kind == "cpu":  # freed heap the trims leave resident
@@ -338,7 +339,8 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
     # at 1024 px planned at 210 MiB grew by 264 before this was counted)
     im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
-    cost, attn, held, lifetimes, gpu_peak, kept = Cost(), 0, [], {}, 0, 0
+    cost, attn, held, lifetimes, gpu_peak, kept, hidden = Cost(), 0, [], {}, 0, 0, 0.0
+    prof = device_profile(tv)
     for i, seg in enumerate(segs):
         for v in seg.outputs:
             if v != p.output:
@@ -353,6 +355,7 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
                 seg_grid = query_grid(shapes[ref], s.query_rows)
         c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
         cost.add(c)
+        hidden += prof.hidden(c.flops, c.launches, c.d2h_side, s.item < 4)
         out_now = out_b if any(v == p.output for sg in segs[: i + 1] for v in sg.outputs) else 0
         kept += sum(b * (8 * chans[op.src[0]] + 16 * op.groups) for op in seg.ops  # statistics, affines
                     if op.kind == "group_norm" and id(op) not in fixed)  # (kept to the end of the run)
@@ -366,7 +369,7 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     q = Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
              len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, cost.working, attn,
              cost.work / full if full else 1.0, out_b, 0, peak)
-    q.segment_bytes, q.lifetimes = held, lifetimes
+    q.segment_bytes, q.lifetimes, q.hidden = held, lifetimes, hidden
     _count(q, cost)
     return q
 

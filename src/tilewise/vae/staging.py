@@ -142,6 +142,9 @@ class Staging:
         self.dir = None
         if where == "disk":
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
+        from . import copies
+
+        self.lane = copies.copy_lane(device, where)  # device -> host copies (a side stream on CUDA)
         self.tensors: dict[str, Any] = {}  # value -> tensor (device / host) or DiskValue
         self.offsets: dict[str, int] = {}  # first stored row of values held as a band of rows
         self.sizes: dict[str, int] = {}  # bytes of each allocated staged tensor
@@ -186,6 +189,7 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
+        self.lane.ready(name)
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
 
     def reads_copy(self, name: str) -> bool:
@@ -205,6 +209,8 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             t.write(y0 - off, y1 - off, x0, x1, value)
+        elif self.where == "host" and name not in self.on_device:  # into host memory: the lane's copy
+            self.lane.copy(name, t[..., y0 - off : y1 - off, x0:x1], value)
         else:
             t[..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
 
@@ -217,6 +223,7 @@ class Staging:
 
     def free(self, name: str) -> None:
         """Drop a staged tensor (and its file)."""
+        self.lane.ready(name)
         t = self.tensors.pop(name, None)
         self.offsets.pop(name, None)
         self.sizes.pop(name, None)
@@ -224,7 +231,8 @@ class Staging:
             t.close()
 
     def close(self) -> None:
-        """Free everything."""
+        """Free everything (after every copy into it has been made)."""
+        self.lane.finish()
         for name in list(self.tensors):
             self.free(name)
         if self.dir is not None:
