@@ -58,11 +58,12 @@ def test_fake_meta_run_counts_what_a_cpu_run_counts():
 
 
 @pytest.mark.parametrize("kind", ["decode", "encode"])
-@pytest.mark.parametrize("staging", ["device", "host"])
-def test_gpu_plan_counts_flops_launches_transfers_and_peak_of_the_run(kind, staging):
-    with fake():
+@pytest.mark.parametrize("staging,query_chunk", [("device", 4096), ("host", 4096), ("device", 64)])
+def test_gpu_plan_counts_flops_launches_transfers_and_peak_of_the_run(kind, staging, query_chunk):
+    with fake():  # (query_chunk 64: keys and values made in bands, projected into their stores)
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
-        tv = tw.TiledVAE(vae, tile_size=8, staging=staging, progress=False, device_kind="cuda")
+        tv = tw.TiledVAE(vae, tile_size=8, staging=staging, progress=False, device_kind="cuda",
+                         query_chunk=query_chunk)
         t = torch.randn(1, 4, 16, 16) if kind == "decode" else torch.randn(1, 3, 128, 128)
         t = t.to("meta", torch.float16)
         plan = tv.plan(tuple(t.shape), kind=kind)

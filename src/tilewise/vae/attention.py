@@ -32,19 +32,35 @@ def keys_values(op, read, h: int, w: int, rows: tuple[int, int], chunk: int, dev
         return all_gather_cat(k, group, dim=1), all_gather_cat(v, group, dim=1)
     if len(starts) == 1 and not host:
         return op.keys_values(read((lo, hi, 0, w)))
-    stores = None
+    stores, into = None, False
     for y0 in starts:
         y1 = min(hi, y0 + band)
-        k, v = op.keys_values(read((y0, y1, 0, w)))
-        if stores is None:
-            b, _, c = k.shape
-            where = dict(device="cpu", pin_memory=torch.device(device).type == "cuda") if host else {
-                "device": device}
-            stores = [torch.empty((b, (hi - lo) * w, c), dtype=k.dtype, **where) for _ in (k, v)]
+        n = read((y0, y1, 0, w))
         t0, t1 = (y0 - lo) * w, (y1 - lo) * w
+        if stores is None:
+            b, c = n.shape[:2]
+            off = host and torch.device(device).type != "cpu"
+            where = dict(device="cpu", pin_memory=torch.device(device).type == "cuda") if off else {
+                "device": n.device}
+            stores = [torch.empty((b, (hi - lo) * w, c), dtype=n.dtype, **where) for _ in (0, 1)]
+            into = not off and projects_into(op, b)
+        if into:  # one addmm a projection, straight into the store
+            t = n.flatten(2).transpose(1, 2)[0]
+            for layer, store in zip((op.to_k, op.to_v), stores, strict=True):
+                torch.addmm(layer.bias, t, layer.weight.t(), out=store[0, t0:t1])
+            continue
+        k, v = op.keys_values(n)
         stores[0][:, t0:t1].copy_(k, non_blocking=True)
         stores[1][:, t0:t1].copy_(v, non_blocking=True)
     return tuple(stores)
+
+
+def projects_into(op, batch: int) -> bool:
+    """Whether keys and values can be projected straight into a store on the device: plain Linear layers
+    with biases (one addmm each) and one batch item (a store's rows are then one matrix)."""
+    import torch
+
+    return batch == 1 and all(type(m) is torch.nn.Linear and m.bias is not None for m in (op.to_k, op.to_v))
 
 
 def query_grid(shape: tuple[int, int], rows: int):

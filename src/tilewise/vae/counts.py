@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..locality.ops import box_area, clip_box, map_box, zero_pad
 from ..locality.program import back_propagate, last_use
+from .attention import projects_into
 from .bands import band_rows, row_local, tile_bands, working_bytes
 
 # kernels of the pieces made of several operators (counted with benchmarks/counting.py)
@@ -30,6 +31,7 @@ ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), he
 ATTENTION_COPY = 1  # ... plus one copy when the tile's box is not contiguous in its tensor
 KEYS_VALUES = 4  # to_k and to_v of one band of tokens (matmul and bias each)
 KV_STORE = 2  # ... written into their stores when there are several bands (a copy each)
+PROJECT_INTO = 2  # ... or projected straight into them (plain Linear layers: one addmm each)
 STREAMED = 2  # streamed attention (locality.streamed_attention), once a query box: o, lse (half: a cast)
 STREAMED_CHUNK = 8  # ... and per key chunk: the fused kernel, the log-sum-exp merge and the output's
 MERGE = 13  # GroupStats: the tiles' moments merged (two or more parts; float32 ones widened: 2 more)
@@ -257,9 +259,13 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
             h, w = shapes[src]
             c = chans[src]
             bands = -(-h // max(1, min(h, (s.kv_chunk or s.query_chunk) // max(w, 1))))
-            # (one band on the device: its keys and values are the store; into host memory: copies)
-            stored = (bands > 1 or s.kv_chunk) and not (s.kv_chunk and s.gpu)
-            cost.launches += (KEYS_VALUES + (KV_STORE if stored else 0)) * bands
+            if bands == 1 and not s.kv_chunk:  # (its keys and values are the store)
+                cost.launches += KEYS_VALUES
+            elif s.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
+                cost.launches += KEYS_VALUES * bands
+            else:  # into a store on the device: one addmm a projection, or a copy after it
+                into = projects_into(op, s.batch)
+                cost.launches += (PROJECT_INTO if into else KEYS_VALUES + KV_STORE) * bands
             cost.flops += s.batch * 2 * 2 * h * w * c * c
             if s.off(src):
                 cost.h2d += h * w * c * unit
