@@ -20,11 +20,23 @@ from tilewise.vae.executor import Executor, NonFiniteError  # noqa: E402
 
 
 class LateLane:
-    """Copies made when their value is next needed; until then their destination holds NaN."""
+    """Copies made when their value is next needed; until then their destination holds NaN. Boxes read
+    ahead (`fetch`) are read after the copies into their value (one stream) and handed over at `take`."""
+
+    prefetch = True
 
     def __init__(self):
         self.pending: dict[str, list] = {}
-        self.copies = self.late = 0
+        self.copies = self.late = self.fetches = self.taken = 0
+
+    def fetch(self, name, src, device):
+        self.ready(name)  # (the side stream's order: after the copies into it)
+        self.fetches += 1
+        return src.to(device, copy=True)
+
+    def take(self, handle):
+        self.taken += 1
+        return handle
 
     def copy(self, name, dst, src):
         dst.fill_(float("nan"))
@@ -46,6 +58,9 @@ class SkippingLane(LateLane):
 
     def ready(self, name):
         pass
+
+    def fetch(self, name, src, device):
+        return src.to(device, copy=True)
 
 
 def _lane(monkeypatch, cls):
@@ -72,7 +87,9 @@ def test_host_staging_with_late_copies_equals_the_untiled_module(monkeypatch, ki
             p, ref = lower(vae.encoder), vae.encoder(t)
         out = Executor(p, 5, p.input if kind == "decode" else p.output, staging="host", progress=False).run(t)
     assert (out - ref).abs().max() <= 1e-4
-    assert lanes[0].copies > 0 and lanes[0].late == lanes[0].copies and not lanes[0].pending
+    lane = lanes[0]
+    assert lane.copies > 0 and lane.late == lane.copies and not lane.pending
+    assert lane.fetches > 0 and lane.taken == lane.fetches  # (every box read ahead was used)
 
 
 def test_device_plus_host_staging_and_streamed_attention_with_late_copies_are_exact(monkeypatch):

@@ -11,6 +11,10 @@ of a staged value's box:
    host -> device read, a halo exchange, freeing it) first makes the compute stream wait for that event
    (`ready`: a wait on the device, no host synchronisation).
 
+The other way, the executor reads the next tile's host-staged inputs while this tile computes
+(`fetch` on the side stream, after the compute so far; `take` makes the compute stream wait for it
+and hands the tensor's memory to the compute stream with record_stream).
+
 Pinned host blocks a copy used are not reused before the copy ends (PyTorch's host allocator records an
 event for them). Elsewhere (CPU, the meta device of counted runs) copies are made where they are
 called (`InlineLane`). `tests/test_copies.py` runs the protocol against a lane that makes copies late
@@ -21,10 +25,22 @@ from __future__ import annotations
 
 
 class InlineLane:
-    """Copies made at once, on the caller's stream."""
+    """Copies made at once, on the caller's stream. `prefetch`: the executor reads the next tile's inputs
+    before it runs this one (the meta device of counted runs: a CUDA run's order and memory)."""
+
+    def __init__(self, prefetch: bool = False):
+        self.prefetch = prefetch
 
     def copy(self, name: str, dst, src) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def fetch(self, name: str, src, device):
+        """A host box of `name` read onto the device ahead of its use: a handle for `take`."""
+        return src.to(device, non_blocking=True)
+
+    def take(self, handle):
+        """The tensor of a `fetch`, ready for the compute stream."""
+        return handle
 
     def ready(self, name: str) -> None:
         """Copies into `name` have been made (always, here)."""
@@ -36,6 +52,8 @@ class InlineLane:
 class CudaLane:
     """Copies on a CUDA side stream (the module docstring's protocol)."""
 
+    prefetch = True
+
     def __init__(self, device):
         import torch
 
@@ -43,6 +61,22 @@ class CudaLane:
         self.compute = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)
         self.events: dict = {}  # staged value -> event after its last copy
+
+    def fetch(self, name: str, src, device):
+        """Read a host box of `name` onto the device on the side stream (after the copies into it, in
+        stream order, and after the compute so far: the memory it lands in may have been the compute's)."""
+        self.stream.wait_stream(self.compute)
+        with self.torch.cuda.stream(self.stream):
+            t = src.to(device, non_blocking=True)
+        return t, self.stream.record_event()
+
+    def take(self, handle):
+        """The fetched tensor, once its copy is done on the compute stream's clock; its memory is then
+        the compute stream's too (record_stream)."""
+        t, event = handle
+        self.compute.wait_event(event)
+        t.record_stream(self.compute)
+        return t
 
     def copy(self, name: str, dst, src) -> None:
         self.stream.wait_stream(self.compute)
@@ -65,6 +99,7 @@ def copy_lane(device, where: str):
     """The lane of a staging: a CUDA side stream for host staging on a CUDA device, else inline."""
     import torch
 
-    if where == "host" and torch.device(device).type == "cuda":
+    kind = torch.device(device).type
+    if where == "host" and kind == "cuda":
         return CudaLane(device)
-    return InlineLane()
+    return InlineLane(prefetch=where == "host" and kind == "meta")

@@ -55,12 +55,15 @@ class Cost:
     d2h: int = 0
     working: int = 0
     d2h_side: int = 0  # ... of them copied on a side stream (host staging's stores: vae/copies.py)
+    ahead: int = 0  # device bytes of the next tile's inputs, read while a tile runs (a maximum)
+    fetched: int = 0  # host -> device bytes of such reads ahead, every tile's (a sum)
 
     def add(self, other: Cost, together: bool = False) -> None:
         self.work, self.flops = self.work + other.work, self.flops + other.flops
         self.launches, self.syncs = self.launches + other.launches, self.syncs + other.syncs
         self.h2d, self.d2h = self.h2d + other.h2d, self.d2h + other.d2h
         self.d2h_side += other.d2h_side
+        self.ahead, self.fetched = max(self.ahead, other.ahead), self.fetched + other.fetched
         self.working = self.working + other.working if together else max(self.working, other.working)
 
 
@@ -120,6 +123,9 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
+    if s.gpu and s.staging != "disk":  # host-staged boxes of the first band, read a tile ahead (copies.py)
+        cost.ahead = cost.fetched = sum(box_area(needs[0][v]) * chans[v] * unit
+                                        for v in owned - {program.input} if v in needs[0])
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)

@@ -279,7 +279,11 @@ class Executor:
         """Every tile of the grid: read the needed regions, run the ops, write the cores."""
         ref = shapes[self.ref]
         last = last_use(seg.ops, seg.outputs)
-        for tile in self._seg_tiles(seg, shapes):
+        tiles = self._seg_tiles(seg, shapes)
+        ahead = [v for v in seg.inputs if stage.prefetches(v)]  # (host-staged inputs: read a tile ahead)
+        for k, tile in enumerate(tiles):
+            if ahead and k + 1 < len(tiles):
+                self._prefetch(seg, tiles[k + 1], shapes, stage, ahead)
             cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
             cores = {v: b for v, b in cores.items() if not box_empty(b)}
             if cores and tile.index in self.done and list(cores) == [self.program.output]:
@@ -293,6 +297,21 @@ class Executor:
             vals = None  # this tile's values die now, not while the next tile runs
             stage.trim()  # disk staging: at most heap_slack of freed heap stays resident
             bar.update(1)
+        stage.drop_fetched()
+
+    def _prefetch(self, seg, tile, shapes, stage: Staging, values) -> None:
+        """Start reading the host-staged inputs of a tile's first band (it runs next: the copies overlap
+        this tile's compute; `copies`)."""
+        ref = shapes[self.ref]
+        cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
+        if tile.index in self.done or all(box_empty(b) for b in cores.values()):
+            return
+        bands = self._tile_bands(seg, tile.core, shapes)
+        if bands:
+            need = back_propagate(seg.ops, bands[0], shapes)
+            for v in values:
+                if v in need:
+                    stage.prefetch(v, need[v])
 
     def _run_tile(self, seg, stage, shapes, ctx, core: Box, last):
         """The segment's ops on one tile (reference box `core`), each on the box it needs (back-propagated

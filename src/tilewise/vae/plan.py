@@ -355,11 +355,12 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
                 seg_grid = query_grid(shapes[ref], s.query_rows)
         c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
         cost.add(c)
-        hidden += prof.hidden(c.flops, c.launches, c.d2h_side, s.item < 4)
+        side = c.d2h_side + c.fetched - c.ahead  # (every tile's reads ahead but about the first tile's)
+        hidden += prof.hidden(c.flops, c.launches, side, s.item < 4)
         out_now = out_b if any(v == p.output for sg in segs[: i + 1] for v in sg.outputs) else 0
         kept += sum(b * (8 * chans[op.src[0]] + 16 * op.groups) for op in seg.ops  # statistics, affines
                     if op.kind == "group_norm" and id(op) not in fixed)  # (kept to the end of the run)
-        held.append(c.working + kv + out_now + im2col + kept + SMALL_TENSORS)  # (output: by its segment)
+        held.append(c.working + c.ahead + kv + out_now + im2col + kept + SMALL_TENSORS)  # (output: its own)
         gpu_peak = max(gpu_peak, held[-1] + sum(n for v, n in alive.items() if where(v) == "device"))
         for v in [v for v, j in last.items() if j == i]:
             if alive.pop(v, None) is not None:

@@ -145,6 +145,8 @@ class Staging:
         from . import copies
 
         self.lane = copies.copy_lane(device, where)  # device -> host copies (a side stream on CUDA)
+        self.fetched: dict = {}  # (value, box) -> a lane handle of a box read ahead (`prefetch`)
+        self.given: set[str] = set()  # values staged as given (`put`: the program input)
         self.tensors: dict[str, Any] = {}  # value -> tensor (device / host) or DiskValue
         self.offsets: dict[str, int] = {}  # first stored row of values held as a band of rows
         self.sizes: dict[str, int] = {}  # bytes of each allocated staged tensor
@@ -172,6 +174,7 @@ class Staging:
     def put(self, name: str, tensor) -> None:
         """Stage an existing full tensor (the program input) without copying."""
         self.tensors[name] = tensor
+        self.given.add(name)
 
     def info(self, name: str) -> tuple[tuple[int, ...], Any, Any]:
         """(stored shape, dtype, device) of a staged value."""
@@ -189,8 +192,27 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
+        handle = self.fetched.pop((name, tuple(box)), None)
+        if handle is not None:
+            return self.lane.take(handle)
         self.lane.ready(name)
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
+
+    def prefetches(self, name: str) -> bool:
+        """Whether boxes of `name` are read ahead (`prefetch`): host-staged values, with a lane that does."""
+        return (self.lane.prefetch and self.where == "host" and name not in self.on_device | self.given
+                and not isinstance(self.tensors.get(name), DiskValue | None))
+
+    def prefetch(self, name: str, box: Box) -> None:
+        """Start reading a box of a host-staged value onto the device; `read(name, box)` takes it."""
+        y0, y1, x0, x1 = box
+        off = self.offsets.get(name, 0)
+        src = self.tensors[name][..., y0 - off : y1 - off, x0:x1]
+        self.fetched[(name, tuple(box))] = self.lane.fetch(name, src, self.device)
+
+    def drop_fetched(self) -> None:
+        """Forget boxes read ahead that no tile took."""
+        self.fetched.clear()
 
     def reads_copy(self, name: str) -> bool:
         """Whether read(name, ...) returns a new tensor of its own (disk, or host memory read onto an
