@@ -188,3 +188,27 @@ def test_streamed_plan_run_on_real_values_equals_the_stock_decode():
         out, ref = tv.decode(z).sample, vae.decode(z).sample
     assert plan.kv_chunk > 0 and not plan.untiled
     assert (out - ref).abs().max() <= 1e-4
+
+
+def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
+    from tilewise.vae.plan import make_plan
+
+    with fake():
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
+        tv = tw.TiledVAE(vae, staging="host", progress=False, device_kind="cuda")
+        ahead, plain = (make_plan(tv, tuple(z.shape), "decode", 16, "host", read_ahead=a) for a in (True, False))
+        assert ahead.read_ahead and not plain.read_ahead and plain.peak < ahead.peak
+        assert ahead.seconds < plain.seconds and ahead.h2d == plain.h2d  # (the same reads, earlier)
+        assert "inputs read while a tile runs" in str(ahead)
+        tight = tw.TiledVAE(vae, staging="host", memory_budget=plain.peak + 1, progress=False,
+                            device_kind="cuda")
+        plan = tight.plan(tuple(z.shape))
+        c = _counted("meta", tight.decode, z)
+        would = make_plan(tight, tuple(z.shape), "decode", plan.tile_size, "host")
+        roomy = tw.TiledVAE(vae, staging="host", memory_budget=ahead.peak, progress=False, device_kind="cuda")
+        chosen = roomy.plan(tuple(z.shape))
+    assert plan.tile_size >= 16 and not plan.read_ahead and would.peak > tight.memory_budget
+    assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h)
+    assert c.device_peak("meta") <= plan.peak <= tight.memory_budget
+    assert chosen.tile_size >= 16 and chosen.read_ahead

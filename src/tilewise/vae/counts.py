@@ -83,6 +83,7 @@ class Setting:
     on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
     kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
     query_rows: int = 0  # attention segments' queries in row bands of this many reference rows (0: tiles)
+    read_ahead: bool = True  # host staging on a GPU reads the next tile's inputs while a tile runs
 
     def off(self, v: str) -> bool:
         """Whether staged value v lives across the link (its reads and writes are transfers)."""
@@ -123,7 +124,7 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
-    if s.gpu and s.staging != "disk":  # host-staged boxes of the first band, read a tile ahead (copies.py)
+    if s.gpu and s.read_ahead and s.staging != "disk":  # host-staged first-band boxes read a tile ahead
         cost.ahead = cost.fetched = sum(box_area(needs[0][v]) * chans[v] * unit
                                         for v in owned - {program.input} if v in needs[0])
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):

@@ -14,9 +14,10 @@ Estimated time (`seconds`, less `hidden` per segment), a stated model, not a mea
     transfers = host<->device bytes / link_bytes_s
     time      = compute + transfers - hidden
     hidden    = per segment, min(its side-stream copies' time, its compute)
-Host staging's device -> host copies run on a side stream (`copies.CudaLane`) and overlap the compute
-of their segment; host -> device reads and streamed attention's keys and values run on the compute
-stream (asynchronous to the host, serial on the device) and are summed. The model leaves out
+Host staging's device -> host copies and its reads of the next tile's inputs run on a side stream
+(`copies.CudaLane`) and overlap the compute of their segment; the other host -> device reads (the
+first tile's, later row bands', keys and values) run on the compute stream (asynchronous to the host,
+serial on the device) and are summed. The model leaves out
 memory-bound kernel time (GroupNorm, activations, copies read and write every byte once: at ~3 TB/s
 small beside the convolutions) and cuDNN's choice of algorithm; `benchmarks/gpu.sh` measures the real
 times beside it.

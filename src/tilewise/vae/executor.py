@@ -90,6 +90,7 @@ class Executor:
     on_device: frozenset = frozenset()  # values staged on the device whatever `staging` says
     kv_chunk: int = 0  # global attention: keys / values in host memory, streamed this many tokens at a time
     query_rows: int = 0  # global attention: queries in row bands of this many reference rows (0: the tiles)
+    read_ahead: bool = True  # host staging: the next tile's inputs read while a tile runs (where it can)
 
     _bands = None  # RowBands of the current run with a process group
     _checks = None  # FiniteChecks of the current segment
@@ -280,7 +281,7 @@ class Executor:
         ref = shapes[self.ref]
         last = last_use(seg.ops, seg.outputs)
         tiles = self._seg_tiles(seg, shapes)
-        ahead = [v for v in seg.inputs if stage.prefetches(v)]  # (host-staged inputs: read a tile ahead)
+        ahead = [v for v in seg.inputs if self.read_ahead and stage.prefetches(v)]  # (read a tile ahead)
         for k, tile in enumerate(tiles):
             if ahead and k + 1 < len(tiles):
                 self._prefetch(seg, tiles[k + 1], shapes, stage, ahead)

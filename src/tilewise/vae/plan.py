@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..locality.ops import box_area, map_box
 from ..locality.program import Program
@@ -29,6 +30,16 @@ _PROFILE = object()  # make_plan(band_bytes=...) default: the device profile's r
 # finite checks' sums, the statistics' per-tile parts, the affines' float64 temporaries (counted: ~2 KiB
 # on the narrow test VAE; a few tens of KiB at 512 channels).
 SMALL_TENSORS = 64 << 10
+
+
+class Choices(NamedTuple):
+    """What a plan settles beyond tile and staging, as the run takes it (`Plan.choices`)."""
+
+    band_bytes: int | None = None  # exact segments' big tiles in row bands of this
+    on_device: frozenset = frozenset()  # "device+host": the values staged on the device
+    staged_estimate: bool = False  # fast mode: sampled tiles staged segment by segment
+    attention: tuple[int, int] = (0, 0)  # (kv_chunk, query_rows): streamed global attention
+    read_ahead: bool = True  # host staging reads the next tile's inputs while a tile runs (copies.py)
 
 
 @dataclass
@@ -67,6 +78,7 @@ class Pass:
     d2h: int = 0  # bytes device -> host
     seconds: float = 0.0  # estimated on the plan's device profile (devices.DeviceProfile.seconds)
     hidden: float = 0.0  # ... less this: side-stream copies under their segment's compute (vae/copies.py)
+    ahead: int = 0  # most device bytes of a tile's inputs read while the tile before runs
     segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
 
@@ -111,6 +123,12 @@ class Plan:
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
     kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
     query_rows: int = 0  # ... its queries in row bands of this many latent rows (0: in the tiles)
+    read_ahead: bool = True  # host-staged inputs of the next tile read while a tile runs (GPU plans)
+
+    def choices(self) -> Choices:
+        """What the run takes from this plan beyond tile and staging."""
+        return Choices(self.band_bytes, self.on_device, self.staged_estimate,
+                       (self.kv_chunk, self.query_rows), self.read_ahead)
 
     def __str__(self) -> str:
         from ..memory import format_bytes as fb
@@ -131,6 +149,9 @@ class Plan:
                 f"  staging: {self.staging}, {len(self.stages)} staged values, at most "
                 f"{fb(self.staged_peak)} alive at once",
             ]
+        if self.device != "cpu" and self.staging in ("host", "device+host") and not self.untiled:
+            rows.append("    copies to the host on a side stream" + (", the next tile's inputs read while a "
+                                                                     "tile runs" if self.read_ahead else ""))
         for s in self.stages[:6]:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
         if len(self.stages) > 6:
@@ -165,7 +186,8 @@ def _ms(seconds: float) -> str:
 
 def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
               staging: str | None = None, band_bytes=_PROFILE, untiled: bool = False,
-              on_device: frozenset = frozenset(), attention: tuple[int, int] = (0, 0)) -> Plan:
+              on_device: frozenset = frozenset(), attention: tuple[int, int] = (0, 0),
+              read_ahead: bool = True) -> Plan:
     """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak, and what
     it dispatches on its device profile (FLOPs, launches, transfers, estimated time).
 
@@ -179,7 +201,9 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     the untiled run too (exact, and less work than fast mode's passes on that one tile).
     `attention` = (kv_chunk, query_rows): exact global attention with its keys and values in host
     memory, streamed kv_chunk tokens at a time, and its queries in row bands of query_rows rows
-    (`vae.attention`; (0, 0): keys and values on the device, queries in the tiles).
+    (`vae.attention`; (0, 0): keys and values on the device, queries in the tiles). `read_ahead`: a GPU
+    plan's host staging reads the next tile's inputs while a tile runs (one tile's reads more on the
+    device; `copies`).
     """
     import torch
 
@@ -195,7 +219,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     item = torch.empty((), dtype=tv.vae.dtype).element_size()
     setting = Setting(st, prof.kind != "cpu", prof.conv_workspace, bands if tv.mode == "exact" else None,
                       prof.stats_chunk, item, shape[0], tv.query_chunk, tv.attention == "global",
-                      frozenset(on_device), *attention)
+                      frozenset(on_device), *attention, read_ahead)
     k = fast_split(tv, p, kind)
     # (a GPU plan in fast mode too: with one tile its estimation passes only add work, launches and bytes)
     one = untiled and (tv.mode == "exact" or prof.kind != "cpu") and max(shapes[ref]) <= tile
@@ -217,6 +241,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     plan.device, plan.profile, plan.untiled = prof.kind, prof, one
     plan.band_bytes, plan.on_device = setting.band_bytes, setting.on_device
     plan.kv_chunk, plan.query_rows = attention
+    plan.read_ahead = read_ahead and any(q.ahead for q in passes)
     plan.staged_estimate = any(q.name == "sampled tiles, staged" for q in passes)
     plan.segment_bytes, plan.lifetimes = last.segment_bytes, last.lifetimes
     passes[0].launches += 5  # the input's finite check (vae.checks.check_finite): a sum, isfinite's four,
@@ -370,7 +395,7 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     q = Pass(name, p.name, (grid.rows, grid.cols), len(grid) if tiles is None else len(tiles),
              len(segs), (b, chans[p.output], *shapes[p.output]), stages, peak_staged, cost.working, attn,
              cost.work / full if full else 1.0, out_b, 0, peak)
-    q.segment_bytes, q.lifetimes, q.hidden = held, lifetimes, hidden
+    q.segment_bytes, q.lifetimes, q.hidden, q.ahead = held, lifetimes, hidden, cost.ahead
     _count(q, cost)
     return q
 

@@ -67,6 +67,8 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                     continue
                 if st == "device+host":
                     plan = place(tv, shape, kind, tile, bands)
+                    if plan is not None and plan.peak > budget and plan.read_ahead and tv.mode == "exact":
+                        plan = place(tv, shape, kind, tile, bands, read_ahead=False) or plan
                     if (plan is None or plan.peak > budget) and _can_stream(tv, kind):
                         plan = _stream(tv, shape, kind, tile, st, bands)
                     if plan is not None and plan.peak <= budget and plan.staged_peak <= host:
@@ -82,6 +84,8 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                 if st == "host" and last.staged_peak > host:
                     settled.add(st)
                     continue
+                if last.peak > budget and last.read_ahead and tv.mode == "exact":
+                    last = make_plan(tv, shape, kind, tile, st, bands, read_ahead=False)  # (one tile less)
                 if last.peak > budget and not last.untiled and _can_stream(tv, kind):
                     last = _stream(tv, shape, kind, tile, st, bands) or last
                 if least is None or last.peak < least.peak:
@@ -114,10 +118,10 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
     h = p.shapes(tuple(shape[-2:]))[p.input if kind == "decode" else p.output][0]
     rows = sorted({max(1, h >> i) for i in range(12)} | {min(tile, h)}, reverse=True)
 
-    def plan(kv, q):
+    def plan(kv, q):  # (the tight budgets streaming is for: no tile's inputs read ahead)
         if staging == "device+host":
-            return place(tv, shape, kind, tile, bands, (kv, q))
-        return make_plan(tv, shape, kind, tile, staging, bands, attention=(kv, q))
+            return place(tv, shape, kind, tile, bands, (kv, q), read_ahead=False)
+        return make_plan(tv, shape, kind, tile, staging, bands, attention=(kv, q), read_ahead=False)
 
     def fits(got):
         return got is not None and got.peak <= budget
@@ -148,11 +152,13 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
 STREAM_CHUNKS = (32768, 4096, 512, 64)
 
 
-def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (0, 0)) -> Plan | None:
+def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (0, 0),
+          read_ahead: bool = True) -> Plan | None:
     """The "device+host" plan of a tile: staged values on the device while they fit beside what each
     segment holds (the values read soonest after they are made first: they are held the shortest for
     the transfers they save), the others in pinned host memory. None when none fits."""
-    host = make_plan(tv, shape, kind, tile, "host", bands, attention=attention)  # (every read a copy)
+    host = make_plan(tv, shape, kind, tile, "host", bands, attention=attention,  # (every read a copy)
+                     read_ahead=read_ahead)
     room = [tv.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
     chosen = set()
@@ -164,7 +170,7 @@ def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (
     if not chosen or len(chosen) == len(size):
         return None  # (all of them: device staging itself)
     return make_plan(tv, shape, kind, tile, "device+host", bands, on_device=frozenset(chosen),
-                     attention=attention)
+                     attention=attention, read_ahead=read_ahead)
 
 
 def _resident(plan: Plan) -> int:

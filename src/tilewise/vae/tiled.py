@@ -24,7 +24,7 @@ from .checks import check_dtype, check_finite, check_fits
 from .devices import DeviceProfile, device_options, device_profile, profile
 from .executor import Executor, NonFiniteError, check_output
 from .fast import crop_stats, fast_split, run_fast
-from .plan import Plan, make_plan
+from .plan import Choices, Plan, make_plan
 from .settle import settle
 from .staging import STAGINGS, TRIM_FREE
 
@@ -256,7 +256,7 @@ class TiledVAE(ModelWrapper):
         plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
         check_fits(self, kind, tuple(t.shape), plan, streamed=emit is not None)
         tile, staging = plan.tile_size, plan.staging
-        bands = (plan.band_bytes, plan.on_device, plan.staged_estimate, (plan.kv_chunk, plan.query_rows))
+        bands = plan.choices()
         while True:
             try:
                 with torch.no_grad():
@@ -298,12 +298,13 @@ class TiledVAE(ModelWrapper):
         group = self._group()
         fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
         # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
-        rows, on_device, _, (kv_chunk, query_rows) = bands
+        kv_chunk, query_rows = bands.attention
         return Executor(p, tile, ref, attention=self.attention, staging=staging.split("+")[-1],
                         device=t.device, fixed_stats=fixed, query_chunk=self.query_chunk,
                         progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack,
-                        band_bytes=None if self.mode == "fast" else rows, on_device=on_device,
-                        kv_chunk=kv_chunk, query_rows=query_rows, **device_options(self))
+                        band_bytes=None if self.mode == "fast" else bands.band_bytes,
+                        on_device=bands.on_device, kv_chunk=kv_chunk, query_rows=query_rows,
+                        read_ahead=bands.read_ahead, **device_options(self))
 
     def _group(self):
         """The resolved process group (None: single process)."""
@@ -311,11 +312,10 @@ class TiledVAE(ModelWrapper):
 
         return resolve_group(self.process_group)
 
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit,
-                  bands=(None, frozenset(), False, (0, 0))):
-        """One run; `bands`: the plan's row bands of exact segments, values staged on the device with
-        "device+host", whether fast mode estimates from sampled tiles staged segment by segment, and
-        how exact global attention streams its keys and values (kv_chunk, query_rows)."""
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands: Choices = Choices()):
+        """One run; `bands`: what the plan settled beyond tile and staging (`plan.Choices`: row bands of
+        exact segments, values staged on the device with "device+host", fast mode's staged estimate,
+        streamed attention, reads ahead)."""
         p = self.program(kind)
         shapes = p.shapes(tuple(t.shape[-2:]))
         ref = p.input if kind == "decode" else p.output
@@ -331,7 +331,7 @@ class TiledVAE(ModelWrapper):
         split = fast_split(self, p, kind)
         if split is not None:
             out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
-                                                  self._group(), staged=bands[2])
+                                                  self._group(), staged=bands.staged_estimate)
             return out
         ex = self._executor(kind, t, tile, staging, slack, bands)
         out = ex.run(t, emit=emit)
