@@ -197,7 +197,8 @@ def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
         tv = tw.TiledVAE(vae, staging="host", progress=False, device_kind="cuda")
-        ahead, plain = (make_plan(tv, tuple(z.shape), "decode", 16, "host", read_ahead=a) for a in (True, False))
+        ahead, plain = (make_plan(tv, tuple(z.shape), "decode", 16, "host", read_ahead=a)
+                        for a in (True, False))
         assert ahead.read_ahead and not plain.read_ahead and plain.peak < ahead.peak
         assert ahead.seconds < plain.seconds and ahead.h2d == plain.h2d  # (the same reads, earlier)
         assert "inputs read while a tile runs" in str(ahead)
