@@ -31,6 +31,7 @@ from .staging import STAGINGS, TRIM_FREE
 logger = logging.getLogger(__name__)
 
 MODES = ("exact", "fast")
+DEFAULT_CHOICES = Choices()  # a run outside a settled plan: no bands, nothing streamed, reads ahead
 ATTENTIONS = ("global", "tile")
 
 
@@ -312,7 +313,7 @@ class TiledVAE(ModelWrapper):
 
         return resolve_group(self.process_group)
 
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands: Choices = Choices()):
+    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands: Choices = DEFAULT_CHOICES):
         """One run; `bands`: what the plan settled beyond tile and staging (`plan.Choices`: row bands of
         exact segments, values staged on the device with "device+host", fast mode's staged estimate,
         streamed attention, reads ahead)."""
