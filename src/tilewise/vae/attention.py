@@ -37,19 +37,25 @@ def keys_values(op, read, h: int, w: int, rows: tuple[int, int], chunk: int, dev
         y1 = min(hi, y0 + band)
         n = read((y0, y1, 0, w))
         t0, t1 = (y0 - lo) * w, (y1 - lo) * w
+        kv = None
         if stores is None:
-            b, c = n.shape[:2]
+            b = n.shape[0]
             off = host and torch.device(device).type != "cpu"
+            into = not off and projects_into(op, b)
+            if into:
+                c = op.to_k.weight.shape[0]
+            else:
+                kv = op.keys_values(n)
+                c = kv[0].shape[-1]
             where = dict(device="cpu", pin_memory=torch.device(device).type == "cuda") if off else {
                 "device": n.device}
             stores = [torch.empty((b, (hi - lo) * w, c), dtype=n.dtype, **where) for _ in (0, 1)]
-            into = not off and projects_into(op, b)
         if into:  # one addmm a projection, straight into the store
             t = n.flatten(2).transpose(1, 2)[0]
             for layer, store in zip((op.to_k, op.to_v), stores, strict=True):
                 torch.addmm(layer.bias, t, layer.weight.t(), out=store[0, t0:t1])
             continue
-        k, v = op.keys_values(n)
+        k, v = kv or op.keys_values(n)
         stores[0][:, t0:t1].copy_(k, non_blocking=True)
         stores[1][:, t0:t1].copy_(v, non_blocking=True)
     return tuple(stores)
