@@ -12,7 +12,8 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
   check that reads back to the host;
 - host<->device bytes: staged boxes read onto the device, cores written back (host or disk staging of a
   GPU plan; on a CPU plan host and device are one memory);
-- the working set: the three largest values a tile (or a band of it) holds.
+- the working set: the three largest values a tile (or a band of it) holds on a CPU plan, the values
+  it holds op by op on a GPU plan (`live`).
 
 `benchmarks/counting.py` counts the same on a real (or fake) run; `tests/test_counting.py` compares.
 """
@@ -25,6 +26,7 @@ from ..locality.ops import box_area, clip_box, map_box, zero_pad
 from ..locality.program import back_propagate, last_use
 from .attention import projects_into
 from .bands import band_rows, row_local, tile_bands, working_bytes
+from .live import lazy_input, lazy_output, live_peak, pointwise_conv, untiled_peak
 
 # kernels of the pieces made of several operators (counted with benchmarks/counting.py)
 ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), heads back, to_out, residual
@@ -151,7 +153,7 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
             elif c[1] < box[1]:  # rows past the carried ones, then joined to them
                 band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, s, last, cores, fixed))
                 band.launches += 1
-            if op.kind == "conv" and not _pointwise(op) and d in nxt and nxt[d][0] < box[1] \
+            if op.kind == "conv" and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
                     and nxt[d][2:] == box[2:]:
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
                 band.launches += 1  # (the carried rows are cloned)
@@ -166,10 +168,10 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
     op = ops[i]
     cost = Cost()
     if op.kind == "conv":
-        lazy = _lazy_input(ops, i, last, keep)
+        lazy = lazy_input(ops, i, last, keep)
         macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * box_area(box)
         cost.work, cost.flops = macs, 2 * macs * s.batch
-        if _pointwise(op) and not lazy:
+        if pointwise_conv(op) and not lazy:
             cost.launches = 1
             return cost
         rows = box[1] - box[0]
@@ -186,7 +188,7 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
             cost.launches += -(-rows // step)  # every band copied into the one output
         return cost
     if op.kind == "resample":
-        cost.launches = 0 if _lazy_output(ops, i, last, keep) else 1
+        cost.launches = 0 if lazy_output(ops, i, last, keep) else 1
     elif op.kind == "pointwise":
         cost.launches = POINTWISE.get(op.label, 1)
     elif op.kind == "add":
@@ -316,92 +318,9 @@ def untiled_cost(program, shapes, chans, s: Setting) -> Cost:
     return cost
 
 
-def untiled_peak(program, shapes, chans, unit: int) -> int:
-    """Peak bytes of live values in `Program.run` (`live_peak` on the whole image; the input is the
-    caller's)."""
-    full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
-    last = last_use(program.ops, [program.output])
-    return live_peak(program.ops, full, shapes, chans, unit, set(), (), last, norms_in_place=False)
-
-
 def streamed(s: Setting) -> tuple[int, int] | None:
     """(key chunk, bytes per element) of streamed global attention, or None."""
     return (s.kv_chunk, s.item) if s.kv_chunk and s.global_attention else None
-
-
-def streamed_bytes(op, nq: int, nk: int, c: int, stream, batch: int) -> int:
-    """Device bytes streamed attention holds beside its queries (`locality.streamed_attention`): the
-    float32 output, its log-sum-exp and the merged one, one chunk of keys and values, the chunk's output
-    and log-sum-exp (the fused kernel holds no scores)."""
-    kc, item = stream
-    kc = min(kc, nk)
-    return batch * (nq * c * (4 + item) + 3 * op.heads * nq * 4 + 2 * kc * c * item)
-
-
-def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0,
-              norms_in_place: bool = True, stream=None) -> int:
-    """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
-    `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
-    reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
-    reads band by band), and its temporaries: a conv's zero-padded input copy and the upsampled rows it
-    reads, attention's queries and heads (`stream`: streamed attention's, `streamed_bytes`). Values in
-    `keep` (the band's cores) live to the end, when storing them holds `stores` bytes more (their
-    statistics' float32 copy). `norms_in_place`: GroupNorms
-    apply their affine over their dying input (tiles); False for the untiled run, whose GroupNorms are
-    torch's own and write a new tensor."""
-
-    def size(v, box=None):
-        return box_area(need[v] if box is None else box) * chans[v] * unit
-
-    ours = set(owned)  # values this run made (an op may overwrite them where they die)
-    live = {v: size(v) for v in owned if v in need}
-    peak = sum(live.values())
-    for i, op in enumerate(ops):
-        d = op.dst
-        if d not in need:
-            continue
-        src, temp = op.src[0], 0
-        lazy = op.kind == "resample" and _lazy_output(ops, i, last, keep)
-        out = size(src) if lazy else size(d)  # (an upsampling read lazily holds its source)
-        if op.kind == "conv" and _pointwise(op) and not _lazy_input(ops, i, last, keep):
-            out = box_area(need[src]) * chans[d] * unit  # run on its whole input box
-        elif op.kind == "conv":
-            want = op.input_boxes(need[d])[0]
-            inner = clip_box(want, shapes[src])
-            padded = 0 if zero_pad(want, inner)[1] else size(src, want)  # the zero-padded copy
-            if _lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
-                ups = size(src, inner)
-                temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
-            else:
-                temp = padded
-        elif op.kind == "attention" and stream is not None:  # queries, then the online softmax's own
-            h, w = shapes[src]
-            batch = unit // stream[1]
-            temp = size(d) + streamed_bytes(op, box_area(need[d]), h * w, chans[src], stream, batch)
-        elif op.kind == "attention":
-            temp = 3 * size(d)  # queries, attention output, heads back
-        elif op.kind == "group_norm" and not norms_in_place:
-            temp = 2 * op.groups * unit  # torch's GroupNorm: its mean and rstd beside the output
-        dies = last.get(src) == i and src not in keep and op.src.count(src) == 1
-        if dies and src in ours and _overwrites(op) and (norms_in_place or op.kind != "group_norm"):
-            out = 0
-        peak = max(peak, sum(live.values()) + temp + out)
-        if out == 0 and not lazy:
-            live[d] = live.pop(src)
-        else:
-            live[d] = out
-        ours.add(d)
-        for v in set(op.src):
-            if last.get(v) == i and v not in keep:
-                live.pop(v, None)
-    return max(peak, sum(live.values()) + stores)
-
-
-def _overwrites(op) -> bool:
-    """Whether op runs in place on its dying input (`Op.run_in_place`)."""
-    if op.kind == "pointwise":
-        return op.fn_ is not None
-    return op.kind in ("group_norm", "add")
 
 
 def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
@@ -413,19 +332,3 @@ def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
     if s.stats_chunk == 0:
         return n if s.item < 4 else 0
     return min(n, s.stats_chunk)
-
-
-def _lazy_output(ops, i: int, last, keep) -> bool:
-    """Whether resample ops[i] is never materialised (read only by the conv right after it)."""
-    op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
-    return (nxt is not None and nxt.kind == "conv" and nxt.src == (op.dst,) and last.get(op.dst) == i + 1
-            and op.dst not in keep)
-
-
-def _lazy_input(ops, i: int, last, keep) -> bool:
-    """Whether conv ops[i] reads an upsampling that was never materialised (it upsamples each band)."""
-    return i > 0 and ops[i - 1].kind == "resample" and _lazy_output(ops, i - 1, last, keep)
-
-
-def _pointwise(op) -> bool:
-    return op._pointwise()

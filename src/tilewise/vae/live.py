@@ -1,0 +1,113 @@
+"""Device bytes a run holds, op by op: what a plan's peak is made of (`counts` counts the rest).
+
+`live_peak` follows `run_op` over one tile's boxes: the inputs copied in, each op's output (none where
+it overwrites its dying input), its temporaries (a convolution's padded copy and the upsampled rows it
+reads, attention's queries and heads, streamed attention's own, `streamed_bytes`); `untiled_peak` is
+the same over the whole image for the plain untiled run. `tests/test_counting.py` compares them with the
+peaks counted on real and fake runs.
+"""
+
+from __future__ import annotations
+
+from ..locality.ops import box_area, clip_box, zero_pad
+from ..locality.program import last_use
+
+
+def untiled_peak(program, shapes, chans, unit: int) -> int:
+    """Peak bytes of live values in `Program.run` (`live_peak` on the whole image; the input is the
+    caller's)."""
+    full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
+    last = last_use(program.ops, [program.output])
+    return live_peak(program.ops, full, shapes, chans, unit, set(), (), last, norms_in_place=False)
+
+
+def streamed_bytes(op, nq: int, nk: int, c: int, stream, batch: int) -> int:
+    """Device bytes streamed attention holds beside its queries (`locality.streamed_attention`): the
+    float32 output, its log-sum-exp and the merged one, one chunk of keys and values, the chunk's output
+    and log-sum-exp (the fused kernel holds no scores)."""
+    kc, item = stream
+    kc = min(kc, nk)
+    return batch * (nq * c * (4 + item) + 3 * op.heads * nq * 4 + 2 * kc * c * item)
+
+
+def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0,
+              norms_in_place: bool = True, stream=None) -> int:
+    """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
+    `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
+    reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
+    reads band by band), and its temporaries: a conv's zero-padded input copy and the upsampled rows it
+    reads, attention's queries and heads (`stream`: streamed attention's, `streamed_bytes`). Values in
+    `keep` (the band's cores) live to the end, when storing them holds `stores` bytes more (their
+    statistics' float32 copy). `norms_in_place`: GroupNorms
+    apply their affine over their dying input (tiles); False for the untiled run, whose GroupNorms are
+    torch's own and write a new tensor."""
+
+    def size(v, box=None):
+        return box_area(need[v] if box is None else box) * chans[v] * unit
+
+    ours = set(owned)  # values this run made (an op may overwrite them where they die)
+    live = {v: size(v) for v in owned if v in need}
+    peak = sum(live.values())
+    for i, op in enumerate(ops):
+        d = op.dst
+        if d not in need:
+            continue
+        src, temp = op.src[0], 0
+        lazy = op.kind == "resample" and lazy_output(ops, i, last, keep)
+        out = size(src) if lazy else size(d)  # (an upsampling read lazily holds its source)
+        if op.kind == "conv" and pointwise_conv(op) and not lazy_input(ops, i, last, keep):
+            out = box_area(need[src]) * chans[d] * unit  # run on its whole input box
+        elif op.kind == "conv":
+            want = op.input_boxes(need[d])[0]
+            inner = clip_box(want, shapes[src])
+            padded = 0 if zero_pad(want, inner)[1] else size(src, want)  # the zero-padded copy
+            if lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
+                ups = size(src, inner)
+                temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
+            else:
+                temp = padded
+        elif op.kind == "attention" and stream is not None:  # queries, then the online softmax's own
+            h, w = shapes[src]
+            batch = unit // stream[1]
+            temp = size(d) + streamed_bytes(op, box_area(need[d]), h * w, chans[src], stream, batch)
+        elif op.kind == "attention":
+            temp = 3 * size(d)  # queries, attention output, heads back
+        elif op.kind == "group_norm" and not norms_in_place:
+            temp = 2 * op.groups * unit  # torch's GroupNorm: its mean and rstd beside the output
+        dies = last.get(src) == i and src not in keep and op.src.count(src) == 1
+        if dies and src in ours and overwrites(op) and (norms_in_place or op.kind != "group_norm"):
+            out = 0
+        peak = max(peak, sum(live.values()) + temp + out)
+        if out == 0 and not lazy:
+            live[d] = live.pop(src)
+        else:
+            live[d] = out
+        ours.add(d)
+        for v in set(op.src):
+            if last.get(v) == i and v not in keep:
+                live.pop(v, None)
+    return max(peak, sum(live.values()) + stores)
+
+
+def overwrites(op) -> bool:
+    """Whether op runs in place on its dying input (`Op.run_in_place`)."""
+    if op.kind == "pointwise":
+        return op.fn_ is not None
+    return op.kind in ("group_norm", "add")
+
+
+def lazy_output(ops, i: int, last, keep) -> bool:
+    """Whether resample ops[i] is never materialised (read only by the conv right after it)."""
+    op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+    return (nxt is not None and nxt.kind == "conv" and nxt.src == (op.dst,) and last.get(op.dst) == i + 1
+            and op.dst not in keep)
+
+
+def lazy_input(ops, i: int, last, keep) -> bool:
+    """Whether conv ops[i] reads an upsampling that was never materialised (it upsamples each band)."""
+    return i > 0 and ops[i - 1].kind == "resample" and lazy_output(ops, i - 1, last, keep)
+
+
+def pointwise_conv(op) -> bool:
+    """Whether a convolution is 1x1 with no padding (`ConvOp._pointwise`)."""
+    return op._pointwise()
