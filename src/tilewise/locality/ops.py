@@ -345,8 +345,9 @@ class AttentionCore(Op):
         return self.to_k(t), self.to_v(t)
 
     def _heads(self, t):
-        b, n, c = t.shape
-        return t.view(b, n, self.heads, c // self.heads).transpose(1, 2)
+        from .streamed_attention import heads_view
+
+        return heads_view(t, self.heads)
 
     def attend(self, n, k, v, chunk: int = 4096, kv_chunk: int = 0):
         """Queries of n (B, C, h, w) attend to the (B, N, C) tokens k, v; to_out(attn) as (B, C, h, w).

@@ -36,8 +36,8 @@ def streamed_attention(q, k, v, heads: int, q_chunk: int, kv_chunk: int):
     lse = torch.full((b, h, nq, 1), float("-inf"), dtype=torch.float32, device=q.device)
     o = torch.zeros((b, h, nq, d), dtype=torch.float32, device=q.device)
     for j in range(0, k.shape[1], kv_chunk):
-        kj = _heads(k[:, j : j + kv_chunk].to(q.device, non_blocking=True), heads)
-        vj = _heads(v[:, j : j + kv_chunk].to(q.device, non_blocking=True), heads)
+        kj = heads_view(k[:, j : j + kv_chunk].to(q.device, non_blocking=True), heads)
+        vj = heads_view(v[:, j : j + kv_chunk].to(q.device, non_blocking=True), heads)
         oj, lj = _block(q, kj, vj, q_chunk)
         top = torch.logaddexp(lse, lj)  # lse'
         o.mul_(lse.sub_(top).exp_()).addcmul_(oj, lj.sub_(top).exp_())
@@ -92,7 +92,7 @@ def _scores_block(q, k, v, q_chunk: int):
     return o, lse
 
 
-def _heads(t, heads: int):
+def heads_view(t, heads: int):
     """(B, N, H d) -> (B, H, N, d), a view."""
     b, n, c = t.shape
     return t.view(b, n, heads, c // heads).transpose(1, 2)

@@ -214,6 +214,7 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
     im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
     cost, attn, held, lifetimes, gpu_peak, kept, hidden = Cost(), 0, [], {}, 0, 0, 0.0
     prof = device_profile(tv)
+    made_out = next(i for i, seg in enumerate(segs) if p.output in seg.outputs)
     for i, seg in enumerate(segs):
         for v in seg.outputs:
             if v != p.output:
@@ -230,10 +231,10 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
         cost.add(c)
         side = c.d2h_side + c.fetched - c.ahead  # (every tile's reads ahead but about the first tile's)
         hidden += prof.hidden(c.flops, c.launches, side, s.item < 4)
-        out_now = out_b if any(v == p.output for sg in segs[: i + 1] for v in sg.outputs) else 0
+        out_now = out_b if i >= made_out else 0  # (the output: allocated by its own segment)
         kept += sum(b * (8 * chans[op.src[0]] + 16 * op.groups) for op in seg.ops  # statistics, affines
                     if op.kind == "group_norm" and id(op) not in fixed)  # (kept to the end of the run)
-        held.append(c.working + c.ahead + kv + out_now + im2col + kept + SMALL_TENSORS)  # (output: its own)
+        held.append(c.working + c.ahead + kv + out_now + im2col + kept + SMALL_TENSORS)
         gpu_peak = max(gpu_peak, held[-1] + sum(n for v, n in alive.items() if where(v) == "device"))
         for v in [v for v, j in last.items() if j == i]:
             if alive.pop(v, None) is not None:

@@ -66,11 +66,7 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                 if st in settled:
                     continue
                 if st == "device+host":
-                    plan = place(tv, shape, kind, tile, bands)
-                    if plan is not None and plan.peak > budget and plan.read_ahead and tv.mode == "exact":
-                        plan = place(tv, shape, kind, tile, bands, read_ahead=False) or plan
-                    if (plan is None or plan.peak > budget) and _can_stream(tv, kind):
-                        plan = _stream(tv, shape, kind, tile, st, bands)
+                    plan = _shrink(tv, shape, kind, tile, st, bands, place(tv, shape, kind, tile, bands))
                     if plan is not None and plan.peak <= budget and plan.staged_peak <= host:
                         fits.append(plan)
                         settled.add(st)
@@ -84,10 +80,7 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
                 if st == "host" and last.staged_peak > host:
                     settled.add(st)
                     continue
-                if last.peak > budget and last.read_ahead and tv.mode == "exact":
-                    last = make_plan(tv, shape, kind, tile, st, bands, read_ahead=False)  # (one tile less)
-                if last.peak > budget and not last.untiled and _can_stream(tv, kind):
-                    last = _stream(tv, shape, kind, tile, st, bands) or last
+                last = _shrink(tv, shape, kind, tile, st, bands, last)
                 if least is None or last.peak < least.peak:
                     least = last
                 if last.peak <= budget:
@@ -100,6 +93,27 @@ def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) ->
         if fits:
             return min(fits, key=lambda q: (q.seconds, -q.tile_size))
     raise _no_fit(tv, least or last)
+
+
+def _plan_at(tv, shape, kind: str, tile: int, staging: str, bands, attention: tuple[int, int] = (0, 0),
+             read_ahead: bool = True) -> Plan | None:
+    """The plan of a tile and staging ("device+host": `place`, None when it places nothing)."""
+    if staging == "device+host":
+        return place(tv, shape, kind, tile, bands, attention, read_ahead)
+    return make_plan(tv, shape, kind, tile, staging, bands, attention=attention, read_ahead=read_ahead)
+
+
+def _shrink(tv, shape, kind: str, tile: int, staging: str, bands, plan: Plan | None) -> Plan | None:
+    """`plan`, or where it exceeds the budget the same tile and staging with less on the device: first
+    without the next tile's inputs read ahead (exact mode), then with attention's keys and values
+    streamed from host memory (`_stream`)."""
+    budget = tv.memory_budget
+    if plan is not None and plan.peak > budget and plan.read_ahead and tv.mode == "exact":
+        plan = _plan_at(tv, shape, kind, tile, staging, bands, read_ahead=False) or plan
+    if (plan is None or plan.peak > budget) and not (plan is not None and plan.untiled) \
+            and _can_stream(tv, kind):
+        plan = _stream(tv, shape, kind, tile, staging, bands) or plan
+    return plan
 
 
 def _can_stream(tv, kind: str) -> bool:
@@ -119,9 +133,7 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
     rows = sorted({max(1, h >> i) for i in range(12)} | {min(tile, h)}, reverse=True)
 
     def plan(kv, q):  # (the tight budgets streaming is for: no tile's inputs read ahead)
-        if staging == "device+host":
-            return place(tv, shape, kind, tile, bands, (kv, q), read_ahead=False)
-        return make_plan(tv, shape, kind, tile, staging, bands, attention=(kv, q), read_ahead=False)
+        return _plan_at(tv, shape, kind, tile, staging, bands, (kv, q), read_ahead=False)
 
     def fits(got):
         return got is not None and got.peak <= budget
