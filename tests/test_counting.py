@@ -213,3 +213,29 @@ def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
     assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h)
     assert c.device_peak("meta") <= plan.peak <= tight.memory_budget
     assert chosen.tile_size >= 16 and chosen.read_ahead
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_statistics_kernels_are_the_counted_constants(dtype):
+    from tilewise.locality.ops import group_norm_affine
+    from tilewise.vae import counts
+    from tilewise.vae.stats import GroupStats
+
+    with fake():
+        xs = [torch.randn(1, 64, 9, 7, device="meta", dtype=dtype) for _ in range(3)]
+        w, b = torch.randn(64, device="meta", dtype=dtype), torch.randn(64, device="meta", dtype=dtype)
+        acc, one = GroupStats(8, 0), GroupStats(8, 0)
+        with count("meta") as adds:
+            for x in xs:
+                acc.add(x)
+        one.add(xs[0])
+        with count("meta") as merge:
+            stats = acc.result()
+        with count("meta") as single:
+            one.result()
+        with count("meta") as affine:
+            group_norm_affine(stats, 8, 1e-6, w, b, dtype, 64)
+    half = dtype == torch.float16
+    assert adds.launches == 3 * (counts.WELFORD + half)
+    assert merge.launches == counts.MERGE + 1 and single.launches == 1 + 1  # (float32 moments widened)
+    assert affine.launches == counts.AFFINE

@@ -24,6 +24,22 @@ def test_chan_merge_equals_whole_tensor_statistics():
     assert torch.allclose(var, g.var(-1, unbiased=False), atol=1e-12)
 
 
+
+@pytest.mark.parametrize("chunk", [0, 1 << 20])
+def test_statistics_read_then_added_to_merge_like_the_whole(chunk):
+    x = torch.randn(2, 16, 12, 9, dtype=torch.float64) * 2 + 3
+    acc = GroupStats(4, chunk)
+    acc.add(x[..., :5, :].float())
+    first = acc.result()[0].clone()  # (merged once: the later parts join its float64 moments)
+    acc.add(x[..., 5:, :4].float())
+    acc.add(x[..., 5:, 4:].float())
+    mean, var = acc.result()
+    var64, mean64 = torch.var_mean(x.float().double().view(2, 4, -1), dim=-1, correction=0)
+    assert acc.n == 4 * 12 * 9 and not torch.equal(first, mean)
+    assert torch.allclose(mean, mean64, rtol=0, atol=1e-6) and torch.allclose(var, var64, rtol=1e-6, atol=0)
+    assert torch.equal(acc.stacked, torch.stack((mean, var))) and torch.allclose(acc.m2, var * acc.n)
+
+
 @pytest.mark.parametrize("dtype,layout", [(torch.float32, torch.contiguous_format), (torch.float16,
                                           torch.contiguous_format), (torch.float32, torch.channels_last)])
 def test_float_tile_statistics_are_accurate_with_a_large_offset(dtype, layout):

@@ -384,18 +384,27 @@ def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
 
 def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
     """(a, s): GroupNorm with statistics (mean, var) (float64, (B, groups)) as the per-channel affine
-    y = a x + s, (B, C, 1, 1) tensors in float32 or wider (computed once per GroupNorm and run)."""
+    y = a x + s, (B, C, 1, 1) tensors in float32 or wider, in six kernels: the group's r = (var + eps)^-1/2
+    and r mean in float64, both spread to the channels and rounded once, then a = r weight and
+    s = bias - r mean weight (computed once per GroupNorm and run)."""
     import torch
 
     mean, var = stats
-    a = (var + eps).rsqrt().repeat_interleave(channels // groups, dim=1)  # (B, C) float64
-    s = -a * mean.repeat_interleave(channels // groups, dim=1)
-    if weight is not None:
-        a, s = a * weight.to(a.dtype), s * weight.to(a.dtype)
-        if bias is not None:
-            s = s + bias.to(a.dtype)
+    b, cg = mean.shape[0], channels // groups
+    r = torch.empty((2, b, groups), dtype=torch.float64, device=mean.device)
+    torch.rsqrt(var + eps, out=r[0])
+    torch.mul(r[0], mean, out=r[1])
     dt = torch.promote_types(dtype, torch.float32)
-    return a.to(dt).view(-1, channels, 1, 1), s.to(dt).view(-1, channels, 1, 1)
+    rc = torch.empty((2, b, groups, cg), dtype=dt, device=mean.device)
+    rc.copy_(r.unsqueeze(-1).expand(2, b, groups, cg))  # (one kernel: spread and rounded)
+    rc = rc.view(2, b, channels)
+    if weight is None:
+        a, s = rc[0], rc[1].neg()
+    elif bias is None:
+        a, s = rc[0] * weight, (rc[1] * weight).neg_()
+    else:
+        a, s = rc[0] * weight, torch.addcmul(bias, rc[1], weight, value=-1)
+    return a.view(-1, channels, 1, 1), s.view(-1, channels, 1, 1)
 
 
 def apply_affine(x, affine, out=None):

@@ -36,8 +36,8 @@ KV_STORE = 2  # ... written into their stores when there are several bands (a co
 PROJECT_INTO = 2  # ... or projected straight into them (plain Linear layers: one addmm each)
 STREAMED = 2  # streamed attention (locality.streamed_attention), once a query box: o, lse (half: a cast)
 STREAMED_CHUNK = 8  # ... and per key chunk: the fused kernel, the log-sum-exp merge and the output's
-MERGE = 13  # GroupStats: the tiles' moments merged (two or more parts; float32 ones widened: 2 more)
-AFFINE = 14  # a GroupNorm's per-channel affine from its statistics (once per run)
+MERGE = 5  # GroupStats: the tiles' moments merged (stack, two mv, deviation; float32 ones widened: 1 more)
+AFFINE = 6  # a GroupNorm's per-channel affine from its statistics (once per run)
 CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host sync
 MOMENTS = 13  # GroupNorm moments in chunks: the fixed kernels ...
 MOMENTS_CHUNK = 8  # ... and those of every chunk
@@ -283,11 +283,11 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
         if op.kind == "group_norm":
             cost.launches += AFFINE
     sums = any(v not in tracked for v in seg.outputs)
-    welford = s.stats_chunk == 0
-    merge = MERGE + 2 * welford if parts > 1 else 1 + 2 * welford  # (one part: widened only)
+    widen = s.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
+    merge = MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
-            cost.launches += merge + 1 + 2  # the variance, then both into the finite check
+            cost.launches += merge + 1  # and one sum of both into the finite check
             cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
             sums = True
     if sums:

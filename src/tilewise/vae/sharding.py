@@ -202,7 +202,7 @@ def merge_group_stats(acc, group, batch: int) -> None:
         n, mean, m2 = all_merge_moments(acc.n, acc.mean, acc.m2, group)
     if n == 0:
         raise AssertionError("no rank saw a pixel of a GroupNorm input: the tile plan is broken")
-    acc.n, acc.mean, acc.m2 = n, mean, m2
+    acc.replace(n, mean, m2)
 
 
 def gather_rows(band, rows: Rows, size: int, group):

@@ -1,26 +1,14 @@
 """Exact GroupNorm statistics over tiles: per-(batch, group) moments, merged across disjoint tiles.
 
-Each tile contributes the float64 mean and sum of squared deviations of its core (two vectorised passes,
-shifted by the float32 group mean); the tiles' moments are merged with Chan et al.'s update (1979) for
-many parts at once, when the statistics are read: the result equals torch's GroupNorm statistics over
-the whole value within float error, whatever the tile order, and a tile costs no merge kernels.
+Each tile contributes the mean and variance of its core (float32 or wider: one torch.var_mean pass, or
+two vectorised passes shifted by the float32 group mean); the tiles' moments are merged with Chan et
+al.'s update (1979) for all parts at once when the statistics are read, in float64 and a fixed number of
+kernels (a stack, two matrix-vector products with the parts' weights): the result equals torch's
+GroupNorm statistics over the whole value within float error, whatever the tile order, and a tile
+costs no merge kernels.
 """
 
 from __future__ import annotations
-
-
-def _merged(name: str) -> property:
-    """A merged moment of GroupStats: pending parts are folded in before it is read or replaced."""
-
-    def get(self):
-        self._merge()
-        return getattr(self, name)
-
-    def put(self, value) -> None:
-        self._merge()
-        setattr(self, name, value)
-
-    return property(get, put)
 
 
 class GroupStats:
@@ -31,7 +19,7 @@ class GroupStats:
 
     def __init__(self, groups: int, chunk: int = 1 << 20):
         self.groups, self.chunk = groups, chunk
-        self._n, self._mean, self._m2 = 0, None, None
+        self._n, self._both = 0, None  # pixels merged, and their (mean, var) stacked: (2, B, groups)
         self._parts: list = []  # (count, mean, variance) of tiles added since the last merge
 
     def add(self, x) -> None:
@@ -47,37 +35,71 @@ class GroupStats:
         self._parts.append((nb, mean, var))
 
     def result(self):
-        """(mean, biased variance) as float64 (B, groups) tensors, as torch's GroupNorm uses."""
-        return self.mean, self.m2 / self.n
+        """(mean, biased variance) as float64 (B, groups) tensors, as torch's GroupNorm uses (views of
+        `stacked`)."""
+        both = self.stacked
+        return (None, None) if both is None else (both[0], both[1])
 
-    # the merged moments (sharding replaces them by the merge over all ranks)
-    n = _merged("_n")
-    mean = _merged("_mean")
-    m2 = _merged("_m2")
+    @property
+    def stacked(self):
+        """The merged (mean, var), one float64 (2, B, groups) tensor (None before any pixel)."""
+        self._merge()
+        return self._both
+
+    @property
+    def n(self) -> int:
+        self._merge()
+        return self._n
+
+    @property
+    def mean(self):
+        both = self.stacked
+        return None if both is None else both[0]
+
+    @property
+    def m2(self):
+        """The merged sum of squared deviations, n var (Chan et al.'s M2)."""
+        both = self.stacked
+        return None if both is None else both[1] * self._n
+
+    def replace(self, n: int, mean, m2) -> None:
+        """Set the merged moments (sharding: the merge over all ranks), dropping pending parts."""
+        import torch
+
+        self._parts, self._n = [], n
+        self._both = torch.stack((mean, m2 / n)).to(torch.float64)
 
     def _merge(self) -> None:
-        """Fold the pending parts in, in float64: n = sum n_i, mean = sum n_i mean_i / n,
-        m2 = sum n_i var_i + sum n_i (mean_i - mean)^2 (Chan et al.'s update over k parts at once)."""
+        """Fold the pending parts in, in float64, with weights w_i = n_i / n: mean = sum w_i mean_i,
+        var = sum w_i (var_i + (mean_i - mean)^2) (Chan et al.'s update over k parts at once)."""
         if not self._parts:
             return
         import torch
 
         parts, self._parts = self._parts, []
-        if self._mean is not None:
-            parts = [(self._n, self._mean, self._m2 / self._n), *parts]
+        if self._both is not None:
+            parts = [(self._n, self._both[0], self._both[1]), *parts]
         f64 = torch.float64
-        if len(parts) == 1:
-            self._n, mean, var = parts[0]
-            self._mean, self._m2 = mean.to(f64), var.to(f64) * self._n
+        k, n = len(parts), sum(p[0] for p in parts)
+        both = torch.stack([t for p in parts for t in p[1:]]).to(f64)  # (2k, B, G)
+        self._n = n
+        if k == 1:
+            self._both = both
             return
-        counts = [p[0] for p in parts]
-        n = sum(counts)
-        w = torch.tensor(counts, dtype=f64).view(-1, 1, 1).to(parts[0][1].device)
-        means = torch.stack([p[1] for p in parts]).to(f64)
-        variances = torch.stack([p[2] for p in parts]).to(f64)
-        mean = (means * w).sum(0) / n
-        self._n, self._mean = n, mean
-        self._m2 = (variances * w).sum(0) + ((means - mean).square_() * w).sum(0)
+        stacked = both.view(k, 2, -1)  # (k, 2, B G)
+        w = _to_device(torch.tensor([p[0] / n for p in parts], dtype=f64), both.device)
+        out = torch.empty((2, stacked.shape[2]), dtype=f64, device=both.device)
+        torch.mv(stacked[:, 0].T, w, out=out[0])
+        d = stacked[:, 0] - out[0]
+        torch.mv(torch.addcmul(stacked[:, 1], d, d).T, w, out=out[1])
+        self._both = out.view(2, *parts[0][1].shape)
+
+
+def _to_device(t, device):
+    """A small host tensor on `device`: through pinned memory without a host wait on CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def moments(x, groups: int, chunk: int = 1 << 20):
