@@ -125,8 +125,9 @@ def _can_stream(tv, kind: str) -> bool:
 def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None:
     """The plan of a tile and staging with global attention's keys and values in host memory (`vae.
     attention`), or None when none fits: the least (kv_chunk, query_rows) first (when even that does
-    not fit, the other segments do not), then of the key chunks in STREAM_CHUNKS the biggest query
-    bands that fit, the one of least estimated time."""
+    not fit, the other segments do not), then for each key chunk in STREAM_CHUNKS (biggest first) the
+    biggest query bands that fit, where they are bigger than a bigger chunk's; the one of least
+    estimated time."""
     budget = tv.memory_budget
     p = tv.program(kind)
     h = p.shapes(tuple(shape[-2:]))[p.input if kind == "decode" else p.output][0]
@@ -141,10 +142,10 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
     least = plan(STREAM_CHUNKS[-1], rows[-1])
     if not fits(least):
         return None
-    found = [least]
+    found, limit = [least], len(rows)  # (a smaller chunk is worth it only with bigger bands: rows[:limit])
     for kv in STREAM_CHUNKS:
-        lo, hi = 0, len(rows) - 1  # rows[hi] fits (or it is the least); find the biggest that does
-        best = plan(kv, rows[hi])
+        lo, hi = 0, limit - 1  # rows[hi] fits (or it is the least); find the biggest that does
+        best = plan(kv, rows[hi]) if limit else None
         if not fits(best):
             continue
         while lo < hi:  # (the peak grows with the query band)
@@ -155,13 +156,15 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
             else:
                 lo = mid + 1
         found.append(best)
+        limit = hi  # (the same bands in smaller chunks: the same transfers, more launches)
     return min(found, key=lambda q: q.seconds)
 
 
 # Key / value chunks (tokens) streamed attention tries, biggest first: at 512 channels in float16 a chunk
-# of keys and values is 64 MiB at 32768 tokens (fewer merges: 8 launches a chunk), 8 MiB at 4096; the
-# smaller ones for small budgets and latents.
-STREAM_CHUNKS = (32768, 4096, 512, 64)
+# of keys and values is 64 MiB at 32768 tokens (fewer merges: 8 launches a chunk), 8 MiB at 4096; every
+# power of two between (a budget that misses one by a few MiB takes the next, not a chunk 8x smaller),
+# the smaller ones for small budgets and latents.
+STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
 
 
 def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (0, 0),
