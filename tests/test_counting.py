@@ -239,3 +239,21 @@ def test_statistics_kernels_are_the_counted_constants(dtype):
     assert adds.launches == 3 * (counts.WELFORD + half)
     assert merge.launches == counts.MERGE + 1 and single.launches == 1 + 1  # (float32 moments widened)
     assert affine.launches == counts.AFFINE
+
+
+@pytest.mark.parametrize("kind,fast_low,budget", [("decode", 4, None), ("decode", 0, None),
+                                                  ("encode", 4, None), ("decode", 4, 6_000_000)])
+def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
+    with fake():  # (budget: the sampled tiles do not fit at once and run staged, one at a time)
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        tv = tw.TiledVAE(vae, mode="fast", tile_size=16, fast_low=fast_low, memory_budget=budget,
+                         progress=False, device_kind="cuda")
+        t = torch.randn(1, 4, 64, 64) if kind == "decode" else torch.randn(1, 3, 256, 256)
+        t = t.to("meta", torch.float16)
+        plan = tv.plan(tuple(t.shape), kind=kind)
+        c = _counted("meta", tv.decode, t) if kind == "decode" else _encode_run(tv, t)
+    names = [q.name for q in plan.passes]
+    assert ("low pass" in names) == (fast_low > 0) and len(names) >= 3
+    assert (budget is not None) == ("sampled tiles, staged" in names)
+    assert abs(plan.launches - c.launches) <= 0.03 * c.launches
+    assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs

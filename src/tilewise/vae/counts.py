@@ -38,6 +38,7 @@ STREAMED = 2  # streamed attention (locality.streamed_attention), once a query b
 STREAMED_CHUNK = 8  # ... and per key chunk: the fused kernel, the log-sum-exp merge and the output's
 MERGE = 5  # GroupStats: the tiles' moments merged (stack, two mv, deviation; float32 ones widened: 1 more)
 AFFINE = 6  # a GroupNorm's per-channel affine from its statistics (once per run)
+ADJUST = 5  # fast mode: sample statistics corrected by the low pass's (estimators._adjusted)
 CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host sync
 MOMENTS = 13  # GroupNorm moments in chunks: the fixed kernels ...
 MOMENTS_CHUNK = 8  # ... and those of every chunk
@@ -96,9 +97,10 @@ class Setting:
 
 def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str, set[int]], s: Setting,
                  tiles: set[int] | None = None, together: bool = False, banded: bool = True,
-                 fixed: set[int] = frozenset()) -> Cost:
+                 fixed: set[int] = frozenset(), probes: list | None = None) -> Cost:
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
-    at a time, or `together` (working sets summed), in row bands where `banded` and the setting band."""
+    at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
+    `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core."""
     unit = s.batch * s.item
     rows = None
     if banded and not together and s.band_bytes and row_local(seg):
@@ -106,7 +108,7 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
         cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
         rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.band_bytes)
     last = last_use(seg.ops, seg.outputs)
-    cost, parts = Cost(), 0
+    cost, parts, probed = Cost(), 0, {}
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
@@ -115,7 +117,50 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
             continue
         parts += len(bands)
         cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed), together)
+        for cores in bands if probes else ():
+            cost.launches += _probe_adds(cores, probes, shapes, chans, ref, tracked, s, probed)
     cost.add(_segment_once(seg, shapes, chans, tracked, s, parts))
+    for v, n in probed.items():  # (each probed value's merge, once per group count)
+        cost.launches += len(tracked[v]) * merge_launches(n, s)
+    return cost
+
+
+def _probe_adds(cores, probes, shapes, chans, ref: str, tracked, s: Setting, probed: dict) -> int:
+    """Kernels of `Executor._store`'s probe statistics for one band's cores: a GroupStats.add for each
+    probe box meeting a tracked core, per group count; `probed` (value -> adds) is updated."""
+    launches = 0
+    for v, core in cores.items():
+        for pb in probes if v in tracked else ():
+            b = map_box(pb, shapes[ref], shapes[v])
+            b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
+            if b[0] < b[1] and b[2] < b[3]:
+                probed[v] = probed.get(v, 0) + 1
+                launches += len(tracked[v]) * _moments(b, chans[v], s)
+    return launches
+
+
+def merge_launches(parts: int, s: Setting) -> int:
+    """Kernels of GroupStats merging `parts` tiles' moments when read (`stats.GroupStats._merge`)."""
+    widen = s.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
+    return MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
+
+
+def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s: Setting,
+                      adjusted: bool) -> Cost:
+    """What fast mode's sampled tiles add for their statistics when they run together
+    (`estimators.sampled_tile_stats`): per GroupNorm, a GroupStats.add per sampled tile meeting it,
+    the merge and, with a low pass, the difference / ratio correction (`_adjusted`)."""
+    cost = Cost()
+    for op in part.ops:
+        if op.kind != "group_norm":
+            continue
+        v, n = op.src[0], 0
+        for t in grid:
+            core = map_box(t.core, shapes[ref], shapes[op.dst])
+            if t.index in sampled and core[0] < core[1] and core[2] < core[3]:
+                cost.launches += _moments(core, chans[v], s)
+                n += 1
+        cost.launches += merge_launches(n, s) + ADJUST * adjusted
     return cost
 
 
@@ -283,8 +328,7 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
         if op.kind == "group_norm":
             cost.launches += AFFINE
     sums = any(v not in tracked for v in seg.outputs)
-    widen = s.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
-    merge = MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
+    merge = merge_launches(parts, s)
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
             cost.launches += merge + 1  # and one sum of both into the finite check

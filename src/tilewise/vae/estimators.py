@@ -17,6 +17,7 @@ from typing import Any
 from ..locality.ops import Box, RunContext, box_empty, map_box, sub_tensor
 from ..locality.program import Program, back_propagate, last_use, run_op, split_segments
 from .bands import BAND_BYTES, band_rows, row_local, run_bands
+from .executor import ExecContext
 from .staging import TRIM_FREE, Staging
 from .stats import GroupStats
 
@@ -109,7 +110,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     for need in needs:
         y0, y1, x0, x1 = need[program.input]
         vals.append({program.input: (x[..., y0:y1, x0:x1], need[program.input])})
-    ctx = RunContext(query_chunk=query_chunk, conv_workspace=conv_workspace)
+    ctx = ExecContext(query_chunk=query_chunk, conv_workspace=conv_workspace)  # (one affine a GroupNorm)
     last = last_use(program.ops, [out_v])
     for i, op in enumerate(program.ops):
         if op.kind == "group_norm" and id(op) in fixed:
@@ -149,7 +150,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     needs = [back_propagate(program.ops, {out_v: map_box(t.core, shapes[ref], shapes[out_v])}, shapes)
              for t in tiles]
     segs = split_segments(program, lambda op: op.kind == "group_norm" and id(op) in fixed)
-    ctx = RunContext(query_chunk=query_chunk, conv_workspace=conv_workspace)
+    ctx = ExecContext(query_chunk=query_chunk, conv_workspace=conv_workspace)  # (one affine a GroupNorm)
     readers: dict[str, set[int]] = {}  # value -> group counts of the fixed GroupNorms reading it
     for op in program.ops:
         if op.kind == "group_norm" and id(op) in fixed:

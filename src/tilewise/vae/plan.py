@@ -16,7 +16,7 @@ import math
 from ..locality.ops import box_area, map_box
 from ..locality.program import Program
 from .attention import query_grid
-from .counts import Cost, Setting, segment_cost, stats_copy, untiled_cost
+from .counts import ADJUST, Cost, Setting, sample_stats_cost, segment_cost, stats_copy, untiled_cost
 from .devices import device_profile
 from .estimators import sample_tiles
 from .executor import Executor
@@ -137,15 +137,17 @@ def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    if tv.fast_low:
-        low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
-        lp = _pass_plan(tv, "low pass", low, small, tile, exact, low_ref, set(), full)
-        lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
-        resized = math.prod(small) * s.item if small[-2:] != part_shape[-2:] else 0
-        passes.append(_held(lp, held + resized))
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
     grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)))
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
+    if tv.fast_low:
+        low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
+        lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
+        probes = [map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled]
+        lp = _pass_plan(tv, "low pass", low, small, tile, exact, low_ref, set(), full, probes=probes)
+        lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
+        resized = math.prod(small) * s.item if small[-2:] != part_shape[-2:] else 0
+        passes.append(_held(lp, held + resized))
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
     sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)
     pshapes, pchans = part.shapes(tuple(part_shape[-2:])), part.channels()
@@ -155,11 +157,15 @@ def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting
     staged = s.staging == "disk" or (s.gpu and tv.memory_budget is not None
                                      and sp.peak + held > tv.memory_budget)
     if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
-        work = sp.work  # each tile still runs on its regions back-propagated through the whole part
-        sp = _pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else ""), part,
-                        part_shape, tile, exact, ref, set(), full, sampled)
-        sp.work = work
-    # (else sampled_tile_stats: every sampled tile's values at once, op by op)
+        work, flops = sp.work, sp.flops  # each tile still runs on its regions back-propagated through
+        sp = _pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else ""), part,  # the
+                        part_shape, tile, exact, ref, set(), full, sampled)  # whole part
+        sp.work, sp.flops = work, flops
+        sp.launches += ADJUST * len(fixed) if tv.fast_low else 0  # (its statistics: as exact mode's)
+    else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
+        sp.launches += sample_stats_cost(part, grid, sampled, pshapes, pchans, ref, s,
+                                         bool(tv.fast_low)).launches
+    sp.syncs = 0  # (no finite checks: the sampled tiles' outputs are checked with the other tiles')
     out_hw = sp.output_shape[-2:]
     kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, (rh, rw), out_hw)) * s.item
                for t in grid if t.index in sampled)
@@ -183,7 +189,7 @@ def _held(q: Pass, held: int) -> Pass:
 
 def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str, fixed: set[int],
                full: int, tiles: set[int] | None = None, together: bool = False,
-               banded: bool = True) -> Pass:
+               banded: bool = True, probes: list | None = None) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
     the per-tile working set (summed over `tiles` when they run together), conv work, what it
     dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
@@ -227,7 +233,8 @@ def _pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str
             attn = max(attn, kv)
             if s.query_rows and tiles is None:
                 seg_grid = query_grid(shapes[ref], s.query_rows)
-        c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded)
+        c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded,
+                         probes=probes)
         cost.add(c)
         side = c.d2h_side + c.fetched - c.ahead  # (every tile's reads ahead but about the first tile's)
         hidden += prof.hidden(c.flops, c.launches, side, s.item < 4)
