@@ -7,7 +7,9 @@ kernel that also returns the log-sum-exp of its scores, lse_j = log sum_k exp(q 
 chunks' normalised outputs o_j are merged with running float32 (o, lse) (the online softmax of Milakov &
 Gimelshein 2018, "Online normalizer calculation for softmax", as FlashAttention merges blocks):
 
-    lse' = logaddexp(lse, lse_j);  o = exp(lse - lse') o + exp(lse_j - lse') o_j;  lse = lse'
+    lse' = logaddexp(lse, lse_j);  a = exp(lse - lse');  o = o_j + a (o - o_j);  lse = lse'
+
+(the two weights sum to one: exp(lse_j - lse') = 1 - a).
 
 Nothing is approximated: the result is softmax(q k^T / sqrt(d)) v reassociated. The fused kernels are
 PyTorch's: memory-efficient attention on CUDA, flash attention on the CPU (and the meta device, where
@@ -40,7 +42,8 @@ def streamed_attention(q, k, v, heads: int, q_chunk: int, kv_chunk: int):
         vj = heads_view(v[:, j : j + kv_chunk].to(q.device, non_blocking=True), heads)
         oj, lj = _block(q, kj, vj, q_chunk)
         top = torch.logaddexp(lse, lj)  # lse'
-        o.mul_(lse.sub_(top).exp_()).addcmul_(oj, lj.sub_(top).exp_())
+        a = lse.sub_(top).exp_()  # exp(lse - lse'), and exp(lse_j - lse') = 1 - a
+        torch.addcmul(oj, o.sub_(oj), a, out=o)  # o = a o + (1 - a) o_j  (the first chunk: a = 0)
         lse = top
         del kj, vj, oj, lj  # (before the next chunk arrives)
     return o.to(q.dtype)

@@ -161,7 +161,7 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
 
 
 # Key / value chunks (tokens) streamed attention tries, biggest first: at 512 channels in float16 a chunk
-# of keys and values is 64 MiB at 32768 tokens (fewer merges: 8 launches a chunk), 8 MiB at 4096; every
+# of keys and values is 64 MiB at 32768 tokens (fewer merges: 6 launches a chunk), 8 MiB at 4096; every
 # power of two between (a budget that misses one by a few MiB takes the next, not a chunk 8x smaller),
 # the smaller ones for small budgets and latents.
 STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
