@@ -31,7 +31,7 @@ def streamed_bytes(op, nq: int, nk: int, c: int, stream, batch: int) -> int:
 
 
 def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, stores: int = 0,
-              norms_in_place: bool = True, stream=None) -> int:
+              norms_in_place: bool = True, stream=None, profile: list | None = None) -> int:
     """Peak bytes of the values `run_op` holds running `ops` on the boxes `need`, op by op: the inputs in
     `owned` (copies read from the host or disk; other inputs are views of staged memory) until their last
     reader, each op's output (none when it overwrites its dying input, or for an upsampling its conv
@@ -40,7 +40,8 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
     `keep` (the band's cores) live to the end, when storing them holds `stores` bytes more (their
     statistics' float32 copy). `norms_in_place`: GroupNorms
     apply their affine over their dying input (tiles); False for the untiled run, whose GroupNorms are
-    torch's own and write a new tensor."""
+    torch's own and write a new tensor. `profile` (a list) receives (bytes before, peak during) of
+    every op, then the bytes held after the last."""
 
     def size(v, box=None):
         return box_area(need[v] if box is None else box) * chans[v] * unit
@@ -51,6 +52,8 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
     for i, op in enumerate(ops):
         d = op.dst
         if d not in need:
+            if profile is not None:
+                profile.append((sum(live.values()),) * 2)
             continue
         src, temp = op.src[0], 0
         lazy = op.kind == "resample" and lazy_output(ops, i, last, keep)
@@ -78,6 +81,8 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
         if dies and src in ours and overwrites(op) and (norms_in_place or op.kind != "group_norm"):
             out = 0
         peak = max(peak, sum(live.values()) + temp + out)
+        if profile is not None:
+            profile.append((sum(live.values()), sum(live.values()) + temp + out))
         if out == 0 and not lazy:
             live[d] = live.pop(src)
         else:
@@ -86,6 +91,8 @@ def live_peak(ops, need, shapes, chans, unit: int, owned: set[str], keep, last, 
         for v in set(op.src):
             if last.get(v) == i and v not in keep:
                 live.pop(v, None)
+    if profile is not None:
+        profile.append((sum(live.values()),) * 2)  # (after the last op)
     return max(peak, sum(live.values()) + stores)
 
 
@@ -111,3 +118,28 @@ def lazy_input(ops, i: int, last, keep) -> bool:
 def pointwise_conv(op) -> bool:
     """Whether a convolution is 1x1 with no padding (`ConvOp._pointwise`)."""
     return op._pointwise()
+
+
+def together_peak(ops, needs, cores, shapes, chans, unit: int, out: str, copies) -> int:
+    """Peak bytes of tiles run op by op together (fast mode's sampled tiles, `estimators.
+    sampled_tile_stats`), each on its boxes `needs[t]`, its output core `cores[t]` kept. Each op runs
+    tile after tile: while tile t runs op i, the tiles before it hold what they hold after op i, those
+    after it what they hold before it. Before a GroupNorm, the statistics of its input are taken tile
+    after tile, each through a copy (`copies(t, op)`: bytes) while every tile holds its values."""
+    last = last_use(ops, [out])
+    profiles = []
+    for need, core in zip(needs, cores, strict=True):
+        prof: list = []
+        live_peak(ops, need, shapes, chans, unit, set(), {out: core}, last, profile=prof)
+        profiles.append(prof)
+    peak = 0
+    for i, op in enumerate(ops):
+        before = [p[i][0] for p in profiles]
+        if op.kind == "group_norm":
+            peak = max(peak, sum(before) + max(copies(t, op) for t in range(len(needs))))
+        done, waiting = 0, sum(before)  # (bytes of the tiles past op i, and of those before it)
+        for p in profiles:
+            waiting -= p[i][0]
+            peak = max(peak, done + p[i][1] + waiting)
+            done += p[i + 1][0]
+    return peak

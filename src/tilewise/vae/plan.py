@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 
 from ..locality.ops import box_area, map_box
-from ..locality.program import Program
+from ..locality.program import Program, back_propagate
 from .attention import query_grid
 from .counts import ADJUST, Cost, Setting, sample_stats_cost, segment_cost, stats_copy, untiled_cost
 from .devices import device_profile
 from .estimators import sample_tiles
 from .executor import Executor
 from .fast import WHOLE_TILE_SLACK, fast_split, fixed_ops, low_pass, sample_fraction, split_program
+from .live import together_peak
 from .plan_records import Choices, Pass, Plan, Stage  # noqa: F401  (part of this module's interface)
 from .ranks import RankPlan, plan_ranks  # noqa: F401  (part of this module's interface)
 from .staging import TRIM_FREE
@@ -151,9 +152,20 @@ def _fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
     sp = _pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)
     pshapes, pchans = part.shapes(tuple(part_shape[-2:])), part.channels()
-    sp.peak += max((stats_copy(op.src[0], map_box(t.core, (rh, rw), pshapes[op.dst]), pchans, s,
-                               {op.src[0]: 1}) for op in part.ops if op.kind == "group_norm"
-                    for t in grid if t.index in sampled), default=0)  # (each tile's statistics in turn)
+    chosen = [t for t in grid if t.index in sampled]
+
+    def copy(k: int, op) -> int:  # (a tile's statistics of a GroupNorm's input, one tile at a time)
+        return stats_copy(op.src[0], map_box(chosen[k].core, (rh, rw), pshapes[op.dst]), pchans, s,
+                          {op.src[0]: 1})
+
+    if s.gpu and sp.segments == 1:  # the tiles' values op by op, summed, and the copies where made
+        outs = [map_box(t.core, (rh, rw), pshapes[part.output]) for t in chosen]
+        needs = [back_propagate(part.ops, {part.output: b}, pshapes) for b in outs]
+        working = together_peak(part.ops, needs, outs, pshapes, pchans, s.batch * s.item, part.output, copy)
+        sp.peak, sp.working = sp.peak - sp.working + working, working
+    else:  # (the sum of the tiles' largest values, and the largest copy beside them)
+        sp.peak += max((copy(k, op) for op in part.ops if op.kind == "group_norm"
+                        for k in range(len(chosen))), default=0)
     staged = s.staging == "disk" or (s.gpu and tv.memory_budget is not None
                                      and sp.peak + held > tv.memory_budget)
     if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
@@ -264,7 +276,10 @@ def _keys_values_bytes(op, shapes, chans, s: Setting, tiles: int) -> int:
     h, w = shapes[src]
     tokens, unit = h * w, s.batch * s.item * chans[src]
     band = max(1, min(h, (s.kv_chunk or s.query_chunk) // max(w, 1))) * w
-    made = 2 * min(band, tokens) * unit if band < tokens or s.kv_chunk else 0
+    if band < tokens or s.kv_chunk:
+        made = 2 * min(band, tokens) * unit
+    else:  # (one band, on a GPU plan: K and V are the stores; its input read from the host, its tokens)
+        made = (1 + s.off(src)) * tokens * unit if s.gpu else 0
     if s.kv_chunk and s.gpu:
         return made
     scores = 0 if s.gpu else s.batch * op.heads * min(s.query_chunk, -(-tokens // tiles)) * tokens * 4
