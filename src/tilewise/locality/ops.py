@@ -384,9 +384,9 @@ def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
 
 def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
     """(a, s): GroupNorm with statistics (mean, var) (float64, (B, groups)) as the per-channel affine
-    y = a x + s, (B, C, 1, 1) tensors in float32 or wider, in six kernels: the group's r = (var + eps)^-1/2
-    and r mean in float64, both spread to the channels and rounded once, then a = r weight and
-    s = bias - r mean weight (computed once per GroupNorm and run)."""
+    y = a x + s, (B, C, 1, 1) tensors in float32 or wider: the group's r = (var + eps)^-1/2 and r mean in
+    float64, both spread to the channels and rounded once, then a = r weight and s = bias - r mean weight
+    (six kernels with weight and bias; computed once per GroupNorm and run)."""
     import torch
 
     mean, var = stats
