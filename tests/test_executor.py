@@ -76,6 +76,19 @@ def test_group_norm_with_given_statistics_equals_torch(dtype, tol):
     assert y.dtype == dtype and (y.float() - ref).abs().max() <= tol
 
 
+@pytest.mark.parametrize("params", ["none", "weight", "both"])
+def test_group_norm_affine_without_weight_or_bias_equals_torch(params):
+    from tilewise.locality.ops import apply_group_norm
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 12, 9, 7, generator=g) * 2 + 4
+    w = torch.randn(12, generator=g) if params != "none" else None
+    b = torch.randn(12, generator=g) if params == "both" else None
+    var, mean = torch.var_mean(x.double().view(2, 3, -1), dim=-1, correction=0)
+    y = apply_group_norm(x, (mean, var), 3, 1e-6, w, b)
+    assert (y - torch.nn.functional.group_norm(x, 3, w, b, 1e-6)).abs().max() <= 2e-5
+
+
 def test_map_box_partitions():
     edges = [map_box((0, y, 0, 1), (13, 1), (104, 1))[1] for y in range(14)]
     assert edges == [8 * y for y in range(14)]
