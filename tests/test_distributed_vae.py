@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from tilewise import distributed as td
+from tilewise.vae.devices import CUDA
 
 torch.set_num_threads(1)
 _GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
 pytestmark = pytest.mark.skipif(not _GLOO, reason="torch.distributed with gloo is needed")
 LIMIT = 120.0
+FREE = CUDA.replace(launch_s=0.0)
 
 # name -> (vae kind, task, input shape, TiledVAE options)
 CASES = {
@@ -32,6 +34,10 @@ CASES = {
     "encode_fast_crops": ("sd", "encode", (1, 3, 48, 40),
                           dict(tile_size=2, mode="fast", fast_estimator="crops")),
     "one_row": ("sdxl", "decode", (1, 4, 3, 9), dict(tile_size=3, staging="host")),  # fewer tile rows
+    # fast mode in pieces (a GPU plan's choice; its launches free here, so the pieces pay)
+    "decode_fast_pieces": ("sdxl", "decode", (1, 4, 16, 12),
+                           dict(tile_size=4, mode="fast", device_kind=FREE)),
+    "encode_fast_pieces": ("sd", "encode", (1, 3, 64, 48), dict(tile_size=2, mode="fast", device_kind=FREE)),
 }
 
 
@@ -130,6 +136,10 @@ def test_tiled_vae_on_n_ranks_equals_single_process(world, reference):
             err = (out[name] - ref).abs().max().item()
             assert err <= 1e-5, f"{name} on {world} ranks, rank {rank}: {err:.2e} vs single process"
         kind, task, shape, opts = CASES[name]
+        if name.endswith("_pieces"):  # (the single process runs in pieces too)
+            import tilewise as tw
+
+            assert tw.TiledVAE(kl_vae(kind), progress=False, **opts).plan(shape, kind=task).fast_cuts
         if opts.get("mode", "exact") == "exact":  # and the single process is exact vs untiled
             vae, x = kl_vae(kind), _input(task, shape)
             with torch.no_grad():

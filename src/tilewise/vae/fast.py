@@ -89,7 +89,7 @@ def crop_stats(tv, p: Program, kind: str, x, ref: str, tile: int, group) -> dict
 
 
 def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit, slack: int, group,
-             staged: bool = False):
+             staged: bool = False, cuts: tuple[int, ...] = (), low_tile: int = 0):
     """Fast mode with the sampled-tile estimator: the latent-resolution part exact, the high-resolution
     part's GroupNorms estimated from a sample of its real tiles. Returns (output, most staged bytes).
 
@@ -101,10 +101,14 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     2. A stratified `fast_sample` fraction of the tiles runs the high-resolution part together, op by
        op; every GroupNorm's statistics are merged over the regions those tiles hold (exact values
        given the earlier estimates, no crop padding), corrected by a `fast_low` times smaller low pass
-       over the whole input, and their outputs are kept.
+       over the whole input (run in tiles of `low_tile` reference pixels; 0: `tile`), and their outputs
+       are kept.
     3. The other tiles run the high-resolution part end to end with those statistics.
     With disk staging, or `staged` (a GPU plan whose sampled tiles do not fit at once), step 2 runs the
     sampled tiles one at a time, segment by segment, their regions staged (`staged_tile_stats`).
+    `cuts` (positions in the high-resolution part, `piece_cuts`; a GPU plan's choice) run steps 2-3 piece
+    by piece, the value between two pieces whole on the device: every tile's halo then spans only its
+    piece's receptive field, not the whole part's (the same values and statistics, less recomputation).
     """
     first, second = split_program(p, k)
     kw = dict(attention=tv.attention, staging=staging, device=x.device, query_chunk=tv.query_chunk,
@@ -118,44 +122,95 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
         h = exact.run(x)
         if trim:
             trim_heap(0)
-        part, part_in, ref = second, h, second.input
+        part, ref = second, second.input
     else:
-        part, part_in, ref = first, x, first.output
-    stats, done = {}, {}
-    if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
-        stats, done = _estimate(tv, kind, part, part_in, ref, tile, staging, slack, staged)
-    stats = broadcast_stats(stats, part, group)
-    if trim:
-        trim_heap(0)
-    # the other tiles run end to end, whole: row bands would recompute the pointwise ops on the
-    # receptive field's overlap rows (measured at 1024 px: decode 60 s instead of 51 for this pass).
-    # Their whole-tile buffers come from mmap, not the heap, so less free heap is worth keeping.
-    ex = Executor(part, tile, ref, fixed_stats=stats, done=done,
-                  **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK), "band_bytes": None})
-    if kind == "decode":
-        out = ex.run(part_in, emit=emit)
-    else:
-        h = ex.run(part_in)
-        done.clear()  # (the sampled tiles' outputs are in h now)
+        part, ref, h = first, first.output, x
+    shapes = part.shapes(tuple(h.shape[-2:]))
+    adjust = None
+    if tv.fast_low and _rank(group) == 0:  # (once for the whole part, whatever its pieces)
+        cores = [t.core for t in sample_tiles(_grid(shapes[ref], tile), sample_fraction(tv, "tiles"))]
+        adjust = _low_pass_stats(tv, kind, part, h, ref, low_tile or tile, staging, cores, slack)
+    pieces, staged_peak = split_pieces(part, cuts), 0
+    for j, piece in enumerate(pieces):
+        pref, ptile = piece_grid(piece, shapes, ref, tile, kind)
+        stats, done = {}, {}
+        if _rank(group) == 0:  # with ranks: estimated once, on rank 0, then broadcast
+            stats, done = _estimate(tv, piece, h, pref, ptile, staging, slack, staged, adjust)
+        stats = broadcast_stats(stats, piece, group)
         if trim:
             trim_heap(0)
+        # the other tiles run end to end, whole: row bands would recompute the pointwise ops on the
+        # receptive field's overlap rows (measured at 1024 px: decode 60 s instead of 51 for this pass).
+        # Their whole-tile buffers come from mmap, not the heap, so less free heap is worth keeping.
+        ex = Executor(piece, ptile, pref, fixed_stats=stats, done=done,
+                      **{**kw, "heap_slack": min(slack, WHOLE_TILE_SLACK), "band_bytes": None})
+        if kind == "decode" and j == len(pieces) - 1:
+            out = ex.run(h, emit=emit)
+        else:
+            h = ex.run(h)  # (the piece's input is released here: only its output is held)
+        done.clear()  # (the sampled tiles' outputs are in h now)
+        staged_peak = max(staged_peak, ex.staged_peak)
+        if trim and (kind == "encode" or j < len(pieces) - 1):  # (before the next pass)
+            trim_heap(0)
+    if kind == "encode":
         exact = Executor(second, tile, second.output, **kw)
         out = exact.run(h, emit=emit)
-    return out, max(exact.staged_peak, ex.staged_peak)
+    return out, max(exact.staged_peak, staged_peak)
 
 
-def _estimate(tv, kind: str, part: Program, x, ref: str, tile: int, staging: str, slack: int,
-              staged: bool = False):
-    """Step 2 of `run_fast`: (id(GroupNorm) -> (mean, var), sampled tile index -> output core)."""
+def piece_cuts(tv, p: Program, kind: str) -> tuple[int, ...]:
+    """Where fast mode's estimated part may be cut into pieces (positions in it): at its resolution
+    changes, on the lower-resolution side (decode: before an upsampling; encode: after a downsampling),
+    where one value crosses. () without the sampled-tile estimator."""
+    k = fast_split(tv, p, kind)
+    if k is None:
+        return ()
+    first, second = split_program(p, k)
+    if kind == "decode":
+        part = second
+        found = [i for i, op in enumerate(part.ops) if op.kind == "resample" and i > 0]
+    else:
+        part = first
+        found = [i + 1 for i, op in enumerate(part.ops[:-1]) if op.kind == "conv" and op.stride[0] > 1]
+    return tuple(i for i in found if len(_crossing(part, i)) == 1)
+
+
+def split_pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
+    """part cut before each position in `cuts` (increasing; one value crossing each)."""
+    import dataclasses
+
+    pieces, rest, at = [], part, 0
+    for c in cuts:
+        head, rest = split_program(rest, c - at)
+        pieces.append(head)
+        at = c
+    pieces.append(rest)
+    if len(pieces) == 1:
+        return pieces
+    return [dataclasses.replace(q, name=f"{part.name}[piece {j + 1} of {len(pieces)}]")
+            for j, q in enumerate(pieces)]
+
+
+def piece_grid(piece: Program, shapes, ref: str, tile: int, kind: str) -> tuple[str, int]:
+    """A piece's reference value, its lower-resolution end (decode: its input; encode: its output), and
+    the tile in its pixels: the part's tile scaled by that value's size over the part's reference."""
+    v = piece.input if kind == "decode" else piece.output
+    return v, tile * shapes[v][0] // shapes[ref][0]
+
+
+def _grid(hw, tile: int):
     from ..geometry import TileGrid
 
+    return TileGrid(*hw, (min(tile, hw[0]), min(tile, hw[1])), order="serpentine")
+
+
+def _estimate(tv, part: Program, x, ref: str, tile: int, staging: str, slack: int, staged: bool,
+              adjust: dict[int, Any] | None):
+    """Step 2 of `run_fast` on (a piece of) the part: (id(GroupNorm) -> (mean, var), sampled tile index
+    -> output core)."""
     rh, rw = part.shapes(tuple(x.shape[-2:]))[ref]
-    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
-    tiles = sample_tiles(grid, sample_fraction(tv, "tiles"))
-    adjust = None
-    if tv.fast_low:
-        adjust = _low_pass_stats(tv, kind, part, x, ref, tile, staging, [t.core for t in tiles], slack)
+    tiles = sample_tiles(_grid((rh, rw), tile), sample_fraction(tv, "tiles"))
     opts = device_options(tv)
     if staging == "disk" or staged:  # one tile's working set at a time, the sampled regions staged
         return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, tv.stage_dir,

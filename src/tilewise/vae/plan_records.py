@@ -18,6 +18,8 @@ class Choices(NamedTuple):
     staged_estimate: bool = False  # fast mode: sampled tiles staged segment by segment
     attention: tuple[int, int] = (0, 0)  # (kv_chunk, query_rows): streamed global attention
     read_ahead: bool = True  # host staging reads the next tile's inputs while a tile runs (copies.py)
+    fast_cuts: tuple[int, ...] = ()  # fast mode: its estimated part in pieces cut there (fast.piece_cuts)
+    low_tile: int = 0  # fast mode: the low pass's tile (0: the run's tile)
 
 
 @dataclass
@@ -102,11 +104,14 @@ class Plan:
     kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
     query_rows: int = 0  # ... its queries in row bands of this many latent rows (0: in the tiles)
     read_ahead: bool = True  # host-staged inputs of the next tile read while a tile runs (GPU plans)
+    fast_cuts: tuple[int, ...] = ()  # fast mode: its estimated part run in pieces cut there, the values
+    # between them held whole (a GPU plan's choice: halos span a piece, not the part)
+    low_tile: int = 0  # fast mode: the low pass's tile in its reference pixels (0: tile_size)
 
     def choices(self) -> Choices:
         """What the run takes from this plan beyond tile and staging."""
         return Choices(self.band_bytes, self.on_device, self.staged_estimate,
-                       (self.kv_chunk, self.query_rows), self.read_ahead)
+                       (self.kv_chunk, self.query_rows), self.read_ahead, self.fast_cuts, self.low_tile)
 
     def __str__(self) -> str:
         from ..memory import format_bytes as fb
@@ -140,6 +145,11 @@ class Plan:
             rows.append(f"  attention keys and values in host memory, streamed {self.kv_chunk:,} tokens at a "
                         f"time (online softmax, exact); queries in "
                         + (f"row bands of {self.query_rows} latent rows" if self.query_rows else "the tiles"))
+        if self.fast_cuts:
+            rows.append(f"  fast mode's estimated part in {len(self.fast_cuts) + 1} pieces (halos span a "
+                        "piece), the values between them held whole on the device")
+        if self.low_tile:
+            rows.append(f"  low pass in tiles of {self.low_tile} px")
         for q in self.passes:
             rows.append(f"  pass {q.name}: {q.tiles} tiles, {q.segments} segments, {len(q.stages)} staged "
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "

@@ -267,9 +267,11 @@ class TiledVAE(ModelWrapper):
             except torch.OutOfMemoryError:
                 if not self.retry_on_oom or tile <= 1:
                     raise
-                logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d", kind, tile,
-                               tile // 2)
+                logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d%s", kind, tile,
+                               tile // 2, " (fast mode in one piece, its low pass in those tiles)"
+                               if bands.fast_cuts or bands.low_tile else "")
                 tile //= 2
+                bands = bands._replace(fast_cuts=(), low_tile=0)
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
     def _upcast(self, kind: str, t, tile: int, staging: str, emit, bands, err):
@@ -332,7 +334,8 @@ class TiledVAE(ModelWrapper):
         split = fast_split(self, p, kind)
         if split is not None:
             out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
-                                                  self._group(), staged=bands.staged_estimate)
+                                                  self._group(), bands.staged_estimate, bands.fast_cuts,
+                                                  bands.low_tile)
             return out
         ex = self._executor(kind, t, tile, staging, slack, bands)
         out = ex.run(t, emit=emit)

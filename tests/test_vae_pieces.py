@@ -1,0 +1,133 @@
+"""Fast mode in pieces (GPU plans): the estimated part cut at its resolution changes, the value between
+two pieces held whole, so a tile's halo spans its piece, not the whole part. Same values and
+statistics as one piece, fewer FLOPs; plans checked against counted runs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from counting import build_vae, count, fake  # noqa: E402
+from test_vae_support import kl_vae, structured_latent  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.vae.devices import CUDA  # noqa: E402
+from tilewise.vae.fast import fast_split, piece_cuts, split_pieces, split_program  # noqa: E402
+from tilewise.vae.plan import make_plan  # noqa: E402
+
+# A GPU whose launches cost nothing: its plans take pieces wherever they save FLOPs (on the stock CUDA
+# profile the small test sizes are launch-bound and stay in one piece).
+FREE_LAUNCHES = CUDA.replace(launch_s=0.0)
+NARROW = dict(blocks=(16, 32, 32, 32), groups=8)
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_pieces_are_cut_at_the_resolution_changes_and_rejoin_the_part(kind):
+    tv = tw.TiledVAE(kl_vae("sd"), mode="fast", progress=False)
+    p = tv.program(kind)
+    first, second = split_program(p, fast_split(tv, p, kind))
+    part = second if kind == "decode" else first
+    cuts = piece_cuts(tv, p, kind)
+    assert len(cuts) == 2  # (SD: three resolution changes, the part starts / ends at one of them)
+    if kind == "decode":  # before an upsampling
+        assert all(part.ops[c].kind == "resample" for c in cuts)
+    else:  # after a downsampling
+        assert all(part.ops[c - 1].kind == "conv" and part.ops[c - 1].stride[0] == 2 for c in cuts)
+    pieces = split_pieces(part, cuts)
+    assert [op for q in pieces for op in q.ops] == part.ops
+    assert pieces[0].input == part.input and pieces[-1].output == part.output
+    assert all(a.output == b.input for a, b in zip(pieces, pieces[1:]))
+    assert [q.name for q in pieces] == [f"{part.name}[piece {j} of 3]" for j in (1, 2, 3)]
+    assert piece_cuts(tw.TiledVAE(kl_vae("sd"), progress=False), p, kind) == ()  # (exact mode: none)
+    assert piece_cuts(tw.TiledVAE(kl_vae("flux"), mode="fast", progress=False),
+                      tw.TiledVAE(kl_vae("flux"), progress=False).program(kind), kind) == ()
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+@pytest.mark.parametrize("staging", ["device", "disk"])
+def test_fast_mode_in_pieces_computes_what_one_piece_does(kind, staging):
+    vae = kl_vae("sd")
+    t = structured_latent(1, 4, 32, 24) if kind == "decode" else structured_latent(1, 3, 256, 192)
+    t = t if kind == "decode" else t.clamp(-1, 1)
+
+    def run(tv):
+        with torch.no_grad():
+            return tv.decode(t).sample if kind == "decode" else tv.encode(t).latent_dist.mean
+
+    outs, plans = {}, {}
+    for name, prof in (("one", CUDA), ("pieces", FREE_LAUNCHES)):
+        tv = tw.TiledVAE(vae, tile_size=8, mode="fast", staging=staging, progress=False, device_kind=prof)
+        plans[name] = tv.plan(tuple(t.shape), kind=kind)
+        outs[name] = run(tv)
+    assert plans["one"].fast_cuts == () and len(plans["pieces"].fast_cuts) == 2
+    assert "in 3 pieces" in str(plans["pieces"])
+    assert plans["pieces"].flops < plans["one"].flops
+    # the same statistics and values, computed on smaller regions (float rounding apart: 1.1e-5 measured)
+    assert (outs["pieces"] - outs["one"]).abs().max() <= 1e-4
+    with torch.no_grad():
+        ref = vae.decode(t).sample if kind == "decode" else vae.encode(t).latent_dist.mean
+    assert (outs["pieces"] - ref).abs().max() > 1e-3  # (an approximation was compared)
+    # with every tile sampled and no low pass, fast mode is exact mode, in pieces too
+    tv = tw.TiledVAE(vae, tile_size=8, mode="fast", fast_sample=1.0, fast_low=0, staging=staging,
+                     progress=False, device_kind=FREE_LAUNCHES)
+    assert len(tv.plan(tuple(t.shape), kind=kind).fast_cuts) == 2
+    assert (run(tv) - ref).abs().max() <= 1e-4
+
+
+def _encode_launches(tv, x):
+    """Counts of tv.encode(x) less the posterior's own kernels (the plan covers the program)."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    with count("meta") as c:
+        h = tv.encode(x).latent_dist.parameters
+    with count("meta") as d:
+        DiagonalGaussianDistribution(torch.empty_like(h))
+    c.launches -= d.launches
+    return c
+
+
+@pytest.mark.parametrize("kind,budget", [("decode", None), ("encode", None), ("decode", 6_000_000)])
+def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
+    with fake():  # (budget: the sampled tiles do not fit at once and run staged, in every piece)
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        tv = tw.TiledVAE(vae, mode="fast", tile_size=16, memory_budget=budget, progress=False,
+                         device_kind=FREE_LAUNCHES)
+        t = torch.randn(1, 4, 64, 64) if kind == "decode" else torch.randn(1, 3, 256, 256)
+        t = t.to("meta", torch.float16)
+        plan = tv.plan(tuple(t.shape), kind=kind)
+        one = make_plan(tv, tuple(t.shape), kind, plan.tile_size, plan.staging, cuts=())
+        if kind == "decode":
+            with count("meta") as c:
+                tv.decode(t)
+        else:
+            c = _encode_launches(tv, t)
+    names = [q.name for q in plan.passes]
+    assert plan.fast_cuts and "other tiles (piece 2 of" in " ".join(names)
+    assert (budget is not None) == any(n.startswith("sampled tiles, staged") for n in names)
+    assert plan.flops < one.flops and not one.fast_cuts
+    assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs
+    assert abs(plan.launches - c.launches) <= 0.03 * c.launches
+    if budget is None:
+        assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
+    else:  # (host staging at this tiny size: planned within 5%, in the budget)
+        assert abs(plan.peak - c.device_peak("meta")) <= 0.1 * c.device_peak("meta")
+        assert c.device_peak("meta") <= budget
+
+
+def test_gpu_fast_plan_at_2048_px_takes_pieces_and_its_low_pass_in_one_tile():
+    with fake():  # (planned only: the SD-shaped decode at 2048 px within 4 GiB, float16)
+        vae = build_vae("sd", torch.float16, "meta")
+        tv = tw.TiledVAE(vae, mode="fast", memory_budget="4GiB", progress=False, device_kind="cuda")
+        plan = tv.plan((1, 4, 256, 256), kind="decode")
+        one = make_plan(tv, (1, 4, 256, 256), "decode", plan.tile_size, plan.staging, cuts=())
+    assert plan.fast_cuts and plan.seconds < one.seconds and plan.flops < one.flops
+    assert plan.peak <= 4 << 30
+    low = next(q for q in plan.passes if q.name == "low pass")
+    assert plan.low_tile >= 256 and low.grid == (1, 1)  # (the low pass's halos: launches, not FLOPs)
+    cpu = tw.TiledVAE(vae, mode="fast", memory_budget="4GiB", progress=False, device_kind="cpu")
+    with fake():
+        cplan = cpu.plan((1, 4, 64, 64), kind="decode")
+    assert cplan.fast_cuts == () and cplan.low_tile == 0  # (CPU plans: unchanged)
