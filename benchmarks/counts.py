@@ -147,7 +147,10 @@ def table(rows: list[dict]) -> list[str]:
             cells += ["", ""]
         else:
             how = "untiled run" if p.untiled else (f"tile {p.tile_size}, {p.staging}"
-                                                   + (", bands" if p.band_bytes else ""))
+                                                   + (", bands" if p.band_bytes else "")
+                                                   + (f", {len(p.fast_cuts) + 1} pieces" if p.fast_cuts
+                                                      else "")
+                                                   + (", low pass in 1 tile" if p.low_tile else ""))
             cells += [f"{p.launches:,} / {p.flops / 1e9:,.0f} / {p.peak / MIB:,.0f} / "
                       f"{(p.h2d + p.d2h) / GIB:.2f} / {p.seconds * 1e3:,.0f}", how]
         out.append(head + " " + " | ".join(cells) + " |")

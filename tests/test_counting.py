@@ -246,9 +246,14 @@ def test_statistics_kernels_are_the_counted_constants(dtype):
 
 
 @pytest.mark.parametrize("kind,fast_low,budget", [("decode", 4, None), ("decode", 0, None),
-                                                  ("encode", 4, None), ("decode", 4, 6_000_000)])
+                                                  ("encode", 4, None), ("decode", 4, 6_000_000),
+                                                  ("decode", 4, 12_000_000)])
 def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
-    with fake():  # (budget: the sampled tiles do not fit at once and run staged, one at a time)
+    # (budget: the sampled tiles do not fit at once and run staged, one at a time, on regions
+    # back-propagated through the whole part, with no finite checks; host staging, and tiles at the
+    # image border whose convolutions pad an upsampled input: it dies before the convolution's output
+    # is made, as the plan has it)
+    with fake():
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         tv = tw.TiledVAE(vae, mode="fast", tile_size=16, fast_low=fast_low, memory_budget=budget,
                          progress=False, device_kind="cuda")
@@ -261,8 +266,5 @@ def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
     assert (budget is not None) == ("sampled tiles, staged" in names)
     assert abs(plan.launches - c.launches) <= 0.03 * c.launches
     assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs
-    if budget is None:
-        assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
-    else:  # (host staging at this tiny size: the other tiles' pass is planned ~5% under, in the budget)
-        assert abs(plan.peak - c.device_peak("meta")) <= 0.1 * c.device_peak("meta")
-        assert c.device_peak("meta") <= budget
+    assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
+    assert budget is None or plan.peak <= budget

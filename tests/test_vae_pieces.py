@@ -18,9 +18,10 @@ from tilewise.vae.devices import CUDA  # noqa: E402
 from tilewise.vae.fast import fast_split, piece_cuts, split_pieces, split_program  # noqa: E402
 from tilewise.vae.plan import make_plan  # noqa: E402
 
-# A GPU whose launches cost nothing: its plans take pieces wherever they save FLOPs (on the stock CUDA
-# profile the small test sizes are launch-bound and stay in one piece).
+# A GPU whose launches cost nothing: its plans take pieces wherever they save FLOPs (pieces add launches:
+# at the small test sizes the stock CUDA profile takes them in some plans and not in others).
 FREE_LAUNCHES = CUDA.replace(launch_s=0.0)
+DEAR_LAUNCHES = CUDA.replace(launch_s=1e-3)  # (and one whose launches cost so much that one piece pays)
 NARROW = dict(blocks=(16, 32, 32, 32), groups=8)
 
 
@@ -58,7 +59,7 @@ def test_fast_mode_in_pieces_computes_what_one_piece_does(kind, staging):
             return tv.decode(t).sample if kind == "decode" else tv.encode(t).latent_dist.mean
 
     outs, plans = {}, {}
-    for name, prof in (("one", CUDA), ("pieces", FREE_LAUNCHES)):
+    for name, prof in (("one", DEAR_LAUNCHES), ("pieces", FREE_LAUNCHES)):
         tv = tw.TiledVAE(vae, tile_size=8, mode="fast", staging=staging, progress=False, device_kind=prof)
         plans[name] = tv.plan(tuple(t.shape), kind=kind)
         outs[name] = run(tv)
@@ -110,11 +111,8 @@ def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
     assert plan.flops < one.flops and not one.fast_cuts
     assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs
     assert abs(plan.launches - c.launches) <= 0.03 * c.launches
-    if budget is None:
-        assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
-    else:  # (host staging at this tiny size: planned within 5%, in the budget)
-        assert abs(plan.peak - c.device_peak("meta")) <= 0.1 * c.device_peak("meta")
-        assert c.device_peak("meta") <= budget
+    assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
+    assert budget is None or plan.peak <= budget
 
 
 def test_gpu_fast_plan_at_2048_px_takes_pieces_and_its_low_pass_in_one_tile():

@@ -201,7 +201,8 @@ class Conv(Op):
         if native:
             return F.conv2d(x, self.weight, self.bias, self.stride, (pad[2], pad[0]), self.dilation,
                             self.groups)
-        return F.conv2d(F.pad(x, pad), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        x = F.pad(x, pad)  # (upsampled rows made by sub_tensor die here, before the conv's output is made)
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
     def describe(self):
         (kh, kw), t = self.kernel, self.padding

@@ -87,6 +87,7 @@ class Setting:
     kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
     query_rows: int = 0  # attention segments' queries in row bands of this many reference rows (0: tiles)
     read_ahead: bool = True  # host staging on a GPU reads the next tile's inputs while a tile runs
+    checks: bool = True  # finite checks of the stored values (fast mode's staged sampled tiles run none)
 
     def off(self, v: str) -> bool:
         """Whether staged value v lives across the link (its reads and writes are transfers)."""
@@ -97,10 +98,14 @@ class Setting:
 
 def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str, set[int]], s: Setting,
                  tiles: set[int] | None = None, together: bool = False, banded: bool = True,
-                 fixed: set[int] = frozenset(), probes: list | None = None) -> Cost:
+                 fixed: set[int] = frozenset(), probes: list | None = None,
+                 regions: dict[int, dict] | None = None) -> Cost:
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
     at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
-    `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core."""
+    `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core.
+    `regions` (tile index -> boxes of every value): tiles that run on those boxes, not the segment's own
+    back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles, whose boxes are
+    back-propagated through the whole part: `estimators.staged_tile_stats`)."""
     unit = s.batch * s.item
     rows = None
     if banded and not together and s.band_bytes and row_local(seg):
@@ -116,7 +121,12 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
         if not bands:
             continue
         parts += len(bands)
-        cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed), together)
+        own = None
+        if regions is not None and len(bands) == 1:  # (the seg's values' boxes, its outputs' stored)
+            made = {v for op in seg.ops for v in (op.dst, *op.src)}
+            own = {v: b for v, b in regions[tile.index].items() if v in made}
+            bands = [{v: own[v] for v in bands[0] if v in own}]
+        cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed, own), together)
         for cores in bands if probes else ():
             cost.launches += _probe_adds(cores, probes, shapes, chans, ref, tracked, s, probed)
     cost.add(_segment_once(seg, shapes, chans, tracked, s, parts))
@@ -164,10 +174,11 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
     return cost
 
 
-def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fixed) -> Cost:
-    """One tile of a segment, band by band, as `run_bands` runs it (and `Executor._store` stores it)."""
+def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fixed, own=None) -> Cost:
+    """One tile of a segment, band by band, as `run_bands` runs it (and `Executor._store` stores it);
+    `own`: the boxes of its one band, given."""
     unit = s.batch * s.item
-    needs = [back_propagate(seg.ops, cores, shapes) for cores in bands]
+    needs = [own] if own is not None else [back_propagate(seg.ops, cores, shapes) for cores in bands]
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
@@ -286,7 +297,7 @@ def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Co
         cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
     else:
         cost.launches += 1
-    if v not in tracked:
+    if v not in tracked and s.checks:
         cost.launches += 1  # a sum for the finite check
     for _ in tracked.get(v, ()):
         cost.launches += _moments(core, chans[v], s)
@@ -331,10 +342,10 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
     merge = merge_launches(parts, s)
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
-            cost.launches += merge + 1  # and one sum of both into the finite check
+            cost.launches += merge + s.checks  # and one sum of both into the finite check
             cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
             sums = True
-    if sums:
+    if sums and s.checks:
         cost.launches += CHECK
         cost.syncs += 1
     return cost

@@ -86,7 +86,7 @@ def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int
     from ..geometry import TileGrid
 
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)))
+    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")  # (as the run)
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
     low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
     lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
@@ -130,7 +130,7 @@ def _piece_pair(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, 
     from ..geometry import TileGrid
 
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)))
+    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")  # (as the run)
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
     sp = pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)
@@ -154,8 +154,12 @@ def _piece_pair(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, 
                                          and sp.peak + held > tv.memory_budget)
     if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
         work, flops = sp.work, sp.flops  # each tile still runs on its regions back-propagated through
-        sp = pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else "") + tag,  # the
-                        part, part_shape, tile, exact, ref, set(), full, sampled)  # whole part
+        regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, (rh, rw),
+                                                                            pshapes[part.output])}, pshapes)
+                   for t in chosen}  # the whole part
+        unchecked = Setting(**{**exact.__dict__, "checks": False})  # (their outputs: checked later)
+        sp = pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else "") + tag, part,
+                       part_shape, tile, unchecked, ref, set(), full, sampled, regions=regions)
         sp.work, sp.flops = work, flops
         sp.launches += ADJUST * len(fixed) if tv.fast_low else 0  # (its statistics: as exact mode's)
     else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics

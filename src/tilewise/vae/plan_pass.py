@@ -41,11 +41,13 @@ def with_held(q: Pass, held: int) -> Pass:
 
 def pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str, fixed: set[int],
                full: int, tiles: set[int] | None = None, together: bool = False,
-               banded: bool = True, probes: list | None = None) -> Pass:
+               banded: bool = True, probes: list | None = None,
+               regions: dict[int, dict] | None = None) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
     the per-tile working set (summed over `tiles` when they run together), conv work, what it
     dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
-    its staged values on the device and its own bytes; a CPU plan: the sum of those maxima)."""
+    its staged values on the device and its own bytes; a CPU plan: the sum of those maxima). `regions`:
+    the tiles' boxes, given (`counts.segment_cost`)."""
     b = shape[0]
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     ex = Executor(p, tile, ref, attention=tv.attention, staging="device",
@@ -86,7 +88,7 @@ def pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str,
             if s.query_rows and tiles is None:
                 seg_grid = query_grid(shapes[ref], s.query_rows)
         c = segment_cost(seg, seg_grid, shapes, chans, ref, p, tracked, s, tiles, together, banded,
-                         probes=probes)
+                         probes=probes, regions=regions)
         cost.add(c)
         side = c.d2h_side + c.fetched - c.ahead  # (every tile's reads ahead but about the first tile's)
         hidden += prof.hidden(c.flops, c.launches, side, s.item < 4)
