@@ -71,7 +71,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     else:
         fixed = fixed_ops(tv, p, kind) if tv.mode == "fast" else set()
         passes = [pass_plan(tv, "tiled", p, shape, tile, setting, ref, fixed, full,
-                             banded=tv.mode == "exact")]
+                            banded=tv.mode == "exact")]
     last = passes[-1]
     plan = Plan(kind, shape, last.output_shape, tile, last.grid, tv.mode, tv.attention, st,
                 sum(q.segments for q in passes), sum(q.work for q in passes) - 1.0,

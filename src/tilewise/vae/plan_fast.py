@@ -32,7 +32,7 @@ def fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting,
     exact = Setting(**{**s.__dict__, "band_bytes": device_profile(tv).band_bytes})
     if kind == "decode":
         q = pass_plan(tv, "exact latent-resolution head", first, shape, tile, exact, first.input, set(),
-                       full)
+                      full)
         passes.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
@@ -58,7 +58,7 @@ def fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting,
     if kind == "encode":
         rp = got[-1]
         q = pass_plan(tv, "exact latent-resolution tail", second, rp.output_shape, tile, exact,
-                       second.output, set(), full)
+                      second.output, set(), full)
         passes.append(with_held(q, rp.output_bytes))
     return passes, tuple(cuts), low_tile
 
@@ -79,8 +79,8 @@ def _cut_options(tv, kind: str, p: Program, part: Program, shapes, ref: str, s: 
     return [tuple(x for i, x in enumerate(found) if m >> i & 1) for m in range(1 << len(found))]
 
 
-def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int, exact: Setting, full: int,
-                   held: int) -> tuple[Pass, int]:
+def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int, exact: Setting,
+                   full: int, held: int) -> tuple[Pass, int]:
     """The low pass (statistics only; the sampled cores' too, as probes) and its tile: a GPU plan's one
     tile over its whole input where that fits the budget, else `tile` (0)."""
     from ..geometry import TileGrid
@@ -92,14 +92,17 @@ def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int
     lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
     probes = [map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled]
     resized = math.prod(small) * exact.item if small[-2:] != part_shape[-2:] else 0
-    tiles = ([max(lo)] if exact.gpu and max(lo) > tile else []) + [0]
-    for t in tiles:
+
+    def planned(t: int) -> Pass:
         lp = pass_plan(tv, "low pass", low, small, t or tile, exact, low_ref, set(), full, probes=probes)
         lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
-        lp = with_held(lp, held + resized)
-        if tv.memory_budget is None or lp.peak <= tv.memory_budget or t == 0:
-            return lp, t
-    raise AssertionError("unreachable")
+        return with_held(lp, held + resized)
+
+    if exact.gpu and max(lo) > tile:
+        whole = planned(max(lo))
+        if tv.memory_budget is None or whole.peak <= tv.memory_budget:
+            return whole, max(lo)
+    return planned(0), 0
 
 
 def _piece_passes(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, exact: Setting,

@@ -30,6 +30,7 @@ def untiled_pass(tv, p: Program, shape, tile: int, s: Setting) -> Pass:
 
 
 def count_into(q: Pass, c: Cost) -> None:
+    """q's FLOPs, launches, syncs and transfers from what its run dispatches (`c`)."""
     q.flops, q.launches, q.syncs, q.h2d, q.d2h = c.flops, c.launches, c.syncs, c.h2d, c.d2h
 
 
