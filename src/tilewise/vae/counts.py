@@ -113,7 +113,7 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
         cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
         rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.band_bytes)
     last = last_use(seg.ops, seg.outputs)
-    cost, parts, probed = Cost(), 0, {}
+    cost, parts, probed, ran = Cost(), 0, {}, 0
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
@@ -127,8 +127,11 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
             own = {v: b for v, b in regions[tile.index].items() if v in made}
             bands = [{v: own[v] for v in bands[0] if v in own}]
         cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed, own), together)
+        ran += 1
         for cores in bands if probes else ():
             cost.launches += _probe_adds(cores, probes, shapes, chans, ref, tracked, s, probed)
+    if ran == 1:  # (one tile: there is no next tile to read ahead)
+        cost.ahead = cost.fetched = 0
     cost.add(_segment_once(seg, shapes, chans, tracked, s, parts))
     for v, n in probed.items():  # (each probed value's merge, once per group count)
         cost.launches += len(tracked[v]) * merge_launches(n, s)

@@ -94,8 +94,8 @@ def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int
     resized = math.prod(small) * exact.item if small[-2:] != part_shape[-2:] else 0
 
     def planned(t: int) -> Pass:
-        lp = pass_plan(tv, "low pass", low, small, t or tile, exact, low_ref, set(), full, probes=probes)
-        lp.peak, lp.output_bytes = lp.peak - lp.output_bytes, 0  # streamed away: statistics only
+        lp = pass_plan(tv, "low pass", low, small, t or tile, exact, low_ref, set(), full, probes=probes,
+                       streamed=True)  # (its output is thrown away: only its statistics are wanted)
         return with_held(lp, held + resized)
 
     if exact.gpu and max(lo) > tile:
@@ -160,7 +160,7 @@ def _piece_pair(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, 
         regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, (rh, rw),
                                                                             pshapes[part.output])}, pshapes)
                    for t in chosen}  # the whole part
-        unchecked = Setting(**{**exact.__dict__, "checks": False})  # (their outputs: checked later)
+        unchecked = Setting(**{**exact.__dict__, "checks": False, "read_ahead": False})  # (no reads ahead)
         sp = pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else "") + tag, part,
                        part_shape, tile, unchecked, ref, set(), full, sampled, regions=regions)
         sp.work, sp.flops = work, flops

@@ -43,12 +43,13 @@ def with_held(q: Pass, held: int) -> Pass:
 def pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str, fixed: set[int],
                full: int, tiles: set[int] | None = None, together: bool = False,
                banded: bool = True, probes: list | None = None,
-               regions: dict[int, dict] | None = None) -> Pass:
+               regions: dict[int, dict] | None = None, streamed: bool = False) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
     the per-tile working set (summed over `tiles` when they run together), conv work, what it
     dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
     its staged values on the device and its own bytes; a CPU plan: the sum of those maxima). `regions`:
-    the tiles' boxes, given (`counts.segment_cost`)."""
+    the tiles' boxes, given (`counts.segment_cost`); `streamed`: the output cores are emitted, never
+    assembled (no output buffer; the pass returns nothing)."""
     b = shape[0]
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     ex = Executor(p, tile, ref, attention=tv.attention, staging="device",
@@ -69,7 +70,7 @@ def pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str,
     stages, alive, peak_staged = [], {}, 0
     last = ex._last_reader(segs)
     grid = ex._grid(shapes)
-    out_b = nbytes(p.output)
+    out_b = 0 if streamed else nbytes(p.output)
     # CPU convolutions' im2col buffer: row bands of at most conv_workspace bytes (measured: a fast encode
     # at 1024 px planned at 210 MiB grew by 264 before this was counted)
     im2col = s.conv_workspace if any(op.kind == "conv" for op in p.ops) else 0
