@@ -149,7 +149,7 @@ class Plan:
             rows.append(f"  fast mode's estimated part in {len(self.fast_cuts) + 1} pieces (halos span a "
                         "piece), the values between them held whole on the device")
         if self.low_tile:
-            rows.append(f"  low pass in tiles of {self.low_tile} px")
+            rows.append(f"  low pass in one tile of {self.low_tile} px (tiles' halos would cost launches)")
         for q in self.passes:
             rows.append(f"  pass {q.name}: {q.tiles} tiles, {q.segments} segments, {len(q.stages)} staged "
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "
