@@ -41,9 +41,9 @@ def with_held(q: Pass, held: int) -> Pass:
 
 
 def pass_plan(tv, name: str, p: Program, shape, tile: int, s: Setting, ref: str, fixed: set[int],
-               full: int, tiles: set[int] | None = None, together: bool = False,
-               banded: bool = True, probes: list | None = None,
-               regions: dict[int, dict] | None = None, streamed: bool = False) -> Pass:
+              full: int, tiles: set[int] | None = None, together: bool = False,
+              banded: bool = True, probes: list | None = None,
+              regions: dict[int, dict] | None = None, streamed: bool = False) -> Pass:
     """One Executor run of p on an input of `shape`: staged values in allocation order, the staged peak,
     the per-tile working set (summed over `tiles` when they run together), conv work, what it
     dispatches (`counts.segment_cost`), the peak on the device (a GPU plan: the most any segment holds,
