@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from counting import build_vae, count, fake  # noqa: E402
+from test_counting import _encode_run  # noqa: E402  (tv.encode counted, the posterior apart)
 from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
@@ -78,18 +79,6 @@ def test_fast_mode_in_pieces_computes_what_one_piece_does(kind, staging):
     assert (run(tv) - ref).abs().max() <= 1e-4
 
 
-def _encode_launches(tv, x):
-    """Counts of tv.encode(x) less the posterior's own kernels (the plan covers the program)."""
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    with count("meta") as c:
-        h = tv.encode(x).latent_dist.parameters
-    with count("meta") as d:
-        DiagonalGaussianDistribution(torch.empty_like(h))
-    c.launches -= d.launches
-    return c
-
-
 @pytest.mark.parametrize("kind,budget", [("decode", None), ("encode", None), ("decode", 6_000_000)])
 def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
     with fake():  # (budget: the sampled tiles do not fit at once and run staged, in every piece)
@@ -104,7 +93,7 @@ def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
             with count("meta") as c:
                 tv.decode(t)
         else:
-            c = _encode_launches(tv, t)
+            c = _encode_run(tv, t)
     names = [q.name for q in plan.passes]
     assert plan.fast_cuts and "other tiles (piece 2 of" in " ".join(names)
     assert (budget is not None) == any(n.startswith("sampled tiles, staged") for n in names)

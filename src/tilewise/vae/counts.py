@@ -103,9 +103,9 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
     at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
     `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core.
-    `regions` (tile index -> boxes of every value): tiles that run on those boxes, not the segment's own
-    back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles, whose boxes are
-    back-propagated through the whole part: `estimators.staged_tile_stats`)."""
+    `regions` (tile index -> boxes of every value): tiles of one band that run on those boxes, not the
+    segment's own back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles,
+    whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`)."""
     unit = s.batch * s.item
     rows = None
     if banded and not together and s.band_bytes and row_local(seg):

@@ -128,7 +128,7 @@ def run_fast(tv, kind: str, p: Program, k: int, x, tile: int, staging: str, emit
     shapes = part.shapes(tuple(h.shape[-2:]))
     adjust = None
     if tv.fast_low and _rank(group) == 0:  # (once for the whole part, whatever its pieces)
-        cores = [t.core for t in sample_tiles(_grid(shapes[ref], tile), sample_fraction(tv, "tiles"))]
+        cores = [t.core for t in sample_tiles(tile_grid(shapes[ref], tile), sample_fraction(tv, "tiles"))]
         adjust = _low_pass_stats(tv, kind, part, h, ref, low_tile or tile, staging, cores, slack)
     pieces, staged_peak = split_pieces(part, cuts), 0
     for j, piece in enumerate(pieces):
@@ -198,7 +198,9 @@ def piece_grid(piece: Program, shapes, ref: str, tile: int, kind: str) -> tuple[
     return v, tile * shapes[v][0] // shapes[ref][0]
 
 
-def _grid(hw, tile: int):
+def tile_grid(hw, tile: int):
+    """The tile grid a fast-mode pass runs over a reference value of spatial shape hw (the executor's:
+    serpentine order), which its plan follows too."""
     from ..geometry import TileGrid
 
     return TileGrid(*hw, (min(tile, hw[0]), min(tile, hw[1])), order="serpentine")
@@ -210,7 +212,7 @@ def _estimate(tv, part: Program, x, ref: str, tile: int, staging: str, slack: in
     -> output core)."""
     rh, rw = part.shapes(tuple(x.shape[-2:]))[ref]
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
-    tiles = sample_tiles(_grid((rh, rw), tile), sample_fraction(tv, "tiles"))
+    tiles = sample_tiles(tile_grid((rh, rw), tile), sample_fraction(tv, "tiles"))
     opts = device_options(tv)
     if staging == "disk" or staged:  # one tile's working set at a time, the sampled regions staged
         return staged_tile_stats(part, x, ref, tiles, fixed, staging, x.device, tv.stage_dir,

@@ -15,7 +15,7 @@ from .counts import Setting, untiled_cost
 from .devices import device_profile
 from .fast import WHOLE_TILE_SLACK, fast_split, fixed_ops
 from .plan_fast import fast_passes
-from .plan_pass import conv_work, pass_plan, untiled_pass
+from .plan_pass import conv_work, pass_plan, pass_seconds, untiled_pass
 from .plan_records import Choices, Pass, Plan, Stage  # noqa: F401  (part of this module's interface)
 from .ranks import RankPlan, plan_ranks  # noqa: F401  (part of this module's interface)
 from .staging import TRIM_FREE
@@ -91,7 +91,7 @@ def make_plan(tv, shape: tuple[int, ...], kind: str = "decode", tile_size: int |
     for name in ("flops", "launches", "syncs", "h2d", "d2h"):
         setattr(plan, name, sum(getattr(q, name) for q in passes))
     for q in passes:
-        q.seconds = prof.seconds(q.flops, q.launches, q.h2d + q.d2h, item < 4) - q.hidden
+        q.seconds = pass_seconds(prof, q, item < 4)
     plan.seconds = sum(q.seconds for q in passes)
     plan.untiled_flops = untiled_cost(p, shapes, p.channels(), setting).flops
     if st == "disk" and prof.kind == "cpu":  # freed heap the trims leave resident

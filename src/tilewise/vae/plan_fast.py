@@ -12,9 +12,9 @@ from ..locality.program import Program, back_propagate
 from .counts import ADJUST, Setting, sample_stats_cost, stats_copy
 from .devices import device_profile
 from .estimators import sample_tiles
-from .fast import low_pass, piece_cuts, piece_grid, sample_fraction, split_pieces, split_program
+from .fast import low_pass, piece_cuts, piece_grid, sample_fraction, split_pieces, split_program, tile_grid
 from .live import together_peak
-from .plan_pass import pass_plan, with_held
+from .plan_pass import pass_plan, pass_seconds, with_held
 from .plan_records import Pass
 
 
@@ -48,8 +48,7 @@ def fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting,
         got = _piece_passes(tv, part, part_shape, ref, tile, s, exact, full, held, c, kind)
         peak = max(q.peak for q in got)
         fits = tv.memory_budget is None or peak <= tv.memory_budget
-        seconds = sum(device_profile(tv).seconds(q.flops, q.launches, q.h2d + q.d2h, s.item < 4) - q.hidden
-                      for q in got)
+        seconds = sum(pass_seconds(device_profile(tv), q, s.item < 4) for q in got)
         key = (not fits, seconds if fits else peak)
         if best is None or key < best[0]:
             best = (key, c, got)
@@ -83,10 +82,8 @@ def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int
                    full: int, held: int) -> tuple[Pass, int]:
     """The low pass (statistics only; the sampled cores' too, as probes) and its tile: a GPU plan's one
     tile over its whole input where that fits the budget, else `tile` (0)."""
-    from ..geometry import TileGrid
-
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")  # (as the run)
+    grid = tile_grid((rh, rw), tile)  # (as the run)
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
     low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
     lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
@@ -130,10 +127,8 @@ def _piece_pair(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, 
                 held: int, staged: bool | None, tag: str) -> tuple[Pass, Pass, bool]:
     """The sampled tiles' and the other tiles' passes over (a piece of) the part, holding `held` (its
     input); staged None: staged when the sampled tiles do not fit at once."""
-    from ..geometry import TileGrid
-
     rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = TileGrid(rh, rw, (min(tile, rh), min(tile, rw)), order="serpentine")  # (as the run)
+    grid = tile_grid((rh, rw), tile)  # (as the run)
     sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
     fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
     sp = pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)

@@ -34,6 +34,11 @@ def count_into(q: Pass, c: Cost) -> None:
     q.flops, q.launches, q.syncs, q.h2d, q.d2h = c.flops, c.launches, c.syncs, c.h2d, c.d2h
 
 
+def pass_seconds(prof, q: Pass, half: bool) -> float:
+    """q's estimated time on device profile `prof`, less its side-stream copies hidden under compute."""
+    return prof.seconds(q.flops, q.launches, q.h2d + q.d2h, half) - q.hidden
+
+
 def with_held(q: Pass, held: int) -> Pass:
     """q with `held` bytes of earlier passes' results alive during it."""
     q.held, q.peak = held, q.peak + held
