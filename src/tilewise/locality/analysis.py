@@ -6,8 +6,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .ops import Box, Op
-from .program import Program, Segment, back_propagate, split_segments
+import torch
+
+from ..geometry import Box
+from .lowering import lower
+from .ops import Op, OpKind
+from .program import Program, Segment, SegmentKind, back_propagate, split_segments
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ def cumulative_stride(program: Program) -> int:
 
 
 def _blockers(sync: list[tuple[str, str]]) -> list[str]:
-    names = {"group_norm": "GroupNorm (needs global statistics)", "attention": "attention (needs all tokens)"}
+    names = {OpKind.GROUP_NORM: "GroupNorm (needs global statistics)",
+             OpKind.ATTENTION: "attention (needs all tokens)"}
     out = []
     for kind in dict.fromkeys(k for _, k in sync):
         where = [n for n, k in sync if k == kind]
@@ -110,7 +115,7 @@ def _blockers(sync: list[tuple[str, str]]) -> list[str]:
 def _segment_report(i: int, seg: Segment, shapes) -> SegmentReport:
     dst = seg.outputs[-1] if seg.outputs else seg.ops[-1].dst
     srcs = seg.inputs or [seg.ops[0].src[0]]
-    halo = 0 if seg.kind == "attention" else max(radius(seg.ops, s, dst, shapes) for s in srcs)
+    halo = 0 if seg.kind is SegmentKind.ATTENTION else max(radius(seg.ops, s, dst, shapes) for s in srcs)
     scale = shapes[dst][0] / shapes[srcs[0]][0]
     return SegmentReport(i, seg.kind, seg.ops[0].name, seg.ops[-1].name, len(seg.ops), halo, scale)
 
@@ -129,7 +134,6 @@ def analyze_program(program: Program, hw: tuple[int, int] = (64, 64)) -> Report:
 
 def analyze(module, example_input=None) -> Report:
     """Lower `module` and report halos, sync points and the exact-tileability verdict (a static analysis)."""
-    from .lowering import lower
 
     program = module if isinstance(module, Program) else lower(module)
     hw = (64, 64) if example_input is None else tuple(int(s) for s in example_input.shape[-2:])
@@ -157,7 +161,6 @@ def probe_receptive_field(module, example_input, position: tuple[int, int] | Non
                           delta: float = 1.0) -> ProbeResult:
     """Perturb one input position (all channels, and all frames of a (B, C, T, H, W) video) and measure
     which outputs change (bitwise diff)."""
-    import torch
 
     if example_input.ndim not in (4, 5):
         raise ValueError(f"example_input must be (B, C, H, W) or a video (B, C, T, H, W), got shape "

@@ -7,6 +7,10 @@ build their programs with these.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
+
+import torch.nn as nn
+import torch.nn.functional as F
 
 from .ops import Op, Pointwise
 
@@ -41,33 +45,39 @@ def unsupported(module, where: str, why: str = "") -> LoweringError:
     )
 
 
-def activation(module, where: str) -> tuple[Callable, str]:
-    """Map an activation module to a function."""
-    import torch.nn as nn
-    import torch.nn.functional as F
+class Activation(NamedTuple):
+    """A per-position function, its label in the analysis table, and the kernels one call launches (a
+    plan counts them: `vae.plan.counts`)."""
 
-    table = {nn.SiLU: (F.silu, "silu"), nn.ReLU: (F.relu, "relu"), nn.Mish: (F.mish, "mish"),
-             nn.GELU: (F.gelu, "gelu"), nn.Identity: (lambda x: x, "identity")}
-    for cls, fn in table.items():
+    fn: Callable
+    label: str
+    kernels: int = 1
+
+
+def activation(module, where: str) -> Activation:
+    """Map an activation module to a function."""
+    table = {nn.SiLU: Activation(F.silu, "silu"), nn.ReLU: Activation(F.relu, "relu"),
+             nn.Mish: Activation(F.mish, "mish"), nn.GELU: Activation(F.gelu, "gelu"),
+             nn.Identity: Activation(lambda x: x, "identity", kernels=0)}
+    for cls, act in table.items():
         if type(module) is cls:
             if cls is nn.GELU and module.approximate != "none":
-                return (lambda x: F.gelu(x, approximate=module.approximate)), "gelu tanh"
-            return fn
+                return Activation(lambda x: F.gelu(x, approximate=module.approximate), "gelu tanh")
+            return act
     raise unsupported(module, where)
 
 
 def in_place(fn: Callable) -> Callable | None:
     """The in-place form of an activation function (same values), or None when torch has none."""
-    import torch.nn.functional as F
-
     if fn in (F.silu, F.relu, F.mish):
         return lambda x: fn(x, inplace=True)
     return None
 
 
-def pointwise(b: Builder, fn: Callable, label: str, x: str, where: str) -> str:
+def pointwise(b: Builder, act: Activation, x: str, where: str) -> str:
     """A per-position function (with its in-place form when torch has one)."""
-    return b.emit(Pointwise, (x,), where, fn=fn, label=label, fn_=in_place(fn))
+    return b.emit(Pointwise, (x,), where, fn=act.fn, label=act.label, kernels=act.kernels,
+                  fn_=in_place(act.fn))
 
 
 def mid_block(b: Builder, m, x: str, where: str, resnet: Callable, attention: Callable,

@@ -3,11 +3,17 @@
 torch.fx cannot trace these modules (Python control flow), so each known module type has a small
 lowering function that mirrors its forward. Unknown module types raise an error that names them and
 points to `probe_receptive_field`, which works on any module.
+
+diffusers' classes are imported inside the functions that check for them: importing diffusers takes ~4 s,
+and `tilewise.locality` (the analysis and the empirical probe) works on any module without it.
 """
 
 from __future__ import annotations
 
-from .build import Builder, LoweringError, activation, mid_block, pointwise, unsupported
+import torch.nn as nn
+
+from .build import Activation, Builder, LoweringError, activation, mid_block, pointwise, unsupported
+from .lowering3d import is_video_module, lower3d
 from .ops import Add, AttentionCore, Conv, GroupNorm, Resample
 from .program import Program
 
@@ -16,7 +22,6 @@ __all__ = ["LoweringError", "chain", "lower", "lower_conv"]  # LoweringError: de
 
 def _conv(b: Builder, conv, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:
     """nn.Conv2d with zero padding (or the explicit asymmetric padding given)."""
-    import torch.nn as nn
 
     if type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         raise unsupported(conv, where)
@@ -28,7 +33,6 @@ def _conv(b: Builder, conv, x: str, where: str, padding: tuple[int, int, int, in
 
 
 def _group_norm(b: Builder, norm, x: str, where: str) -> str:
-    import torch.nn as nn
 
     if type(norm) is not nn.GroupNorm:
         raise unsupported(norm, where)
@@ -44,15 +48,15 @@ def _resnet(b: Builder, r, x: str, where: str) -> str:
         raise unsupported(r, where)
     if r.time_emb_proj is not None or r.time_embedding_norm not in ("default", "group"):
         raise unsupported(r, where)
-    act, label = activation(r.nonlinearity, f"{where}.nonlinearity")
+    act = activation(r.nonlinearity, f"{where}.nonlinearity")
     # the shortcut projection first: the block input then dies at norm1 (which may reuse its memory)
     # instead of living through both convolutions
     s = _conv(b, r.conv_shortcut, x, f"{where}.conv_shortcut") if r.conv_shortcut is not None else x
     h = _group_norm(b, r.norm1, x, f"{where}.norm1")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv1, h, f"{where}.conv1")
     h = _group_norm(b, r.norm2, h, f"{where}.norm2")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv2, h, f"{where}.conv2")
     return b.emit(Add, (s, h), f"{where}.add", scale=float(r.output_scale_factor))
 
@@ -147,31 +151,29 @@ def _decoder(b: Builder, d, x: str) -> str:
 
 def _tail(b: Builder, m, x: str) -> str:
     x = _group_norm(b, m.conv_norm_out, x, "conv_norm_out")
-    act, label = activation(m.conv_act, "conv_act")
-    x = pointwise(b, act, label, x, "conv_act")
+    act = activation(m.conv_act, "conv_act")
+    x = pointwise(b, act, x, "conv_act")
     return _conv(b, m.conv_out, x, "conv_out")
 
 
 def _tiny_block(b: Builder, blk, x: str, where: str) -> str:
     """AutoencoderTinyBlock: fuse(conv(x) + skip(x))."""
-    import torch.nn as nn
 
     h = x
     for k, layer in enumerate(blk.conv):
         if type(layer) is nn.Conv2d:
             h = _conv(b, layer, h, f"{where}.conv.{k}")
         else:
-            act, label = activation(layer, f"{where}.conv.{k}")
-            h = pointwise(b, act, label, h, f"{where}.conv.{k}")
+            act = activation(layer, f"{where}.conv.{k}")
+            h = pointwise(b, act, h, f"{where}.conv.{k}")
     s = x if type(blk.skip) is nn.Identity else _conv(b, blk.skip, x, f"{where}.skip")
     y = b.emit(Add, (h, s), f"{where}.add")
-    act, label = activation(blk.fuse, f"{where}.fuse")
-    return pointwise(b, act, label, y, f"{where}.fuse")
+    act = activation(blk.fuse, f"{where}.fuse")
+    return pointwise(b, act, y, f"{where}.fuse")
 
 
 def _tiny_layers(b: Builder, layers, x: str) -> str:
     """nn.Sequential of TAESD layers: Conv2d, AutoencoderTinyBlock, activations, nearest nn.Upsample."""
-    import torch.nn as nn
     from diffusers.models.unets.unet_2d_blocks import AutoencoderTinyBlock
 
     for i, layer in enumerate(layers):
@@ -186,8 +188,8 @@ def _tiny_layers(b: Builder, layers, x: str) -> str:
                 raise unsupported(layer, where)
             x = b.emit(Resample, (x,), where, scale=int(sf))
         else:
-            act, label = activation(layer, where)
-            x = pointwise(b, act, label, x, where)
+            act = activation(layer, where)
+            x = pointwise(b, act, x, where)
     return x
 
 
@@ -196,7 +198,6 @@ def lower(module) -> Program:
     encoders and decoders of the 3-D causal VAEs (Qwen-Image, Wan, LTX-Video) into video programs."""
     from diffusers.models.autoencoders.vae import Decoder, DecoderTiny, Encoder, EncoderTiny
 
-    from .lowering3d import is_video_module, lower3d
 
     if is_video_module(module):
         return lower3d(module)
@@ -210,12 +211,12 @@ def lower(module) -> Program:
             raise unsupported(module.conv_norm_out, "conv_norm_out")
         out, cin = _decoder(b, module, x), module.conv_in.in_channels
     elif kind is EncoderTiny:
-        x = pointwise(b, lambda t: t.add(1).div(2), "(x + 1) / 2", x, "scale_in")
+        x = pointwise(b, Activation(lambda t: t.add(1).div(2), "(x + 1) / 2", 2), x, "scale_in")
         out, cin = _tiny_layers(b, module.layers, x), module.layers[0].in_channels
     elif kind is DecoderTiny:
-        x = pointwise(b, lambda t: (t / 3).tanh() * 3, "tanh(x / 3) * 3", x, "clamp")
+        x = pointwise(b, Activation(lambda t: (t / 3).tanh() * 3, "tanh(x / 3) * 3", 3), x, "clamp")
         x = _tiny_layers(b, module.layers, x)
-        out = pointwise(b, lambda t: t.mul(2).sub(1), "2x - 1", x, "scale_out")
+        out = pointwise(b, Activation(lambda t: t.mul(2).sub(1), "2x - 1", 2), x, "scale_out")
         cin = module.layers[0].in_channels
     else:
         raise unsupported(module, "")

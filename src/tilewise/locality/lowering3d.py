@@ -8,11 +8,17 @@ the resamplers scale the spatial grid (`FrameUpsample`, `FrameConv` with stride,
 AvgDown3D / DupUp3D / patchify) and the temporal one (`TimeUp`, `TimeDown`). `lower_video_vae` lowers a
 whole decode or encode as AutoencoderKLWan._decode / _encode run it: post_quant_conv, decoder,
 unpatchify and the clamp to [-1, 1]; patchify, encoder, quant_conv; and their causal steps.
+
+diffusers' modules are imported inside the functions that check for them (importing diffusers takes
+~4 s; the CLI reads `VIDEO_VAES` before any model loads).
 """
 
 from __future__ import annotations
 
-from .build import Builder, activation, mid_block, pointwise, unsupported
+import torch.nn as nn
+
+from .build import Activation, Builder, activation, mid_block, pointwise, unsupported
+from .lowering_ltx import lower_ltx
 from .ops import Add, Pointwise
 from .ops3d import (
     CausalConv3d,
@@ -71,17 +77,16 @@ def _resblock(b: Builder, r, x: str, where: str) -> str:
     """WanResidualBlock: shortcut, norm, act, conv (cached), norm, act, dropout, conv (cached), add."""
     if type(r) not in _classes("ResidualBlock"):
         raise unsupported(r, where)
-    import torch.nn as nn
 
-    act, label = activation(r.nonlinearity, f"{where}.nonlinearity")
+    act = activation(r.nonlinearity, f"{where}.nonlinearity")
     s = x
     if type(r.conv_shortcut) is not nn.Identity:
         s = _causal(b, r.conv_shortcut, x, f"{where}.conv_shortcut")
     h = _rms(b, r.norm1, x, f"{where}.norm1")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     h = _causal(b, r.conv1, h, f"{where}.conv1")
     h = _rms(b, r.norm2, h, f"{where}.norm2")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     _dropout(r.dropout, f"{where}.dropout")
     h = _causal(b, r.conv2, h, f"{where}.conv2")
     return b.emit(Add, (h, s), f"{where}.add")
@@ -96,7 +101,6 @@ def _attention(b: Builder, a, x: str, where: str) -> str:
 
 
 def _frame_conv(b: Builder, conv, x: str, where: str, padding=None) -> str:
-    import torch.nn as nn
 
     if (type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or tuple(conv.dilation) != (1, 1)
             or conv.groups != 1):
@@ -109,7 +113,6 @@ def _frame_conv(b: Builder, conv, x: str, where: str, padding=None) -> str:
 def _resample(b: Builder, r, x: str, where: str) -> str:
     """WanResample: nearest-exact x2 + conv per frame (after TimeUp in "upsample3d"), or zero pad (0, 1, 0, 1)
     + conv stride 2 per frame (then TimeDown in "downsample3d")."""
-    import torch.nn as nn
 
     if type(r) not in _classes("Resample"):
         raise unsupported(r, where)
@@ -204,8 +207,8 @@ def _down_block(b: Builder, blk, x: str, where: str) -> str:
 def _head(b: Builder, m, x: str) -> str:
     """norm_out, act, conv_out."""
     x = _rms(b, m.norm_out, x, "norm_out")
-    act, label = activation(m.nonlinearity, "nonlinearity")
-    x = pointwise(b, act, label, x, "nonlinearity")
+    act = activation(m.nonlinearity, "nonlinearity")
+    x = pointwise(b, act, x, "nonlinearity")
     return _causal(b, m.conv_out, x, "conv_out")
 
 
@@ -257,7 +260,6 @@ def lower3d(module) -> VideoProgram:
     """Lower a Wan / Qwen-Image / LTX-Video encoder or decoder into a video program (its own steps)."""
     name = type(module).__name__
     if name.startswith("LTXVideo"):
-        from .lowering_ltx import lower_ltx
 
         return lower_ltx(module)
     b = Builder()
@@ -276,7 +278,6 @@ def lower_video_vae(vae, kind: str) -> VideoProgram:
     """The whole decode ("decode") or encode ("encode") of a 3-D VAE as its decode / _encode runs it."""
     name = type(vae).__name__
     if name == "AutoencoderKLLTXVideo":
-        from .lowering_ltx import lower_ltx
 
         return lower_ltx(vae.decoder if kind == "decode" else vae.encoder)
     if name not in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):
@@ -288,7 +289,7 @@ def lower_video_vae(vae, kind: str) -> VideoProgram:
         x = _decoder(b, vae.decoder, x)
         if p is not None:
             x = _patch(b, x, p, vae.decoder.conv_out.out_channels, inverse=True)
-        x = pointwise(b, lambda t: t.clamp(-1.0, 1.0), "clamp [-1, 1]", x, "clamp")
+        x = pointwise(b, Activation(lambda t: t.clamp(-1.0, 1.0), "clamp [-1, 1]"), x, "clamp")
         cin, steps = vae.post_quant_conv.in_channels, (1, 1, False)
     elif kind == "encode":
         cin = vae.encoder.conv_in.in_channels

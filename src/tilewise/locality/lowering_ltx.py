@@ -9,9 +9,14 @@ rearrangements (patchify, the 0.9.5 downsamplers, the upsamplers' depth-to-space
 that run the module's own code on aligned crops. Refused with a reason: timestep conditioning (its
 per-call embedding) and noise injection (fresh random noise per call: not reproducible, so nothing to
 be exact to).
+
+diffusers' module is imported inside the function that checks for it (importing diffusers takes ~4 s).
 """
 
 from __future__ import annotations
+
+import torch
+import torch.nn as nn
 
 from .build import Builder, activation, pointwise, unsupported
 from .ops import Add, Pointwise
@@ -49,7 +54,6 @@ def _channel_norm(b: Builder, norm, x: str, where: str, label: str) -> str:
 def _resnet(b: Builder, r, x: str, where: str) -> str:
     """LTXVideoResnetBlock3d: pixel norm, act, conv, pixel norm, act, conv, + the shortcut (LayerNorm,
     1x1x1 conv) when channels change."""
-    import torch.nn as nn
 
     if type(r) is not _ltx().LTXVideoResnetBlock3d:
         raise unsupported(r, where)
@@ -66,12 +70,12 @@ def _resnet(b: Builder, r, x: str, where: str) -> str:
         s = _channel_norm(b, r.norm3, s, f"{where}.norm3", "layer_norm over channels")
     if r.conv_shortcut is not None:
         s = _conv(b, r.conv_shortcut, s, f"{where}.conv_shortcut")
-    act, label = activation(r.nonlinearity, f"{where}.nonlinearity")
+    act = activation(r.nonlinearity, f"{where}.nonlinearity")
     h = _channel_norm(b, r.norm1, x, f"{where}.norm1", "rms_norm over channels")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv1, h, f"{where}.conv1")
     h = _channel_norm(b, r.norm2, h, f"{where}.norm2", "rms_norm over channels")
-    h = pointwise(b, act, label, h, f"{where}.nonlinearity")
+    h = pointwise(b, act, h, f"{where}.nonlinearity")
     h = _conv(b, r.conv2, h, f"{where}.conv2")
     return b.emit(Add, (h, s), f"{where}.add")
 
@@ -104,7 +108,6 @@ def _downsampler(b: Builder, d, x: str, where: str) -> str:
 
 
 def _cat_front(t, n: int):
-    import torch
 
     return torch.cat([t[:, :, :n], t], dim=2) if n else t
 
@@ -197,7 +200,6 @@ def _unpatchify(t, p: int, pt: int):
 def _encoder(b: Builder, e, x: str) -> tuple[str, int]:
     """LTXVideoEncoder3d: patchify, conv_in, down blocks, mid block, pixel norm, act, conv_out, the last
     channel repeated (the log-variance)."""
-    import torch
 
     p, pt = e.patch_size, e.patch_size_t
     cin = e.in_channels // (p * p)
@@ -208,8 +210,8 @@ def _encoder(b: Builder, e, x: str) -> tuple[str, int]:
         x = _down_block(b, blk, x, f"down_blocks.{i}")
     x = _mid(b, e.mid_block, x, "mid_block")
     x = _channel_norm(b, e.norm_out, x, "norm_out", "rms_norm over channels")
-    act, label = activation(e.conv_act, "conv_act")
-    x = pointwise(b, act, label, x, "conv_act")
+    act = activation(e.conv_act, "conv_act")
+    x = pointwise(b, act, x, "conv_act")
     x = _conv(b, e.conv_out, x, "conv_out")
     c = e.conv_out.out_channels
 
@@ -229,8 +231,8 @@ def _decoder(b: Builder, d, x: str) -> str:
     for i, blk in enumerate(d.up_blocks):
         x = _up_block(b, blk, x, f"up_blocks.{i}")
     x = _channel_norm(b, d.norm_out, x, "norm_out", "rms_norm over channels")
-    act, label = activation(d.conv_act, "conv_act")
-    x = pointwise(b, act, label, x, "conv_act")
+    act = activation(d.conv_act, "conv_act")
+    x = pointwise(b, act, x, "conv_act")
     x = _conv(b, d.conv_out, x, "conv_out")
     p, pt = d.patch_size, d.patch_size_t
     return b.emit(Rearrange, (x,), "unpatchify", fn=lambda t, ctx: _unpatchify(t, p, pt), up=p,

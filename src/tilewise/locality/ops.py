@@ -16,7 +16,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open
+import torch
+import torch.nn.functional as F
+
+from ..geometry import Box
+from ..vocabulary import Vocabulary
+from .streamed_attention import heads_view, streamed_attention
+
+
+class OpKind(Vocabulary):
+    """What an op computes, as the engine dispatches on it (the 2-D ops here, the 3-D ones in `ops3d`)."""
+
+    OP = "op"
+    CONV = "conv"
+    RESAMPLE = "resample"
+    POINTWISE = "pointwise"
+    ADD = "add"
+    GROUP_NORM = "group_norm"
+    ATTENTION = "attention"
+    CONV3D = "conv3d"
+    FRAME_CONV = "frame_conv"
+    UPSAMPLE = "upsample"
+    TIME_UP = "time_up"
+    TIME_DOWN = "time_down"
+    REARRANGE = "rearrange"
+
 
 def clip_box(box: Box, shape: tuple[int, int]) -> Box:
     """Intersect a box with the image [0, H) x [0, W)."""
@@ -80,7 +104,6 @@ class Upsampled:
     scale: int
 
     def crop(self, have: Box, want: Box):
-        import torch.nn.functional as F
 
         s = self.scale
         need = (want[0] // s, (want[1] - 1) // s + 1, want[2] // s, (want[3] - 1) // s + 1)
@@ -98,7 +121,7 @@ class Op:
     name: str
 
     sync = False  # needs the whole spatial domain (GroupNorm statistics, global attention)
-    kind = "op"
+    kind = OpKind.OP
 
     def out_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """Spatial shape of dst from the shapes of src."""
@@ -136,7 +159,7 @@ class Conv(Op):
     dilation: tuple[int, int] = (1, 1)
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
     groups: int = 1
-    kind = "conv"
+    kind = OpKind.CONV
 
     @property
     def kernel(self) -> tuple[int, int]:
@@ -163,7 +186,6 @@ class Conv(Op):
         if self._pointwise() and not isinstance(inputs[0], Upsampled):
             # a 1x1 projection needs no workspace: run it on the whole input as stored (cropping the
             # input first would copy it) and view the box out of the result
-            import torch.nn.functional as F
 
             y = F.conv2d(inputs[0], self.weight, self.bias, 1, 0, 1, self.groups)
             return sub_tensor(y, have[0], box)
@@ -172,7 +194,6 @@ class Conv(Op):
         band = max(1, ctx.conv_workspace // max(per_row, 1)) if ctx.conv_workspace else rows
         if band >= rows:
             return self._run_box(inputs[0], have[0], box, shapes[0])
-        import torch
 
         # row bands bound the im2col workspace of CPU convolutions; each output row is computed alike.
         # Bands are copied into one preallocated output (a list and torch.cat would hold it twice).
@@ -192,7 +213,6 @@ class Conv(Op):
         return self.kernel == (1, 1) and self.stride == (1, 1) and not any(self.padding)
 
     def _run_box(self, x, have, box, shape):
-        import torch.nn.functional as F
 
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shape)
@@ -214,7 +234,7 @@ class Resample(Op):
     """Nearest-neighbour upsampling by an integer factor (diffusers Upsample2D, TAESD nn.Upsample)."""
 
     scale: int = 2
-    kind = "resample"
+    kind = OpKind.RESAMPLE
 
     def out_shape(self, shapes):
         return shapes[0][0] * self.scale, shapes[0][1] * self.scale
@@ -243,7 +263,8 @@ class Pointwise(Op):
     label: str = ""
     channels: int | None = None
     fn_: Callable | None = None  # the in-place form of fn (same values), when there is one
-    kind = "pointwise"
+    kernels: int = 1  # kernels one call launches (0: returns its input), as plans count them
+    kind = OpKind.POINTWISE
 
     def out_channels(self, channels):
         return channels[0] if self.channels is None else self.channels
@@ -265,7 +286,7 @@ class Add(Op):
     """Residual sum (a + b) / scale."""
 
     scale: float = 1.0
-    kind = "add"
+    kind = OpKind.ADD
 
     def run(self, ctx, inputs, have, box, shapes):
         y = sub_tensor(inputs[0], have[0], box) + sub_tensor(inputs[1], have[1], box)
@@ -288,13 +309,12 @@ class GroupNorm(Op):
     weight: Any = None
     bias: Any = None
     sync = True
-    kind = "group_norm"
+    kind = OpKind.GROUP_NORM
 
     def run(self, ctx, inputs, have, box, shapes):
         x = sub_tensor(inputs[0], have[0], box)
         affine = ctx.group_affine(self, x, box, shapes[0])
         if affine is None:
-            import torch.nn.functional as F
 
             return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
         return apply_affine(x, affine)
@@ -329,7 +349,7 @@ class AttentionCore(Op):
     residual: bool = True
     rescale: float = 1.0
     sync = True
-    kind = "attention"
+    kind = OpKind.ATTENTION
 
     def run(self, ctx, inputs, have, box, shapes):
         n = sub_tensor(inputs[0], have[0], box)
@@ -346,7 +366,6 @@ class AttentionCore(Op):
         return self.to_k(t), self.to_v(t)
 
     def _heads(self, t):
-        from .streamed_attention import heads_view
 
         return heads_view(t, self.heads)
 
@@ -355,13 +374,10 @@ class AttentionCore(Op):
 
         kv_chunk 0: fused attention in query chunks, k and v on the device. kv_chunk > 0: k and v read
         that many tokens at a time, from the host or the device (`streamed_attention`, exact)."""
-        import torch
-        import torch.nn.functional as F
 
         b, c, h, w = n.shape
         q = self._heads(self.to_q(n.flatten(2).transpose(1, 2)))
         if kv_chunk:
-            from .streamed_attention import streamed_attention
 
             o = streamed_attention(q, k, v, self.heads, chunk, kv_chunk)
         else:
@@ -388,7 +404,6 @@ def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
     y = a x + s, (B, C, 1, 1) tensors in float32 or wider: the group's r = (var + eps)^-1/2 and r mean in
     float64, both spread to the channels and rounded once, then a = r weight and s = bias - r mean weight
     (six kernels with weight and bias; computed once per GroupNorm and run)."""
-    import torch
 
     mean, var = stats
     b, cg = mean.shape[0], channels // groups
@@ -411,7 +426,6 @@ def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
 def apply_affine(x, affine, out=None):
     """y = a x + s per channel (`group_norm_affine`) in one kernel, in float32 or wider, stored in x's
     dtype; into `out` (x itself is allowed) or a new tensor in x's memory layout."""
-    import torch
 
     a, s = affine
     if torch.is_grad_enabled() and (a.requires_grad or x.requires_grad):  # (out= has no autograd)

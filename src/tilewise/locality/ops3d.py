@@ -16,7 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ops import Op, Resample, RunContext, box_area, clip_box, sub_tensor
+import torch
+import torch.nn.functional as F
+
+from .ops import Op, OpKind, Resample, RunContext, box_area, clip_box, sub_tensor
 
 
 def frames_of(op: Op, ts: list[int], step: int) -> int:
@@ -84,7 +87,7 @@ class CausalConv3d(Op):
     pad_end: int = 0
     fill: str = "zeros"
     groups: int = 1
-    kind = "conv3d"
+    kind = OpKind.CONV3D
 
     @property
     def kernel(self) -> tuple[int, int]:
@@ -113,8 +116,6 @@ class CausalConv3d(Op):
         return self.pad_t * channels * box_area(clip_box(self.input_boxes(box)[0], shapes[0]))
 
     def run(self, ctx, inputs, have, box, shapes):
-        import torch
-        import torch.nn.functional as F
 
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shapes[0])
@@ -148,7 +149,7 @@ class FrameConv(Op):
     bias: Any = None
     stride: tuple[int, int] = (1, 1)
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
-    kind = "frame_conv"
+    kind = OpKind.FRAME_CONV
 
     @property
     def kernel(self) -> tuple[int, int]:
@@ -159,7 +160,6 @@ class FrameConv(Op):
     input_boxes = CausalConv3d.input_boxes
 
     def run(self, ctx, inputs, have, box, shapes):
-        import torch.nn.functional as F
 
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shapes[0])
@@ -183,7 +183,7 @@ class FrameUpsample(Op):
 
     scale: int = 2
     module: Any = None  # the upsampling module, run on folded frames
-    kind = "upsample"
+    kind = OpKind.UPSAMPLE
 
     out_shape = Resample.out_shape
     input_boxes = Resample.input_boxes
@@ -207,7 +207,7 @@ class TimeUp(Op):
 
     weight: Any = None
     bias: Any = None
-    kind = "time_up"
+    kind = OpKind.TIME_UP
 
     def frames(self, ts, step):
         return ts[0] if step == 0 else 2 * ts[0]
@@ -217,8 +217,6 @@ class TimeUp(Op):
         return 2 * channels * box_area(box) if step >= 1 else 0
 
     def run(self, ctx, inputs, have, box, shapes):
-        import torch
-        import torch.nn.functional as F
 
         x = sub_tensor(inputs[0], have[0], box)
         if ctx.step == 0:
@@ -241,7 +239,7 @@ class TimeDown(Op):
 
     weight: Any = None
     bias: Any = None
-    kind = "time_down"
+    kind = OpKind.TIME_DOWN
 
     def frames(self, ts, step):
         return ts[0] if step == 0 else (ts[0] + 1 - 3) // 2 + 1
@@ -251,8 +249,6 @@ class TimeDown(Op):
         return channels * box_area(box)
 
     def run(self, ctx, inputs, have, box, shapes):
-        import torch
-        import torch.nn.functional as F
 
         x = sub_tensor(inputs[0], have[0], box)
         prev = ctx.cached(self, box, x.device)
@@ -277,7 +273,7 @@ class Rearrange(Op):
     channels: int | None = None
     frames_fn: Callable | None = None  # (t, step) -> frames made; None keeps them
     label: str = ""
-    kind = "rearrange"
+    kind = OpKind.REARRANGE
 
     @property
     def stride(self) -> tuple[int, int]:
@@ -319,11 +315,10 @@ class FrameAttention(Op):
     to_qkv: Any = None
     proj: Any = None
     sync = True
-    kind = "attention"
+    kind = OpKind.ATTENTION
 
     def _project(self, n, part: int):
         """Queries (0), keys (1) or values (2) of n (B, C, t, h, w) as (B t, 1, h w, C): to_qkv's rows."""
-        import torch.nn.functional as F
 
         c = n.shape[1]
         rows = slice(part * c, (part + 1) * c)
@@ -337,8 +332,6 @@ class FrameAttention(Op):
 
     def attend(self, n, k, v, chunk: int = 4096):
         """Queries of n (B, C, t, h, w) attend to k, v of their frame in query chunks; proj(attn)."""
-        import torch
-        import torch.nn.functional as F
 
         b, c, t, h, w = n.shape
         q = self._project(n, 0)

@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .ops import Box, Op, RunContext, Upsampled, clip_box, union_box
+from ..geometry import Box
+from ..vocabulary import Vocabulary
+from .ops import Op, OpKind, RunContext, Upsampled, clip_box, union_box
 
 
 @dataclass
@@ -59,7 +61,7 @@ def run_op(ops: list[Op], i: int, ctx: RunContext, vals: dict, need: dict[str, B
     ins = [vals[s][0] for s in op.src]
     have = [vals[s][1] for s in op.src]
     nxt = ops[i + 1] if i + 1 < len(ops) else None
-    if (op.kind == "resample" and nxt is not None and nxt.kind == "conv" and nxt.src == (op.dst,)
+    if (op.kind is OpKind.RESAMPLE and nxt is not None and nxt.kind is OpKind.CONV and nxt.src == (op.dst,)
             and last.get(op.dst) == i + 1 and op.dst not in keep):
         y = op.lazy(ins, have)
     else:
@@ -100,6 +102,13 @@ def last_use(ops: list[Op], keep: list[str]) -> dict[str, int]:
     return last
 
 
+class SegmentKind(Vocabulary):
+    """A segment of local ops (halos, tiles) or one global attention op (all tokens' keys first)."""
+
+    LOCAL = "local"
+    ATTENTION = "attention"
+
+
 @dataclass
 class Segment:
     """A run of ops between sync points: reads `inputs` (staged), produces `outputs` (staged)."""
@@ -107,7 +116,7 @@ class Segment:
     ops: list[Op]
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    kind: str = "local"  # "local" | "attention" (one global attention op)
+    kind: SegmentKind = SegmentKind.LOCAL
 
 
 def split_segments(program: Program, is_global: Callable[[Op], bool] | None = None) -> list[Segment]:
@@ -130,9 +139,9 @@ def split_segments(program: Program, is_global: Callable[[Op], bool] | None = No
     for op in program.ops:
         if not is_global(op):
             cur.append(op)
-        elif op.kind == "attention":
+        elif op.kind is OpKind.ATTENTION:
             close()
-            segments.append(Segment(ops=[op], kind="attention"))
+            segments.append(Segment(ops=[op], kind=SegmentKind.ATTENTION))
         else:
             if any(s in made for s in op.src):
                 close()

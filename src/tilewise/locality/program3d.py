@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .ops3d import StepContext, frames_of
 from .program import Program
 
@@ -47,7 +49,6 @@ class VideoProgram(Program):
 
     def run_steps(self, x, ctx: StepContext | None = None):
         """Untiled reference: every step on the whole frame, caches over the whole frame."""
-        import torch
 
         ctx = ctx or StepContext()
         chunks = self.chunks(x.shape[2])

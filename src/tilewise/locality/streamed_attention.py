@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _REFUSED: set[str] = set()  # device types whose fused kernel refused once (logged), scores from then on
@@ -32,7 +34,6 @@ def streamed_attention(q, k, v, heads: int, q_chunk: int, kv_chunk: int):
     tensor of your own: it may be scaled in place); k, v: (B, N, H d) tokens, on the device or in
     (pinned) host memory, read kv_chunk tokens at a time; q_chunk bounds the score blocks where no fused
     kernel runs. Returns (B, H, Nq, d) in q's dtype."""
-    import torch
 
     b, h, nq, d = q.shape
     lse = torch.full((b, h, nq, 1), float("-inf"), dtype=torch.float32, device=q.device)
@@ -54,7 +55,6 @@ def _block(q, k, v, q_chunk: int):
     float32; a fused kernel where one runs, else float32 score blocks (`_scores_block`)."""
     kind = q.device.type
     if kind not in _REFUSED:
-        import torch
 
         aten = torch.ops.aten
         try:
@@ -77,7 +77,6 @@ def _block(q, k, v, q_chunk: int):
 def _scores_block(q, k, v, q_chunk: int):
     """(o_j, lse_j) from explicit float32 scores, query rows at a time: at most q_chunk rows, and no more
     score bytes than the chunk of keys and values holds itself."""
-    import torch
 
     b, h, nq, d = q.shape
     rows = max(16, min(q_chunk, d * k.element_size() // 2))  # (a row's scores: h n 4 bytes; k, v: 2 h n d)
