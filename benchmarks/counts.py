@@ -37,7 +37,7 @@ SMALLEST = (1.25, 1.5, 2, 2.5, 3, 4, 6, 8)  # budgets tried, x diffusers' peak, 
 def statistics_section(counter: Counter):
     """Launches inside the statistics' own code (GroupNorm moments and their merge, the GroupNorm affine,
     finite checks) counted apart, in counts.stats."""
-    from tilewise.vae import executor, stats
+    from tilewise.vae.run import executor, stats
 
     wrapped = [(stats.GroupStats, "add"), (stats.GroupStats, "_merge"), (executor.FiniteChecks, "add"),
                (executor.FiniteChecks, "finish"), (executor.ExecContext, "group_affine")]

@@ -78,12 +78,9 @@ def worker(args) -> None:
                           tile_sample_stride_height=px * 3 // 4, tile_sample_stride_width=px * 3 // 4)
     model = vae
     if v.startswith("tilewise"):
-        from tilewise.vae.video_plan import make_video_plan
-
         model = tw.TiledVAE(vae, tile_size=args.tile, progress=False)
         sink = v.startswith("tilewise-sink")  # what decode_to plans: streamed, frames in order or not
-        plan = make_video_plan(model, tuple(x.shape), args.task, to_sink=sink,
-                               sequential=v.endswith("frames"))
+        plan = model.plan(tuple(x.shape), args.task, streamed=sink, sequential=v.endswith("frames"))
         out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order)
     base = current_rss()
     reset_peak_rss()

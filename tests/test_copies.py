@@ -15,8 +15,9 @@ from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import lower  # noqa: E402
-from tilewise.vae import copies  # noqa: E402
-from tilewise.vae.executor import Executor, NonFiniteError  # noqa: E402
+from tilewise.vae.run import copies  # noqa: E402
+from tilewise.vae.run.executor import Executor, NonFiniteError  # noqa: E402
+from tilewise.vae.run.options import RunOptions  # noqa: E402
 
 
 class LateLane:
@@ -85,7 +86,8 @@ def test_host_staging_with_late_copies_equals_the_untiled_module(monkeypatch, ki
         else:
             t = torch.randn(1, 3, 88, 72, generator=torch.Generator().manual_seed(2))
             p, ref = lower(vae.encoder), vae.encoder(t)
-        out = Executor(p, 5, p.input if kind == "decode" else p.output, staging="host", progress=False).run(t)
+        ref_v = p.input if kind == "decode" else p.output
+        out = Executor(p, 5, ref_v, RunOptions(staging="host", progress=False)).run(t).output
     assert (out - ref).abs().max() <= 1e-4
     lane = lanes[0]
     assert lane.copies > 0 and lane.late == lane.copies and not lane.pending
@@ -100,8 +102,8 @@ def test_device_plus_host_staging_and_streamed_attention_with_late_copies_are_ex
     on = frozenset(s.value for s in plan.stages[::2])
     p = lower(vae.decoder)
     with torch.no_grad():
-        out = Executor(p, 8, p.input, staging="host", on_device=on, kv_chunk=32, query_rows=4,
-                       progress=False).run(z)
+        out = Executor(p, 8, p.input, RunOptions(staging="host", on_device=on, kv_chunk=32, query_rows=4,
+                                                 progress=False)).run(z).output
         assert (out - vae.decoder(z)).abs().max() <= 1e-4
 
 
@@ -111,7 +113,7 @@ def test_a_lane_that_does_not_wait_is_caught(monkeypatch):
     z = structured_latent(1, 4, 13, 17)
     p = lower(vae.decoder)
     with torch.no_grad(), pytest.raises(NonFiniteError):
-        Executor(p, 5, p.input, staging="host", progress=False).run(z)
+        Executor(p, 5, p.input, RunOptions(staging="host", progress=False)).run(z)
 
 
 def test_cpu_and_device_staging_copy_inline():

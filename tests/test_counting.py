@@ -151,9 +151,10 @@ def test_gpu_fast_mode_whose_one_tile_covers_the_latent_runs_untiled_and_cpu_pla
         ref = vae.decode(z).sample
     gpu = tw.TiledVAE(vae, tile_size=8, mode="fast", progress=False, device_kind="cuda")
     cpu = tw.TiledVAE(vae, tile_size=8, mode="fast", progress=False, device_kind="cpu")
-    from tilewise.vae.settle import settle  # (the plan a run follows)
+    from tilewise.vae.plan.settle import settle  # (the plan a run follows)
 
-    assert settle(gpu, "decode", tuple(z.shape)).untiled and not settle(cpu, "decode", tuple(z.shape)).untiled
+    assert settle(gpu.settings, gpu.job("decode"), tuple(z.shape)).untiled
+    assert not settle(cpu.settings, cpu.job("decode"), tuple(z.shape)).untiled
     budgeted = tw.TiledVAE(vae, mode="fast", memory_budget="1GiB", progress=False, device_kind="cuda")
     assert budgeted.plan(tuple(z.shape)).untiled
     c = _counted("cpu", gpu.decode, z)
@@ -195,13 +196,14 @@ def test_streamed_plan_run_on_real_values_equals_the_stock_decode():
 
 
 def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
-    from tilewise.vae.plan import make_plan
+    from tilewise.vae.plan.make import make_plan, request
 
     with fake():
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
         tv = tw.TiledVAE(vae, staging="host", progress=False, device_kind="cuda")
-        ahead, plain = (make_plan(tv, tuple(z.shape), "decode", 16, "host", read_ahead=a)
+        ahead, plain = (make_plan(tv.settings, tv.job("decode"), tuple(z.shape),
+                                  request(tv.settings, tv.job("decode"), 16, "host").replace(read_ahead=a))
                         for a in (True, False))
         assert ahead.read_ahead and not plain.read_ahead and plain.peak < ahead.peak
         assert ahead.seconds < plain.seconds and ahead.h2d == plain.h2d  # (the same reads, earlier)
@@ -210,7 +212,8 @@ def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
                             device_kind="cuda")
         plan = tight.plan(tuple(z.shape))
         c = _counted("meta", tight.decode, z)
-        would = make_plan(tight, tuple(z.shape), "decode", plan.tile_size, "host")
+        would = make_plan(tight.settings, tight.job("decode"), tuple(z.shape),
+                          request(tight.settings, tight.job("decode"), plan.tile_size, "host"))
         roomy = tw.TiledVAE(vae, staging="host", memory_budget=ahead.peak, progress=False, device_kind="cuda")
         chosen = roomy.plan(tuple(z.shape))
     assert plan.tile_size >= 16 and not plan.read_ahead and would.peak > tight.memory_budget
@@ -222,8 +225,8 @@ def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_statistics_kernels_are_the_counted_constants(dtype):
     from tilewise.locality.ops import group_norm_affine
-    from tilewise.vae import counts
-    from tilewise.vae.stats import GroupStats
+    from tilewise.vae.plan import counts
+    from tilewise.vae.run.stats import GroupStats
 
     with fake():
         xs = [torch.randn(1, 64, 9, 7, device="meta", dtype=dtype) for _ in range(3)]

@@ -67,14 +67,14 @@ def _staged_peak(group, tile: int) -> int:
     from test_vae_support import kl_vae
 
     import tilewise as tw
-    from tilewise.vae.executor import Executor
+    from tilewise.vae.run.executor import Executor
+    from tilewise.vae.run.options import RunOptions
 
     tv = tw.TiledVAE(kl_vae("sdxl"), progress=False)
     p = tv.program("decode")
-    ex = Executor(p, tile, p.input, staging="host", progress=False, group=group)
+    ex = Executor(p, tile, p.input, RunOptions(staging="host", progress=False), group=group)
     with torch.no_grad():
-        ex.run(_input("decode", (1, 4, 24, 6)))
-    return ex.staged_peak
+        return ex.run(_input("decode", (1, 4, 24, 6))).staged_peak
 
 
 def _decode_to(group) -> torch.Tensor | None:

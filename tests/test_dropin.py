@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import tiny_pipes as tp  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.executor import Executor  # noqa: E402
+from tilewise.vae.run.executor import Executor  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -8,8 +8,9 @@ from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
 from tilewise.locality import lower  # noqa: E402
 from tilewise.locality.ops import map_box  # noqa: E402
-from tilewise.vae.executor import Executor, NonFiniteError, _all_finite  # noqa: E402
-from tilewise.vae.stats import GroupStats  # noqa: E402
+from tilewise.vae.run.executor import Executor, NonFiniteError, all_finite  # noqa: E402
+from tilewise.vae.run.options import RunOptions  # noqa: E402
+from tilewise.vae.run.stats import GroupStats  # noqa: E402
 
 
 def test_chan_merge_equals_whole_tensor_statistics():
@@ -56,11 +57,11 @@ def test_float_tile_statistics_are_accurate_with_a_large_offset(dtype, layout):
 
 def test_finite_check_uses_the_sum_and_survives_its_overflow():
     x = torch.full((1, 2, 4, 4), 3e38)  # finite values whose float32 sum overflows
-    assert _all_finite(x)
+    assert all_finite(x)
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = torch.zeros(1, 2, 4, 4, dtype=torch.float16)
         y[0, 1, 2, 3] = bad
-        assert not _all_finite(y) and not _all_finite(x.clone().index_fill_(3, torch.tensor([1]), bad))
+        assert not all_finite(y) and not all_finite(x.clone().index_fill_(3, torch.tensor([1]), bad))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.05)])
@@ -101,11 +102,11 @@ def test_exact_decoder_and_encoder_match_untiled(shape, tile, staging):
     with torch.no_grad():
         z = structured_latent(*shape)
         p = lower(vae.decoder)
-        out = Executor(p, tile, p.input, staging=staging, progress=False).run(z)
+        out = Executor(p, tile, p.input, RunOptions(staging=staging, progress=False)).run(z).output
         assert (out - vae.decoder(z)).abs().max() <= 1e-4
         x = torch.randn(shape[0], 3, 8 * shape[2], 8 * shape[3], generator=torch.Generator().manual_seed(1))
         p = lower(vae.encoder)
-        out = Executor(p, tile, p.output, staging=staging, progress=False).run(x)
+        out = Executor(p, tile, p.output, RunOptions(staging=staging, progress=False)).run(x).output
         assert (out - vae.encoder(x)).abs().max() <= 1e-4
 
 
@@ -126,7 +127,8 @@ def test_streaming_emit_covers_output_exactly_once(kind, channels, band, emits):
         boxes.append(box)
 
     with torch.no_grad():
-        assert Executor(p, 4, p.input, band_bytes=band, progress=False).run(z, emit=emit) is None
+        ex = Executor(p, 4, p.input, RunOptions(band_bytes=band, progress=False))
+        assert ex.run(z, emit=emit).output is None
         assert bool((seen == 1).all())
         assert emits is None or len(boxes) == emits
         assert (got - vae.decoder(z)).abs().max() <= 1e-4
@@ -138,7 +140,7 @@ def test_non_finite_output_names_the_stage():
     z = torch.zeros(1, 16, 6, 6)
     z[0, 0, 2, 2] = float("inf")
     with torch.no_grad(), pytest.raises(NonFiniteError, match="conv_in.*float32"):
-        Executor(p, 3, p.input, progress=False).run(z)
+        Executor(p, 3, p.input, RunOptions(progress=False)).run(z)
 
 
 def test_row_banded_convolutions_stay_exact():
@@ -146,7 +148,7 @@ def test_row_banded_convolutions_stay_exact():
     z = structured_latent(1, 16, 7, 9)
     p = lower(vae.decoder)
     with torch.no_grad():
-        out = Executor(p, 4, p.input, conv_workspace=1, progress=False).run(z)
+        out = Executor(p, 4, p.input, RunOptions(conv_workspace=1, progress=False)).run(z).output
         assert (out - vae.decoder(z)).abs().max() <= 1e-4
 
 
@@ -180,8 +182,8 @@ def test_row_bands_carry_convolution_rows_and_stay_exact(monkeypatch, kind, stag
         runs = {}
         for band in (None, 1):
             work.clear()
-            ex = Executor(p, 4, getattr(p, ref), staging=staging, band_bytes=band, progress=False)
-            runs[band] = (ex.run(x), sum(work), len(work))
+            ex = Executor(p, 4, getattr(p, ref), RunOptions(staging=staging, band_bytes=band, progress=False))
+            runs[band] = (ex.run(x).output, sum(work), len(work))
     (whole, w_work, w_calls), (banded, b_work, b_calls) = runs[None], runs[1]
     assert b_calls > 2 * w_calls  # it did run in bands
     assert b_work == w_work  # and no convolution row twice
@@ -196,9 +198,9 @@ def test_row_bands_leave_tile_attention_whole():
     z = structured_latent(1, 4, 9, 7)
     p = lower(vae.decoder)
     with torch.no_grad():
-        outs = [Executor(p, 4, p.input, attention="tile", band_bytes=b, progress=False).run(z)
-                for b in (None, 1)]
-        glob = Executor(p, 4, p.input, band_bytes=1, progress=False).run(z)
+        outs = [Executor(p, 4, p.input, RunOptions(attention="tile", band_bytes=b, progress=False)).run(z)
+                .output for b in (None, 1)]
+        glob = Executor(p, 4, p.input, RunOptions(band_bytes=1, progress=False)).run(z).output
     assert (outs[1] - outs[0]).abs().max() <= 1e-5
     assert (outs[0] - glob).abs().max() > 1e-3  # (tile attention does differ from global here)
 
@@ -207,7 +209,7 @@ def test_row_bands_leave_tile_attention_whole():
 def test_disk_staging_round_trips_boxes_and_row_bands(tmp_path, dtype, monkeypatch):
     """Disk-staged values: boxes written (in chunks of rows) read back equal, unwritten parts read as
     zeros, a rank's band of rows is addressed in global rows, and the files are gone after close."""
-    from tilewise.vae.staging import DiskValue, Staging
+    from tilewise.vae.run.staging import DiskValue, Staging
 
     monkeypatch.setattr(DiskValue, "_CHUNK", 3 * 5 * 4 * 2)  # a few rows per write chunk
     x = torch.randn(2, 5, 9, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -237,13 +239,13 @@ def test_sampled_tile_statistics_staged_on_disk_equal_the_together_run_and_exact
     import tilewise as tw
     from tilewise.geometry import TileGrid
     from tilewise.locality.program import Program
-    from tilewise.vae.estimators import sample_tiles, sampled_tile_stats, staged_tile_stats
-    from tilewise.vae.fast import _crossing
+    from tilewise.vae.fast.estimators import sample_tiles, sampled_tile_stats, staged_tile_stats
+    from tilewise.vae.fast.split import crossing
 
     p = tw.TiledVAE(kl_vae("sd")).program("decode")
     after = max(i for i, op in enumerate(p.ops) if op.kind == "attention")
     j = next(i for i, op in enumerate(p.ops) if i > after and op.kind == "group_norm"
-             and _crossing(p, i) == {op.src[0]})
+             and crossing(p, i) == {op.src[0]})
     cut = p.ops[j].src[0]
     head = Program(ops=p.ops[:j], input=p.input, output=cut, in_channels=p.in_channels, name="head")
     tail = Program(ops=p.ops[j:], input=cut, output=p.output, in_channels=p.channels()[cut], name="tail")
@@ -253,8 +255,9 @@ def test_sampled_tile_statistics_staged_on_disk_equal_the_together_run_and_exact
     tiles = sample_tiles(TileGrid(9, 11, (4, 4)), 1.0)
     fixed = {id(op) for op in tail.ops if op.kind == "group_norm"}
     together = sampled_tile_stats(tail, h, tail.input, tiles, fixed)
-    staged = staged_tile_stats(tail, h, tail.input, tiles, fixed, "disk", "cpu", str(tmp_path))
-    banded = staged_tile_stats(tail, h, tail.input, tiles, fixed, "disk", "cpu", str(tmp_path), band_bytes=1)
+    disk = RunOptions(staging="disk", stage_dir=str(tmp_path))
+    staged = staged_tile_stats(tail, h, tail.input, tiles, fixed, disk)
+    banded = staged_tile_stats(tail, h, tail.input, tiles, fixed, disk.replace(band_bytes=1))
     assert set(together[0]) == set(staged[0]) == set(banded[0]) == fixed
     for i in fixed:
         for a, b, c in zip(together[0][i], staged[0][i], banded[0][i], strict=True):
@@ -277,10 +280,11 @@ def test_streamed_attention_keys_values_equal_the_untiled_decoder_and_encoder(kv
     with torch.no_grad():
         z = structured_latent(2, 4, 20, 17)
         p = lower(vae.decoder)
-        assert (Executor(p, 8, p.input, **kw).run(z) - vae.decoder(z)).abs().max() <= 1e-4
+        assert (Executor(p, 8, p.input, RunOptions(**kw)).run(z).output - vae.decoder(z)).abs().max() <= 1e-4
         x = torch.randn(1, 3, 88, 72, generator=torch.Generator().manual_seed(2))
         p = lower(vae.encoder)
-        assert (Executor(p, 4, p.output, staging="host", **kw).run(x) - vae.encoder(x)).abs().max() <= 1e-4
+        out = Executor(p, 4, p.output, RunOptions(staging="host", **kw)).run(x).output
+        assert (out - vae.encoder(x)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -72,7 +72,7 @@ def test_nan_latent_is_not_blamed_on_fp16_overflow(vae):
 def test_nan_weights_in_float32_are_not_called_an_fp16_overflow(vae):
     import copy
 
-    from tilewise.vae.executor import NonFiniteError
+    from tilewise.vae.run.finite import NonFiniteError
 
     broken = copy.deepcopy(vae)
     with torch.no_grad():

@@ -89,8 +89,8 @@ def _staged_run(program, x, tile_box):
     """run_boxes of the whole program as one segment on one box, its input staged on the host."""
     from tilewise.locality.ops import RunContext
     from tilewise.locality.program import back_propagate, last_use
-    from tilewise.vae.bands import run_boxes
-    from tilewise.vae.staging import Staging
+    from tilewise.vae.run.bands import run_boxes
+    from tilewise.vae.run.staging import Staging
 
     seg = split_segments(program, lambda op: False)[0]
     shapes = program.shapes(tuple(x.shape[-2:]))

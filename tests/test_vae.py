@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from test_vae_support import kl_vae, structured_latent, tiny_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.executor import Executor  # noqa: E402
+from tilewise.vae.run.executor import Executor  # noqa: E402
 
 
 def _white(shape, seed=0):
@@ -138,7 +138,7 @@ def test_plan_budget_picks_tile_and_staging():
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeypatch, mode):
-    from tilewise.vae import staging
+    from tilewise.vae.run import staging
 
     vae = kl_vae("sd")
     z = structured_latent(1, 4, 13, 11)
@@ -163,7 +163,8 @@ def test_disk_staging_keeps_only_the_heap_slack_the_memory_budget_leaves(monkeyp
 
 @pytest.mark.parametrize("kind", ["decode", "encode"])
 def test_fast_disk_keeps_less_heap_for_whole_tiles_and_trims_between_passes(monkeypatch, kind):
-    from tilewise.vae import fast, staging
+    from tilewise.vae.fast import run as fast
+    from tilewise.vae.run import staging
 
     seen, passes = [], []
     trim = staging.trim_heap
@@ -185,7 +186,7 @@ def test_fast_disk_keeps_less_heap_for_whole_tiles_and_trims_between_passes(monk
 def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
     """Lists the run fills: every staged allocation (value, shape, bytes), every Executor.run's output
     shape (None when it streamed its output away)."""
-    from tilewise.vae import executor, staging
+    from tilewise.vae.run import executor, staging
 
     staged, returned = [], []
     alloc, run = staging.Staging.alloc, executor.Executor.run
@@ -195,9 +196,9 @@ def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
         return alloc(self, name, shape, dtype, rows)
 
     def record_run(self, x, emit=None):
-        out = run(self, x, emit)
-        returned.append(None if out is None else tuple(out.shape))
-        return out
+        res = run(self, x, emit)
+        returned.append(None if res.output is None else tuple(res.output.shape))
+        return res
 
     monkeypatch.setattr(staging.Staging, "alloc", record_alloc)
     monkeypatch.setattr(executor.Executor, "run", record_run)
@@ -227,8 +228,8 @@ def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypat
     assert sampled.tiles + other.tiles == 12 and sampled.tiles == 6  # 4x3 grid, a 3x2 stratified sample
     assert max(q.peak for q in plan.passes) >= other.held + other.output_bytes
     # with disk staging each pass keeps the plan's heap slack, the other tiles (run whole) at most 64 MiB
-    from tilewise.vae.fast import WHOLE_TILE_SLACK
-    from tilewise.vae.staging import TRIM_FREE
+    from tilewise.vae.fast.run import WHOLE_TILE_SLACK
+    from tilewise.vae.run.staging import TRIM_FREE
 
     kept = {q.name: plan.heap_slack for q in plan.passes}
     kept["other tiles"] = min(plan.heap_slack, WHOLE_TILE_SLACK)

@@ -16,8 +16,8 @@ from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.vae.devices import CUDA  # noqa: E402
-from tilewise.vae.fast import fast_split, piece_cuts, split_pieces, split_program  # noqa: E402
-from tilewise.vae.plan import make_plan  # noqa: E402
+from tilewise.vae.fast.split import fast_split, piece_cuts, split_pieces, split_program  # noqa: E402
+from tilewise.vae.plan.make import make_plan, request  # noqa: E402
 
 # A GPU whose launches cost nothing: its plans take pieces wherever they save FLOPs (pieces add launches:
 # at the small test sizes the stock CUDA profile takes them in some plans and not in others).
@@ -30,9 +30,9 @@ NARROW = dict(blocks=(16, 32, 32, 32), groups=8)
 def test_pieces_are_cut_at_the_resolution_changes_and_rejoin_the_part(kind):
     tv = tw.TiledVAE(kl_vae("sd"), mode="fast", progress=False)
     p = tv.program(kind)
-    first, second = split_program(p, fast_split(tv, p, kind))
+    first, second = split_program(p, fast_split(p, tv.job(kind).kind, tv.mode, tv.settings.fast))
     part = second if kind == "decode" else first
-    cuts = piece_cuts(tv, p, kind)
+    cuts = piece_cuts(p, tv.job(kind).kind, tv.mode, tv.settings.fast)
     assert len(cuts) == 2  # (SD: three resolution changes, the part starts / ends at one of them)
     if kind == "decode":  # before an upsampling
         assert all(part.ops[c].kind == "resample" for c in cuts)
@@ -43,9 +43,11 @@ def test_pieces_are_cut_at_the_resolution_changes_and_rejoin_the_part(kind):
     assert pieces[0].input == part.input and pieces[-1].output == part.output
     assert all(a.output == b.input for a, b in zip(pieces, pieces[1:]))
     assert [q.name for q in pieces] == [f"{part.name}[piece {j} of 3]" for j in (1, 2, 3)]
-    assert piece_cuts(tw.TiledVAE(kl_vae("sd"), progress=False), p, kind) == ()  # (exact mode: none)
-    assert piece_cuts(tw.TiledVAE(kl_vae("flux"), mode="fast", progress=False),
-                      tw.TiledVAE(kl_vae("flux"), progress=False).program(kind), kind) == ()
+    exact = tw.TiledVAE(kl_vae("sd"), progress=False)
+    assert piece_cuts(p, tv.job(kind).kind, exact.mode, exact.settings.fast) == ()  # (exact mode: none)
+    flux = tw.TiledVAE(kl_vae("flux"), mode="fast", progress=False)
+    assert piece_cuts(tw.TiledVAE(kl_vae("flux"), progress=False).program(kind), tv.job(kind).kind, flux.mode,
+                      flux.settings.fast) == ()
 
 
 @pytest.mark.parametrize("kind", ["decode", "encode"])
@@ -88,7 +90,8 @@ def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
         t = torch.randn(1, 4, 64, 64) if kind == "decode" else torch.randn(1, 3, 256, 256)
         t = t.to("meta", torch.float16)
         plan = tv.plan(tuple(t.shape), kind=kind)
-        one = make_plan(tv, tuple(t.shape), kind, plan.tile_size, plan.staging, cuts=())
+        ask = request(tv.settings, tv.job(kind), plan.tile_size, plan.staging).replace(fast_cuts=())
+        one = make_plan(tv.settings, tv.job(kind), tuple(t.shape), ask)
         if kind == "decode":
             with count("meta") as c:
                 tv.decode(t)
@@ -109,7 +112,8 @@ def test_gpu_fast_plan_at_2048_px_takes_pieces_and_its_low_pass_in_one_tile():
         vae = build_vae("sd", torch.float16, "meta")
         tv = tw.TiledVAE(vae, mode="fast", memory_budget="4GiB", progress=False, device_kind="cuda")
         plan = tv.plan((1, 4, 256, 256), kind="decode")
-        one = make_plan(tv, (1, 4, 256, 256), "decode", plan.tile_size, plan.staging, cuts=())
+        ask = request(tv.settings, tv.job("decode"), plan.tile_size, plan.staging).replace(fast_cuts=())
+        one = make_plan(tv.settings, tv.job("decode"), (1, 4, 256, 256), ask)
     assert plan.fast_cuts and plan.seconds < one.seconds and plan.flops < one.flops
     assert plan.peak <= 4 << 30
     low = next(q for q in plan.passes if q.name == "low pass")

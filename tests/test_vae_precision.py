@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 from test_vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.executor import NonFiniteError  # noqa: E402
-from tilewise.vae.stats import GroupStats  # noqa: E402
+from tilewise.vae.run.finite import NonFiniteError  # noqa: E402
+from tilewise.vae.run.stats import GroupStats  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 from video_vae_support import factor, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.video import VideoExecutor  # noqa: E402
-from tilewise.vae.video_plan import make_video_plan  # noqa: E402
+from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
+from tilewise.vae.video.plan import make_video_plan  # noqa: E402
 
 TOL = 1e-4
 
@@ -56,22 +56,23 @@ def test_both_orders_and_stagings_are_exact_and_hold_what_the_plan_says(order, s
     vae = video_vae("wan2.1")
     tv = tw.TiledVAE(vae, tile_size=3, progress=False)
     z = _latent(3, 7, 5, seed=2)
-    plan = make_video_plan(tv, tuple(z.shape), "decode", staging=staging, order=order)
+    plan = make_video_plan(tv.settings, tv.job("decode"), tuple(z.shape), staging=staging, order=order)
     p = tv.program("decode")
     ex = VideoExecutor(p, plan.tile_size, p.input, staging=staging, order=order, progress=False)
     with torch.no_grad():
-        out = ex.run(z)
+        res = ex.run(z)
         ref = vae.decode(z).sample
+    out = res.output
     assert (out - ref).abs().max() <= TOL
-    assert ex.cache_peak == plan.cache_bytes > 0 and ex.staged_peak == plan.staged_peak > 0
+    assert res.cache_peak == plan.cache_bytes > 0 and res.staged_peak == plan.staged_peak > 0
     assert tuple(out.shape) == plan.output_shape and plan.step_frames == [1, 4, 4]
 
 
 def test_tile_major_order_holds_one_tiles_caches():
     tv = tw.TiledVAE(video_vae("wan2.1"), tile_size=2, progress=False)
     shape = (1, 4, 4, 6, 6)
-    frames = make_video_plan(tv, shape, order="frames")
-    tiles = make_video_plan(tv, shape, order="tiles")
+    frames = make_video_plan(tv.settings, tv.job("decode"), shape, order="frames")
+    tiles = make_video_plan(tv.settings, tv.job("decode"), shape, order="tiles")
     assert tiles.cache_bytes == max(tiles.cache_bytes, 1) and tiles.cache_bytes < frames.cache_bytes / 4
     assert frames.macs == tiles.macs and frames.halo_overhead > 0
     assert tv.plan(shape).order == "tiles"  # the smaller peak, when the output needs no frame order
@@ -171,7 +172,7 @@ def test_bad_inputs_name_the_value_and_what_is_valid(tmp_path):
     sink.abort()
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="order='frames'"):
-        make_video_plan(tv, (1, 4, 2, 5, 7), order="tiles", sequential=True)
+        make_video_plan(tv.settings, tv.job("decode"), (1, 4, 2, 5, 7), order="tiles", sequential=True)
     with pytest.raises(ValueError, match="no plan fits memory_budget"):
         tw.TiledVAE(vae, memory_budget="1KiB").plan((1, 4, 2, 5, 7))
 
@@ -247,11 +248,11 @@ def test_wan22_long_video_on_a_larger_grid_is_exact(order):
     z = _latent(6, 9, 13, seed=8)
     p = tv.program("decode")
     with torch.no_grad():
-        out = VideoExecutor(p, 4, p.input, staging="host", order=order, progress=False).run(z)
+        out = VideoExecutor(p, 4, p.input, staging="host", order=order, progress=False).run(z).output
         assert (out - vae.decode(z).sample).abs().max() <= TOL
         x = _video(vae, 17, 6, 8, seed=9)
         p = tv.program("encode")
-        enc = VideoExecutor(p, 3, p.output, staging="host", order=order, progress=False).run(x)
+        enc = VideoExecutor(p, 3, p.output, staging="host", order=order, progress=False).run(x).output
         assert (enc - vae.encode(x).latent_dist.parameters).abs().max() <= TOL
 
 

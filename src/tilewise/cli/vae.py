@@ -274,8 +274,8 @@ def plan(
     typer.echo(f"  device {device}: {_here(device)}")
     owner = None
     if ranks > 1:
-        from ..vae.plan import plan_ranks
-        from ..vae.sharding import RowBands
+        from ..vae import plan_ranks
+        from ..vae.run.sharding import RowBands
 
         for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=p.tile_size):
             typer.echo(f"  {rp}")

@@ -83,8 +83,6 @@ def generate(
 
     from ..diffusion import Region, TiledDenoiser
     from ..vae import TiledVAE
-    from ..vae.checks import check_fits
-    from ..vae.settle import settle
 
     pipe = loaded.pipe
     attr = loaded.denoiser  # "unet", or "transformer" (SD3, Flux, ...: the adapter follows its class)
@@ -103,7 +101,7 @@ def generate(
     tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
     zshape = (1, int(pipe.vae.config.latent_channels), height // f, width // f)
     streamed = out is not None
-    check_fits(tv, "decode", zshape, settle(tv, "decode", zshape, streamed=streamed), streamed=streamed)
+    tv.preflight(zshape, streamed=streamed)
     if batch_size is None:  # the embedded UNet is tiny: per-call overhead dominates, batch many tiles
         batch_size = 32 if loaded.embedded else 4
     cond = loaded.encode(prompt, negative)

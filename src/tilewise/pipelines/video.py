@@ -77,21 +77,20 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
 
     from ..sinks import open_sink
     from ..sinks.video import open_video_sink
-    from ..vae.video_plan import make_video_plan
 
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
     z = _latents(latents_path, tv.program("decode").in_channels)
     mean, std, sf = latent_norm(vae)
     z = (z.float() * std / sf + mean).to(vae.device, vae.dtype)
     shape = tuple(z.shape)
-    _, c, t, h, w = make_video_plan(tv, shape, "decode", to_sink=True).output_shape
+    _, c, t, h, w = tv.plan(shape, streamed=True).output_shape
     _check_output(out, bits, t)
     check_target(out.format(0) if "{" in out else out, "output", replace=replace)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
             else open_video_sink(out, t, h, w, c, bits=bits))
     sequential = image or not getattr(sink, "random_access", False)
-    plan = make_video_plan(tv, shape, "decode", to_sink=True, sequential=sequential)
+    plan = tv.plan(shape, streamed=True, sequential=sequential)
     with sink, torch.no_grad():
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)

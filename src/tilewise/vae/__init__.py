@@ -1,15 +1,20 @@
-"""The tiled VAE engine: `TiledVAE` (the face) over a tile interpreter, its plan, fast mode and staging.
+"""The tiled VAE engine: `TiledVAE` (the face) over a tile interpreter, its plans, fast mode and staging.
 
-- `tiled`: `TiledVAE`, the wrapper with AutoencoderKL's calls.
-- `plan`: `Plan` / `Pass` / `Stage` records, the arithmetic that fills them, `plan_ranks`.
-- `executor`: runs a tile program segment by segment over a tile grid (exact mode).
-- `fast`: fast mode's passes; `estimators`: its statistics from crops or from sampled tiles.
-- `staging`: where full-size values live between segments (device, host, disk) and heap trimming.
-- `stats`: exact GroupNorm moments and their merge across tiles; `bands`: row bands of big tiles.
-- `sharding`: tile rows over the ranks of a process group.
+- `tiled`: `TiledVAE`, the wrapper with AutoencoderKL's calls, and `plan_ranks`; `settings`: the checked
+  record of its settings, the vocabularies, and `Job` (one call's work); `checks`: the input and whether
+  a run fits; `devices`: the device profiles plans are shaped for; `runner`: a 2-D call's run.
+- `plan/`: `Plan` / `Pass` / `Stage` records, how they are made and counted, `settle` within a budget.
+- `run/`: the executor (segments, tiles, row bands), staging, statistics, attention, sharding.
+- `fast/`: fast mode's passes and its statistics estimators.
+- `video/`: the 3-D causal VAEs (frames, caches, causal steps).
 """
 
-from .plan import Pass, Plan, RankPlan, Stage, plan_ranks
-from .tiled import ATTENTIONS, MODES, TiledVAE
+from .plan.ranks import RankPlan
+from .plan.records import Pass, PassKind, Plan, Stage
+from .run.finite import NonFiniteError
+from .run.options import Choices
+from .settings import Attention, Kind, Mode, Place, Settings
+from .tiled import ATTENTIONS, MODES, TiledVAE, plan_ranks
 
-__all__ = ["ATTENTIONS", "MODES", "Pass", "Plan", "RankPlan", "Stage", "TiledVAE", "plan_ranks"]
+__all__ = ["ATTENTIONS", "MODES", "Attention", "Choices", "Kind", "Mode", "NonFiniteError", "Pass",
+           "PassKind", "Place", "Plan", "RankPlan", "Settings", "Stage", "TiledVAE", "plan_ranks"]

@@ -11,11 +11,38 @@ import torch
 from ..errors import WontFit
 from ..limits import check_disk, device_memory_available, host_memory_available
 from ..memory import format_bytes
+from .settings import Job, Kind, Place
 
 
-def check_dtype(t: torch.Tensor, what: str, vae: torch.nn.Module) -> None:
+def check_input(job: Job, t) -> None:
+    """A 2-D job's input: a (B, C, H, W) tensor of the VAE's channels, not empty, not too small for the
+    program, in the VAE's dtype, finite, and not asking for gradients (ValueError / RuntimeError naming
+    the value and what would be valid)."""
+    p = job.program
+    what = "latent z" if job.kind is Kind.DECODE else "image x"
+    if not isinstance(t, torch.Tensor) or t.ndim != 4:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what} must be a (B, C, H, W) tensor, got {shape}")
+    if t.shape[1] != p.in_channels:
+        raise ValueError(f"{what} has {t.shape[1]} channels, the VAE {job.kind}r expects {p.in_channels} "
+                         f"(shape {tuple(t.shape)})")
+    if min(t.shape) == 0:
+        raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
+    h, w = t.shape[-2:]
+    shapes = p.shapes((h, w))
+    small = next((op for op in p.ops if min(shapes[op.dst]) < 1), None)
+    if small is not None:
+        raise ValueError(f"{what} of {h}x{w} is too small for the VAE {job.kind}r: {small.name} would have "
+                         f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
+    check_dtype(t, what, job.dtype)
+    check_finite(t, what)
+    if torch.is_grad_enabled() and t.requires_grad:
+        raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
+                           "would break backward(); use the wrapped VAE directly to train")
+
+
+def check_dtype(t: torch.Tensor, what: str, want: torch.dtype) -> None:
     """The input's dtype is the VAE's (as the wrapped VAE's convolutions require; autocast casts itself)."""
-    want = next((p.dtype for p in vae.parameters()), torch.float32)
     name = what.split()[-1]
     if not t.is_floating_point():
         raise ValueError(f"{what} is a {t.dtype} tensor; the VAE takes floating-point input in its own "
@@ -36,32 +63,30 @@ def check_finite(t: torch.Tensor, what: str) -> None:
                      f"index {first}): the input is broken before any VAE op runs")
 
 
-def check_fits(tv, kind: str, shape: tuple[int, ...], plan, streamed: bool) -> None:
+def check_fits(job: Job, shape: tuple[int, ...], plan, streamed: bool, stage_dir: str | None) -> None:
     """Refuse (WontFit) a run whose staged values (and output, unless streamed) cannot fit where they live:
-    device / host memory or the staging folder's disk, as `plan` (the run's) places them. Looked at only
-    when a cheap bound says it may not fit."""
-    p = tv.program(kind)
+    device / host memory or the staging folder's disk (`stage_dir`, None: the system's temporary
+    folder), as `plan` (the run's) places them. Looked at only when a cheap bound says it may not fit."""
+    p, device = job.program, job.device
     shapes = p.shapes(tuple(shape[-2:]))
     chans = p.channels()
-    item = torch.empty((), dtype=next((q.dtype for q in tv.vae.parameters()), torch.float32)).element_size()
-    bound = sum(shape[0] * chans[v] * math.prod(shapes[v]) * item for v in shapes)  # every value at once
-    device = next((q.device for q in tv.vae.parameters()), torch.device("cpu"))
+    bound = sum(shape[0] * chans[v] * math.prod(shapes[v]) * job.item for v in shapes)  # every value at once
     if bound * 2 < min(host_memory_available(), device_memory_available(device)):
         return
     tile, staging = plan.tile_size, plan.staging
     out = 0 if streamed else plan.output_bytes
-    what = f"TiledVAE {kind} of {tuple(shape)} (tile {tile}, staging {staging!r})"
+    what = f"TiledVAE {job.kind} of {tuple(shape)} (tile {tile}, staging {staging.value!r})"
     other = ("try staging='disk' or a memory_budget (tilewise decode: --staging disk, --budget)"
-             if staging != "disk" else "use a smaller image")
-    if staging == "disk":
-        folder = tv.stage_dir or tempfile.gettempdir()
+             if staging is not Place.DISK else "use a smaller image")
+    if staging is Place.DISK:
+        folder = stage_dir or tempfile.gettempdir()
         check_disk(plan.staged_peak, folder, f"{what}: staging",
                    hint="give stage_dir= a folder on a larger disk, or use a smaller image")
         _memory(out, device, f"{what}: its output", "stream it to a file (decode_to) or use a smaller image")
-    elif staging == "host" or device.type == "cpu":
+    elif staging is Place.HOST or device.type == "cpu":
         _memory(plan.staged_peak + (out if device.type == "cpu" else 0), torch.device("cpu"),
                 f"{what}: its staged values{'' if streamed else ' and output'}", other)
-    if device.type != "cpu" and staging != "host":
+    if device.type != "cpu" and staging is not Place.HOST:
         _memory(plan.staged_peak + out, device, f"{what}: its staged values and output", other)
 
 

@@ -4,8 +4,12 @@ A wrapper, never a patch: it holds the VAE, lowers its encoder and decoder (with
 programs once, and offers `decode` / `encode` with the signatures and return types of
 `AutoencoderKL.decode` / `.encode` (and AutoencoderTiny's), so `pipe.vae = TiledVAE(pipe.vae)` works.
 Every other attribute (config, dtype, device, scaling/shift factors, ...) reads through to the VAE.
-This file is the face: settings, checks, the public calls; `plan` plans, `executor` runs exact mode,
-`fast` runs fast mode.
+
+This file is the face: the settings (one checked `Settings` record; each setting is also an attribute
+that reads and writes it), the checks, the public calls and the return types. Each call becomes a `Job`
+(its program, device profile, dtype) that the layers below take with the settings: `runner` settles the
+plan and runs it, `plan` plans, `video.face` does the same for 3-D causal VAEs. Nothing below this file
+takes the TiledVAE.
 """
 
 from __future__ import annotations
@@ -14,25 +18,55 @@ import logging
 from typing import Any
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
 
+from ..distributed import rank_world, resolve_group
 from ..locality.lowering import chain, lower, lower_conv
 from ..locality.lowering3d import is_video_vae, lower_video_vae
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
-from . import video_face
-from .checks import check_dtype, check_finite, check_fits
-from .devices import DeviceProfile, device_options, device_profile, profile
-from .executor import Executor, NonFiniteError, check_output
-from .fast import crop_stats, fast_split, run_fast
-from .plan import Choices, Plan, make_plan
-from .settle import settle
-from .staging import STAGINGS, TRIM_FREE
+from . import runner
+from .checks import check_fits, check_input
+from .devices import DeviceProfile, profile, vae_device
+from .plan.make import make_plan, request
+from .plan.ranks import RankPlan, rank_plans
+from .plan.records import Plan
+from .plan.settle import settle
+from .settings import Attention, FastSettings, Job, Kind, Mode, Place, Settings
+from .video import face as video
+from .video.plan import make_video_plan
 
 logger = logging.getLogger(__name__)
 
-MODES = ("exact", "fast")
-DEFAULT_CHOICES = Choices()  # a run outside a settled plan: no bands, nothing streamed, reads ahead
-ATTENTIONS = ("global", "tile")
+MODES = Mode.words()
+ATTENTIONS = Attention.words()
+
+
+class _Setting:
+    """A TiledVAE attribute that reads one field of its `settings` (of `settings.fast` with `fast`), and
+    writes it into a new record, checked again (`tv.tile_size = 3`)."""
+
+    def __init__(self, field: str, fast: bool = False):
+        self.field, self.fast = field, fast
+
+    def __get__(self, tv, owner=None):
+        if tv is None:
+            return self
+        return getattr(tv.settings.fast if self.fast else tv.settings, self.field)
+
+    def __set__(self, tv, value) -> None:
+        s = tv.settings
+        tv.settings = (s.replace(fast=FastSettings(**{**s.fast.__dict__, self.field: value})) if self.fast
+                       else s.replace(**{self.field: value}))
+
+
+class _Staging(_Setting):
+    """The staging as the user gives it: "auto", "device", "host" or "disk"."""
+
+    def __get__(self, tv, owner=None):
+        return self if tv is None else tv.settings.staging_word
 
 
 class TiledVAE(ModelWrapper):
@@ -45,58 +79,44 @@ class TiledVAE(ModelWrapper):
     wrapped = "vae"
     _transient = ("_programs",)  # lowered programs hold lambdas: rebuilt on first use after a copy
 
+    # the settings, as attributes (each reads `settings`, and writes a new record, checked again)
+    tile_size = _Setting("tile_size")
+    mode = _Setting("mode")
+    attention = _Setting("attention")
+    memory_budget = _Setting("memory_budget")
+    staging = _Staging("staging")
+    retry_on_oom = _Setting("retry_on_oom")
+    progress = _Setting("progress")
+    query_chunk = _Setting("query_chunk")
+    stage_dir = _Setting("stage_dir")
+    process_group = _Setting("process_group")
+    device_kind = _Setting("device_kind")
+    color_fix = _Setting("color_fix", fast=True)
+    fast_crop = _Setting("crop", fast=True)
+    fast_sample = _Setting("sample", fast=True)
+    fast_estimator = _Setting("estimator", fast=True)
+    fast_low = _Setting("low", fast=True)
+
     def __init__(self, vae, tile_size: int = 32, mode: str = "exact", attention: str = "global",
                  memory_budget: int | str | None = None, staging: str = "auto", retry_on_oom: bool = False,
                  progress: bool = True, color_fix: bool = False, query_chunk: int = 4096,
                  stage_dir: str | None = None, fast_crop: int | None = None, fast_sample: float | None = None,
                  fast_estimator: str = "tiles", fast_low: int = 4, process_group: Any = None,
                  device_kind: str | DeviceProfile | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if staging not in ("auto", *STAGINGS):
-            raise ValueError(f"staging must be 'auto' or one of {STAGINGS}, got {staging!r}")
-        if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
-            raise ValueError(f"tile_size must be a positive int (latent pixels), got {tile_size!r}")
-        if query_chunk < 1:
-            raise ValueError(f"query_chunk must be >= 1, got {query_chunk!r}")
         if not isinstance(vae, torch.nn.Module) or isinstance(vae, TiledVAE):
             raise ValueError(f"vae must be a diffusers VAE module (not already tiled), "
                              f"got {type(vae).__name__}")
+        fast = FastSettings(fast_estimator, fast_sample, fast_low, fast_crop, color_fix)
+        settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
+                            query_chunk, stage_dir, fast, process_group, device_kind)
         super().__init__()
-        self.tile_size, self.mode, self.attention = tile_size, mode, attention
-        self.memory_budget = None
-        if memory_budget is not None:
-            from ..memory import parse_bytes
-
-            self.memory_budget = parse_bytes(memory_budget)
-        self.staging, self.retry_on_oom, self.progress = staging, retry_on_oom, progress
-        self.color_fix, self.query_chunk, self.stage_dir = color_fix, query_chunk, stage_dir
-        if fast_estimator not in ("tiles", "crops"):
-            raise ValueError(f"fast_estimator must be 'tiles' or 'crops', got {fast_estimator!r}")
-        if fast_sample is not None and not 0 < fast_sample <= 1:
-            raise ValueError(f"fast_sample must be None (the estimator's default) or in (0, 1], "
-                             f"got {fast_sample!r}")
-        self.fast_crop, self.fast_sample, self.fast_estimator = fast_crop, fast_sample, fast_estimator
-        if isinstance(fast_low, bool) or not isinstance(fast_low, int) or fast_low < 0:
-            raise ValueError(f"fast_low must be an int >= 0 (0: no low-resolution pass), got {fast_low!r}")
-        self.fast_low = fast_low
-        if isinstance(process_group, str) and process_group != "default":
-            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
-                             f"got {process_group!r}")
-        if process_group is not None and retry_on_oom:
-            raise ValueError("retry_on_oom=True is single-process only (a retry on one rank would "
-                             "desynchronise the others): drop it or process_group")
-        self.process_group = process_group
-        profile(device_kind, "cpu")  # (checks the value: a kind name, a DeviceProfile or None)
-        self.device_kind = device_kind  # what plans are shaped for (None: the device the VAE is on)
+        self.settings = settings
         self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
         self._wrap(vae)  # (moves and casts keep parameter identity, so the lowered programs follow)
 
     def __repr__(self) -> str:
-        return (f"TiledVAE({type(self.vae).__name__}, tile_size={self.tile_size}, mode={self.mode!r}, "
-                f"attention={self.attention!r}, staging={self.staging!r})")
+        return (f"TiledVAE({type(self.vae).__name__}, tile_size={self.tile_size}, mode={self.mode.value!r}, "
+                f"attention={self.attention.value!r}, staging={self.staging!r})")
 
     def enable_tiling(self, *args, **kwargs) -> None:
         """diffusers' tiling is not used through this wrapper: tilewise's tiling is active already."""
@@ -116,8 +136,6 @@ class TiledVAE(ModelWrapper):
 
     def forward(self, sample, sample_posterior: bool = False, return_dict: bool = True, generator=None):
         """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths."""
-        from diffusers.models.autoencoders.vae import DecoderOutput
-
         if self.is_tiny:  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
             enc = self.encode(sample).latents
             z = self.vae.unscale_latents(self.vae.scale_latents(enc).mul_(255).round_().byte() / 255.0)
@@ -127,7 +145,7 @@ class TiledVAE(ModelWrapper):
         dec = self.decode(z).sample
         return DecoderOutput(sample=dec) if return_dict else (dec,)
 
-    # -- programs -----------------------------------------------------------------------------------
+    # -- programs and jobs --------------------------------------------------------------------------
 
     @property
     def is_tiny(self) -> bool:
@@ -135,87 +153,57 @@ class TiledVAE(ModelWrapper):
 
     @property
     def is_video(self) -> bool:
-        """A 3-D causal VAE (Qwen-Image, Wan, LTX-Video): (B, C, T, H, W) values, run by `video_face`."""
+        """A 3-D causal VAE (Qwen-Image, Wan, LTX-Video): (B, C, T, H, W) values, run by `video.face`."""
         return is_video_vae(self.vae)
 
     def program(self, kind: str) -> Program:
         """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
-        if "_programs" not in self.__dict__:
-            self.__dict__["_programs"] = {}
-        if kind not in self._programs:
-            if self.is_video:
-                self._programs[kind] = lower_video_vae(self.vae, kind)
-            elif kind == "decode":
-                p = lower(self.vae.decoder)
-                pq = getattr(self.vae, "post_quant_conv", None)
-                self._programs[kind] = chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
-            elif kind == "encode":
-                p = lower(self.vae.encoder)
-                q = getattr(self.vae, "quant_conv", None)
-                self._programs[kind] = chain(p, lower_conv(q, "quant_conv")) if q is not None else p
-            else:
-                raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
-        return self._programs[kind]
+        kind = _kind(kind)
+        programs = self.__dict__.setdefault("_programs", {})
+        if kind not in programs:
+            programs[kind] = _lower(self.vae, kind, self.is_video)
+        return programs[kind]
 
     def factor(self, kind: str) -> int:
         """Image pixels per latent pixel."""
         p = self.program(kind)
-        shapes = p.shapes((64, 64))
-        ratio = shapes[p.output][0] / 64
-        return round(ratio) if kind == "decode" else round(1 / ratio)
+        ratio = p.shapes((64, 64))[p.output][0] / 64
+        return round(ratio) if _kind(kind) is Kind.DECODE else round(1 / ratio)
 
-    # -- validation ---------------------------------------------------------------------------------
-
-    def _check(self, t, kind: str) -> None:
-        import torch
-
-        p = self.program(kind)
-        what = "latent z" if kind == "decode" else "image x"
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{what} must be a (B, C, H, W) tensor, got {shape}")
-        if t.shape[1] != p.in_channels:
-            raise ValueError(f"{what} has {t.shape[1]} channels, the VAE {kind}r expects {p.in_channels} "
-                             f"(shape {tuple(t.shape)})")
-        if min(t.shape) == 0:
-            raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
-        h, w = t.shape[-2:]
-        shapes = p.shapes((h, w))
-        small = next((op for op in p.ops if min(shapes[op.dst]) < 1), None)
-        if small is not None:
-            raise ValueError(f"{what} of {h}x{w} is too small for the VAE {kind}r: {small.name} would have "
-                             f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
-        check_dtype(t, what, self.vae)
-        check_finite(t, what)
-        if torch.is_grad_enabled() and t.requires_grad:
-            raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
-                               "would break backward(); use the wrapped VAE directly to train")
+    def job(self, kind: str) -> Job:
+        """What a decode or encode call runs: the lowered program, the device profile its plans are made
+        for (`device_kind`, or the VAE's device), the VAE's dtype and device."""
+        kind = _kind(kind)
+        dtype = next((q.dtype for q in self.vae.parameters()), torch.float32)
+        device = vae_device(self.vae)
+        return Job(kind, self.program(kind), profile(self.device_kind, device), dtype, device,
+                   self.factor(kind), type(self.vae).__name__)
 
     # -- public API ---------------------------------------------------------------------------------
 
     def decode(self, z, return_dict: bool = True, generator=None):
         """Decode latents tile by tile; returns DecoderOutput(sample=...) like AutoencoderKL.decode."""
-        from diffusers.models.autoencoders.vae import DecoderOutput
-
+        job = self.job("decode")
         if self.is_video:
-            return video_face.decode(self, z, return_dict)
-        self._check(z, "decode")
-        sample = self._run("decode", z)
+            video.check(self.settings, job, z)
+            sample = self._ran(video.run(self.settings, job, z))
+        else:
+            check_input(job, z)
+            sample = self._ran(runner.run(self.settings, job, z, None, self.vae))
         return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     def encode(self, x, return_dict: bool = True):
         """Encode images tile by tile; returns AutoencoderKLOutput(latent_dist=...) (or the Tiny output)."""
+        job = self.job("encode")
         if self.is_video:
-            return video_face.encode(self, x, return_dict)
-        self._check(x, "encode")
-        h = self._run("encode", x)
+            video.check(self.settings, job, x)
+            video.dropped_frames(job, x)
+            h = self._ran(video.run(self.settings, job, x))
+        else:
+            check_input(job, x)
+            h = self._ran(runner.run(self.settings, job, x, None, self.vae))
         if self.is_tiny:
-            from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
-
             return AutoencoderTinyOutput(latents=h) if return_dict else (h,)
-        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
@@ -226,17 +214,18 @@ class TiledVAE(ModelWrapper):
         rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
         (`tilewise.sinks.video`), or its one frame into an image sink.
         """
+        job = self.job("decode")
         if self.is_video:
-            return video_face.decode_to(self, z, sink)
-        self._check(z, "decode")
+            self._ran((None, video.decode_to(self.settings, job, z, sink)))
+            return
+        check_input(job, z)
         if z.shape[0] != 1:
             raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
-        rank = _rank(self._group())
+        rank = rank_world(resolve_group(self.process_group))[0]
         if (sink is None) != (rank != 0):
             raise ValueError(f"rank {rank}: " + ("only rank 0 writes the image: pass sink=None here" if rank
                                                  else "decode_to needs a sink (PNG, TIFF, memmap), got None"))
-        f = self.factor("decode")
-        want = (z.shape[-2] * f, z.shape[-1] * f)
+        want = (z.shape[-2] * job.factor, z.shape[-1] * job.factor)
         if sink is not None and (sink.height, sink.width) != want:
             raise ValueError(f"sink is {sink.height}x{sink.width} but the decoded image is "
                              f"{want[0]}x{want[1]}")
@@ -245,120 +234,72 @@ class TiledVAE(ModelWrapper):
             emit.sent = True  # (a rerun after an overflow would write rows twice)
             sink.write(box[0], box[2], value[0].float())
 
-        self._run("decode", z, emit=emit)
-
-    # -- running ------------------------------------------------------------------------------------
-
-    def _run(self, kind: str, t, emit=None):
-        """Run the program as planned, halving the tile on out-of-memory when retry_on_oom is set; a
-        half-precision overflow (NaN / inf) runs again in float32, as diffusers' force_upcast does."""
-        import torch
-
-        plan = settle(self, kind, tuple(t.shape), streamed=emit is not None)
-        check_fits(self, kind, tuple(t.shape), plan, streamed=emit is not None)
-        tile, staging = plan.tile_size, plan.staging
-        bands = plan.choices()
-        while True:
-            try:
-                with torch.no_grad():
-                    return self._run_once(kind, t, tile, staging, emit, bands)
-            except NonFiniteError as err:
-                return self._upcast(kind, t, tile, staging, emit, bands, err)
-            except torch.OutOfMemoryError:
-                if not self.retry_on_oom or tile <= 1:
-                    raise
-                logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d%s", kind, tile,
-                               tile // 2, " (fast mode in one piece, its low pass in those tiles)"
-                               if bands.fast_cuts or bands.low_tile else "")
-                tile //= 2
-                bands = bands._replace(fast_cuts=(), low_tile=0)
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
-
-    def _upcast(self, kind: str, t, tile: int, staging: str, emit, bands, err):
-        """Run again with the VAE in float32 after a half-precision overflow (diffusers' force_upcast:
-        the SDXL VAE's float16 activations overflow), said in the log; the result in t's dtype. Raised
-        as it is in float32, or once a sink has received rows."""
-        import torch
-
-        dtype = self.vae.dtype
-        if t.dtype not in (torch.float16, torch.bfloat16) or getattr(emit, "sent", False):
-            raise err
-        logger.warning("TiledVAE %s: %s overflow (NaN or inf in the output of %r); running it again with "
-                       "the VAE in float32, as diffusers' force_upcast does", kind, err.dtype, err.producer)
-        self.vae.to(torch.float32)
-        try:
-            with torch.no_grad():
-                out = self._run_once(kind, t.float(), tile, staging, emit, bands)
-        finally:
-            self.vae.to(dtype)
-        return None if out is None else out.to(t.dtype)
-
-    def _executor(self, kind: str, t, tile: int, staging: str, slack: int, bands) -> Executor:
-        """The exact (or crop-estimated fast) executor; "device+host" runs as host staging with the
-        plan's values on the device."""
-        p = self.program(kind)
-        ref = p.input if kind == "decode" else p.output
-        group = self._group()
-        fixed = crop_stats(self, p, kind, t, ref, tile, group) if self.mode == "fast" else {}
-        # fast mode runs its tiles end to end, whole (see fast.run_fast); exact segments in row bands
-        kv_chunk, query_rows = bands.attention
-        return Executor(p, tile, ref, attention=self.attention, staging=staging.split("+")[-1],
-                        device=t.device, fixed_stats=fixed, query_chunk=self.query_chunk,
-                        progress=self.progress, stage_dir=self.stage_dir, group=group, heap_slack=slack,
-                        band_bytes=None if self.mode == "fast" else bands.band_bytes,
-                        on_device=bands.on_device, kv_chunk=kv_chunk, query_rows=query_rows,
-                        read_ahead=bands.read_ahead, **device_options(self))
-
-    def _group(self):
-        """The resolved process group (None: single process)."""
-        from ..distributed import resolve_group
-
-        return resolve_group(self.process_group)
-
-    def _run_once(self, kind: str, t, tile: int, staging: str, emit, bands: Choices = DEFAULT_CHOICES):
-        """One run; `bands`: what the plan settled beyond tile and staging (`plan.Choices`: row bands of
-        exact segments, values staged on the device with "device+host", fast mode's staged estimate,
-        streamed attention, reads ahead)."""
-        p = self.program(kind)
-        shapes = p.shapes(tuple(t.shape[-2:]))
-        ref = p.input if kind == "decode" else p.output
-        if max(shapes[ref]) <= tile and emit is None:  # fits one tile: the plain untiled path (exact)
-            if self.mode == "exact":
-                return check_output(p.run(t), p)
-            if device_profile(self).kind != "cpu":  # (fast mode's passes on one tile only add work)
-                logger.info("TiledVAE %s: one tile covers the input; fast mode runs it untiled (exact)", kind)
-                return check_output(p.run(t), p)
-        slack = TRIM_FREE  # freed host heap disk staging keeps; budgeted only where the budget is host memory
-        if self.memory_budget is not None and staging == "disk" and t.device.type == "cpu":
-            slack = self.plan(tuple(t.shape), kind=kind, tile_size=tile, staging=staging).heap_slack
-        split = fast_split(self, p, kind)
-        if split is not None:
-            out, self.last_staged_peak = run_fast(self, kind, p, split, t, tile, staging, emit, slack,
-                                                  self._group(), bands.staged_estimate, bands.fast_cuts,
-                                                  bands.low_tile)
-            return out
-        ex = self._executor(kind, t, tile, staging, slack, bands)
-        out = ex.run(t, emit=emit)
-        self.last_staged_peak = ex.staged_peak
-        return out
+        self._ran(runner.run(self.settings, job, z, emit, self.vae))
 
     def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
-             staging: str | None = None) -> Plan:
+             staging: str | None = None, streamed: bool = False, sequential: bool = False) -> Plan:
         """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
 
         Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
-        encode's exact latent-resolution tail. A 3-D VAE's plan (`VideoPlan`) has its causal steps and caches.
+        encode's exact latent-resolution tail. A 3-D VAE's plan (`VideoPlan`) has its causal steps and
+        caches. `streamed`: the plan of `decode_to` (a sink; within a memory budget, no untiled run);
+        `sequential` (3-D VAEs): its sink takes frames in order.
         """
+        job = self.job(kind)
         if self.is_video:
-            return video_face.plan(self, shape, kind, tile_size, staging)
+            if len(shape) != 5:
+                raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+            return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
+                                   sequential=sequential)
         if tile_size is None and staging is None and self.memory_budget is not None:
-            return settle(self, kind, tuple(shape))
-        return make_plan(self, shape, kind, tile_size, staging)
+            return settle(self.settings, job, tuple(shape), streamed=streamed)
+        place = None if staging is None else Place.parse(staging, "staging")
+        return make_plan(self.settings, job, tuple(shape), request(self.settings, job, tile_size, place))
+
+    def preflight(self, shape: tuple[int, ...], kind: str = "decode", streamed: bool = False) -> Plan:
+        """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
+        memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
+        job = self.job(kind)
+        plan = settle(self.settings, job, tuple(shape), streamed=streamed)
+        check_fits(job, tuple(shape), plan, streamed, self.stage_dir)
+        return plan
+
+    def _ran(self, result: tuple):
+        """The output of a run, keeping its staged peak (`last_staged_peak`; an untiled run has none)."""
+        out, peak = result
+        if peak is not None:
+            self.last_staged_peak = peak
+        return out
 
 
-def _rank(group) -> int:
-    """This process's rank in group (0 without one)."""
-    from ..distributed import rank_world
+def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "decode",
+               tile_size: int | None = None, dtype=None) -> list[RankPlan]:
+    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
+    if tv.mode is not Mode.EXACT:
+        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode.value!r}")
+    job = tv.job(kind)
+    item = torch.empty((), dtype=dtype or job.dtype).element_size()
+    return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
 
-    return rank_world(group)[0]
+
+def _kind(kind) -> Kind:
+    """'decode' or 'encode' as a Kind."""
+    if kind not in Kind.words():
+        raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
+    return Kind(kind)
+
+
+def _lower(vae, kind: Kind, is_video: bool) -> Program:
+    """The program of a VAE's decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
+    if is_video:
+        return lower_video_vae(vae, kind.value)
+    if kind is Kind.DECODE:
+        p = lower(vae.decoder)
+        pq = getattr(vae, "post_quant_conv", None)
+        return chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
+    p = lower(vae.encoder)
+    q = getattr(vae, "quant_conv", None)
+    return chain(p, lower_conv(q, "quant_conv")) if q is not None else p

@@ -14,14 +14,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..locality.ops import Box, RunContext, box_empty, map_box, sub_tensor
-from ..locality.program import Program, back_propagate, last_use, run_op, split_segments
-from .bands import BAND_BYTES, band_rows, row_local, run_bands
-from .executor import ExecContext
-from .staging import TRIM_FREE, Staging
-from .stats import GroupStats
+import torch
+
+from ...geometry import Box
+from ...locality.ops import OpKind, RunContext, box_empty, map_box, sub_tensor
+from ...locality.program import Program, back_propagate, last_use, run_op, split_segments
+from ..run.bands import band_rows, row_local, run_bands
+from ..run.executor import ExecContext
+from ..run.options import RunOptions
+from ..run.staging import Staging
+from ..run.stats import GroupStats
 
 logger = logging.getLogger(__name__)
+
+DEFAULT = RunOptions()  # the estimators' options when none are given: a CPU run's
+ON_DISK = RunOptions(staging="disk")  # ... staged on disk
 
 
 @dataclass
@@ -58,7 +65,6 @@ def estimate_stats(program: Program, x, ref: str, crop: int, fixed: set[int], sa
     image border (where the crop's zero padding distorts values).
     Returns id(op) -> (mean, var) for the GroupNorm ops in `fixed`.
     """
-    import torch
 
     shapes = program.shapes(tuple(x.shape[-2:]))
     rh, rw = shapes[ref]
@@ -90,9 +96,8 @@ def sample_tiles(grid, fraction: float) -> list:
     return [t for t in grid.tiles if t.row in rows and t.col in cols]
 
 
-def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], query_chunk: int = 4096,
-                       conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
-                       stats_chunk: int = 1 << 20):
+def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int],
+                       options: RunOptions = DEFAULT, adjust: dict[int, Any] | None = None):
     """Fast-mode statistics from a sample of the real tiles, run layer-synchronously (no crop padding).
 
     Each sampled tile runs on exactly the regions its core needs (back-propagated through the whole
@@ -100,7 +105,8 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     run computes with the same statistics. All sampled tiles advance op by op together; at each
     GroupNorm in `fixed` the statistics are merged (Chan) over the regions the sampled tiles hold, then
     applied. Returns (id(op) -> (mean, var), tile index -> output core): the sampled tiles' outputs are
-    final, so the tiled pass skips them. Memory: the sampled tiles' working sets at once.
+    final, so the tiled pass skips them. Memory: the sampled tiles' working sets at once. `options`:
+    the pass's query_chunk, conv_workspace and stats_chunk; `adjust`: the low pass's (`_adjusted`).
     """
     shapes = program.shapes(tuple(x.shape[-2:]))
     out_v = program.output
@@ -110,11 +116,11 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     for need in needs:
         y0, y1, x0, x1 = need[program.input]
         vals.append({program.input: (x[..., y0:y1, x0:x1], need[program.input])})
-    ctx = ExecContext(query_chunk=query_chunk, conv_workspace=conv_workspace)  # (one affine a GroupNorm)
-    last = last_use(program.ops, [out_v])
+    ctx = ExecContext(query_chunk=options.query_chunk, conv_workspace=options.conv_workspace)  # (one
+    last = last_use(program.ops, [out_v])  # affine a GroupNorm)
     for i, op in enumerate(program.ops):
-        if op.kind == "group_norm" and id(op) in fixed:
-            acc = GroupStats(op.groups, stats_chunk)
+        if op.kind is OpKind.GROUP_NORM and id(op) in fixed:
+            acc = GroupStats(op.groups, options.stats_chunk)
             for t, need, v in zip(tiles, needs, vals, strict=True):
                 core = map_box(t.core, shapes[ref], shapes[op.dst])
                 if op.dst in need and not box_empty(core):
@@ -128,11 +134,8 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     return {i: s for i, s in ctx.stats.items() if i in fixed}, done
 
 
-def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int], staging: str = "disk",
-                      device: Any = "cpu", stage_dir: str | None = None, query_chunk: int = 4096,
-                      conv_workspace: int = 32 << 20, adjust: dict[int, Any] | None = None,
-                      heap_slack: int = TRIM_FREE, band_bytes: int | None = BAND_BYTES,
-                      stats_chunk: int = 1 << 20):
+def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int],
+                      options: RunOptions = ON_DISK, adjust: dict[int, Any] | None = None):
     """`sampled_tile_stats` segment by segment with the sampled tiles' values staged between GroupNorms.
 
     Same values and statistics; memory is one tile's working set at a time (plus the staged regions, which
@@ -141,69 +144,87 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     segment on its own back-propagated regions (core plus the halo of everything after it) and writes
     them to full-size staged tensors of which only those regions are ever touched. A GroupNorm's
     statistics are merged over the sampled cores read back from staging before its segment runs.
+    `options`: the staging (its place, folder, heap slack), row bands and the executor's chunks.
     """
-    import torch
-
     shapes = program.shapes(tuple(x.shape[-2:]))
-    chans = program.channels()
     out_v = program.output
     needs = [back_propagate(program.ops, {out_v: map_box(t.core, shapes[ref], shapes[out_v])}, shapes)
              for t in tiles]
-    segs = split_segments(program, lambda op: op.kind == "group_norm" and id(op) in fixed)
-    ctx = ExecContext(query_chunk=query_chunk, conv_workspace=conv_workspace)  # (one affine a GroupNorm)
-    readers: dict[str, set[int]] = {}  # value -> group counts of the fixed GroupNorms reading it
-    for op in program.ops:
-        if op.kind == "group_norm" and id(op) in fixed:
-            readers.setdefault(op.src[0], set()).add(op.groups)
-    accs: dict[tuple[str, int], GroupStats] = {}  # merged as the tiles write (no read back from staging)
-    stage = Staging(staging, device, stage_dir, heap_slack)
-    last = {}
-    for i, seg in enumerate(segs):
-        for v in seg.inputs:
-            last[v] = i
-    done = {}
+    segs = split_segments(program, lambda op: op.kind is OpKind.GROUP_NORM and id(op) in fixed)
+    run = _StagedRun(program, x, ref, tiles, needs, shapes, options, fixed)
+    stage = Staging(options.staging.home, x.device, options.stage_dir, options.heap_slack)
+    last = {v: i for i, seg in enumerate(segs) for v in seg.inputs}
     try:
         stage.put(program.input, x)
         for i, seg in enumerate(segs):
-            for op in seg.ops:
-                if op.kind == "group_norm" and id(op) in fixed and id(op) not in ctx.stats:
-                    acc = accs.get((op.src[0], op.groups))
-                    if acc is None:  # (the part's input: staged as given)
-                        acc = _staged_group_stats(op, stage, tiles, needs, shapes, ref, stats_chunk)
-                    ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
+            run.segment_stats(seg, stage, adjust)
             for v in seg.outputs:
                 if v != out_v:
-                    stage.alloc(v, (x.shape[0], chans[v], *shapes[v]), x.dtype)
-            ops_last = last_use(seg.ops, seg.outputs)
-            made = {v for op in seg.ops for v in (op.dst, *op.src)}
-            unit = x.shape[0] * x.element_size()
+                    stage.alloc(v, (x.shape[0], run.chans[v], *shapes[v]), x.dtype)
             for t, need in zip(tiles, needs, strict=True):
-                seg_need = {v: need[v] for v in made if v in need}
-                boxes, bneeds = _tile_band_needs(program, t.core, ref, seg_need, need, shapes, chans, unit,
-                                                 band_bytes if row_local(seg) else None)
-                outs = []
-                run = run_bands(seg, stage, ctx, [seg.outputs] * len(boxes), shapes, ops_last, bneeds)
-                for box, bneed, (_, vals) in zip(boxes, bneeds, run, strict=True):
-                    for v in seg.outputs:
-                        if v == out_v:
-                            outs.append(vals[v][0])
-                        elif v in vals:
-                            stage.write(v, bneed[v], vals[v][0])
-                            core = map_box(box, shapes[ref], shapes[v])
-                            for g in readers.get(v, ()) if not box_empty(core) else ():
-                                accs.setdefault((v, g), GroupStats(g, stats_chunk)).add(
-                                    sub_tensor(*vals[v], core))
-                    del vals
-                if outs:
-                    done[t.index] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+                run.tile(seg, t, need, stage)
                 stage.trim()
             for v in [v for v, j in last.items() if j == i and v != program.input]:
                 stage.free(v)
     finally:
         stage.close()
     logger.info("fast mode: statistics of %d GroupNorms from %d of the tiles (staged on %s)", len(fixed),
-                len(tiles), staging)
-    return {i: s for i, s in ctx.stats.items() if i in fixed}, done
+                len(tiles), options.staging)
+    return {i: s for i, s in run.ctx.stats.items() if i in fixed}, run.done
+
+
+class _StagedRun:
+    """The state of one `staged_tile_stats`: the statistics merged as the tiles write (no read back from
+    staging) and the sampled tiles' outputs."""
+
+    def __init__(self, program: Program, x, ref: str, tiles: list, needs: list, shapes, options: RunOptions,
+                 fixed: set[int]):
+        self.program, self.ref, self.tiles, self.needs, self.shapes = program, ref, tiles, needs, shapes
+        self.options, self.chans, self.unit = options, program.channels(), x.shape[0] * x.element_size()
+        self.fixed = fixed
+        self.ctx = ExecContext(query_chunk=options.query_chunk, conv_workspace=options.conv_workspace)
+        self.readers: dict[str, set[int]] = {}  # value -> group counts of the fixed GroupNorms reading it
+        for op in program.ops:
+            if op.kind is OpKind.GROUP_NORM and id(op) in fixed:
+                self.readers.setdefault(op.src[0], set()).add(op.groups)
+        self.accs: dict[tuple[str, int], GroupStats] = {}
+        self.done: dict[int, Any] = {}
+
+    def segment_stats(self, seg, stage: Staging, adjust) -> None:
+        """The statistics of the segment's fixed GroupNorms: merged as earlier segments' tiles wrote their
+        inputs, or (the part's input) read back from staging; corrected by the low pass's `adjust`."""
+        for op in seg.ops:
+            if op.kind is OpKind.GROUP_NORM and id(op) in self.fixed and id(op) not in self.ctx.stats:
+                acc = self.accs.get((op.src[0], op.groups))
+                if acc is None:  # (the part's input: staged as given)
+                    acc = _staged_group_stats(op, stage, self.tiles, self.needs, self.shapes, self.ref,
+                                              self.options.stats_chunk)
+                self.ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
+
+    def tile(self, seg, t, need, stage: Staging) -> None:
+        """One sampled tile through one segment, band by band: its regions written to staging, the cores
+        of the values fixed GroupNorms read added to their statistics, its output core kept."""
+        made = {v for op in seg.ops for v in (op.dst, *op.src)}
+        seg_need = {v: need[v] for v in made if v in need}
+        band = self.options.band_bytes if row_local(seg) else None
+        boxes, bneeds = _tile_band_needs(self.program, t.core, self.ref, seg_need, need, self.shapes,
+                                         self.chans, self.unit, band)
+        outs, out_v = [], self.program.output
+        run = run_bands(seg, stage, self.ctx, [seg.outputs] * len(boxes), self.shapes,
+                        last_use(seg.ops, seg.outputs), bneeds)
+        for box, bneed, (_, vals) in zip(boxes, bneeds, run, strict=True):
+            for v in seg.outputs:
+                if v == out_v:
+                    outs.append(vals[v][0])
+                elif v in vals:
+                    stage.write(v, bneed[v], vals[v][0])
+                    core = map_box(box, self.shapes[self.ref], self.shapes[v])
+                    for g in self.readers.get(v, ()) if not box_empty(core) else ():
+                        self.accs.setdefault((v, g), GroupStats(g, self.options.stats_chunk)).add(
+                            sub_tensor(*vals[v], core))
+            del vals
+        if outs:
+            self.done[t.index] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def _tile_band_needs(program: Program, core: Box, ref: str, seg_need: dict[str, Box], need: dict[str, Box],

@@ -20,13 +20,16 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from ..locality.ops import box_area, clip_box, map_box, zero_pad
-from ..locality.program import back_propagate, last_use
-from .attention import projects_into
-from .bands import band_rows, row_local, tile_bands, working_bytes
-from .live import lazy_input, lazy_output, live_peak, pointwise_conv, untiled_peak
+from ...locality.ops import OpKind, box_area, clip_box, map_box, zero_pad
+from ...locality.program import back_propagate, last_use
+from ..run.attention import projects_into
+from ..run.bands import band_rows, row_local, tile_bands, working_bytes
+from ..run.options import RunOptions
+from ..settings import Attention, Place
+from .live import Sizes, lazy_input, lazy_output, live_peak, pointwise_conv, untiled_peak
 
 # kernels of the pieces made of several operators (counted with benchmarks/counting.py)
 ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), heads back, to_out, residual
@@ -43,7 +46,6 @@ CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host syn
 MOMENTS = 13  # GroupNorm moments in chunks: the fixed kernels ...
 MOMENTS_CHUNK = 8  # ... and those of every chunk
 WELFORD = 1  # one torch.var_mean pass (stats_chunk=0), float32 values; a half-precision copy adds one
-POINTWISE = {"identity": 0, "(x + 1) / 2": 2, "tanh(x / 3) * 3": 3, "2x - 1": 2}  # others: one kernel
 
 
 @dataclass
@@ -70,35 +72,45 @@ class Cost:
         self.working = self.working + other.working if together else max(self.working, other.working)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setting:
-    """How the pass runs: its staging, device kind and the executor's options."""
+    """How a pass runs as its count sees it: the options its executor is given (`run`), on a GPU-shaped
+    plan or not, for an element size and a batch."""
 
-    staging: str = "device"
+    run: RunOptions = field(default_factory=RunOptions)
     gpu: bool = False  # a GPU plan: staged host / disk values cross the link
-    conv_workspace: int = 0
-    band_bytes: int | None = None
-    stats_chunk: int = 1 << 20
     item: int = 4  # bytes per element
     batch: int = 1
-    query_chunk: int = 4096
-    global_attention: bool = True
-    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
-    kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
-    query_rows: int = 0  # attention segments' queries in row bands of this many reference rows (0: tiles)
-    read_ahead: bool = True  # host staging on a GPU reads the next tile's inputs while a tile runs
-    checks: bool = True  # finite checks of the stored values (fast mode's staged sampled tiles run none)
+
+    @property
+    def global_attention(self) -> bool:
+        return self.run.attention is Attention.GLOBAL
 
     def off(self, v: str) -> bool:
         """Whether staged value v lives across the link (its reads and writes are transfers)."""
-        if not self.gpu or self.staging == "device":
-            return False
-        return self.staging != "device+host" or v not in self.on_device
+        return self.gpu and self.run.place(v) is not Place.DEVICE
+
+    def with_run(self, **changes) -> Setting:
+        """The same count with some run options changed."""
+        return replace(self, run=self.run.replace(**changes))
 
 
-def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str, set[int]], s: Setting,
-                 tiles: set[int] | None = None, together: bool = False, banded: bool = True,
-                 fixed: set[int] = frozenset(), probes: list | None = None,
+@dataclass(frozen=True)
+class Scope:
+    """What a pass's count is over: its program, its values' spatial shapes and channels, the reference
+    value its tiles count, the values whose statistics an exact GroupNorm merges (value -> group counts),
+    and how it runs."""
+
+    program: Any
+    shapes: dict
+    chans: dict
+    ref: str
+    tracked: dict[str, set[int]]
+    s: Setting
+
+
+def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, together: bool = False,
+                 banded: bool = True, fixed: set[int] = frozenset(), probes: list | None = None,
                  regions: dict[int, dict] | None = None) -> Cost:
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
     at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
@@ -106,12 +118,13 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
     `regions` (tile index -> boxes of every value): tiles of one band that run on those boxes, not the
     segment's own back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles,
     whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`)."""
+    shapes, chans, ref, tracked, s = scope.shapes, scope.chans, scope.ref, scope.tracked, scope.s
     unit = s.batch * s.item
     rows = None
-    if banded and not together and s.band_bytes and row_local(seg):
+    if banded and not together and s.run.band_bytes and row_local(seg):
         big = max(grid, key=lambda t: box_area(t.core))
         cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
-        rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.band_bytes)
+        rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.run.band_bytes)
     last = last_use(seg.ops, seg.outputs)
     cost, parts, probed, ran = Cost(), 0, {}, 0
     for tile in grid:
@@ -126,21 +139,22 @@ def segment_cost(seg, grid, shapes, chans, ref: str, program, tracked: dict[str,
             made = {v for op in seg.ops for v in (op.dst, *op.src)}
             own = {v: b for v, b in regions[tile.index].items() if v in made}
             bands = [{v: own[v] for v in bands[0] if v in own}]
-        cost.add(_tile_cost(seg, bands, shapes, chans, program, tracked, s, last, fixed, own), together)
+        cost.add(_tile_cost(seg, bands, scope, last, fixed, own), together)
         ran += 1
         for cores in bands if probes else ():
-            cost.launches += _probe_adds(cores, probes, shapes, chans, ref, tracked, s, probed)
+            cost.launches += _probe_adds(cores, probes, scope, probed)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
-    cost.add(_segment_once(seg, shapes, chans, tracked, s, parts))
+    cost.add(_segment_once(seg, scope, parts))
     for v, n in probed.items():  # (each probed value's merge, once per group count)
         cost.launches += len(tracked[v]) * merge_launches(n, s)
     return cost
 
 
-def _probe_adds(cores, probes, shapes, chans, ref: str, tracked, s: Setting, probed: dict) -> int:
-    """Kernels of `Executor._store`'s probe statistics for one band's cores: a GroupStats.add for each
-    probe box meeting a tracked core, per group count; `probed` (value -> adds) is updated."""
+def _probe_adds(cores, probes, scope: Scope, probed: dict) -> int:
+    """Kernels of the executor's probe statistics for one band's cores: a GroupStats.add for each probe
+    box meeting a tracked core, per group count; `probed` (value -> adds) is updated."""
+    shapes, chans, ref, tracked, s = scope.shapes, scope.chans, scope.ref, scope.tracked, scope.s
     launches = 0
     for v, core in cores.items():
         for pb in probes if v in tracked else ():
@@ -154,7 +168,7 @@ def _probe_adds(cores, probes, shapes, chans, ref: str, tracked, s: Setting, pro
 
 def merge_launches(parts: int, s: Setting) -> int:
     """Kernels of GroupStats merging `parts` tiles' moments when read (`stats.GroupStats._merge`)."""
-    widen = s.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
+    widen = s.run.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
     return MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
 
 
@@ -165,7 +179,7 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
     the merge and, with a low pass, the difference / ratio correction (`_adjusted`)."""
     cost = Cost()
     for op in part.ops:
-        if op.kind != "group_norm":
+        if op.kind is not OpKind.GROUP_NORM:
             continue
         v, n = op.src[0], 0
         for t in grid:
@@ -177,22 +191,24 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
     return cost
 
 
-def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fixed, own=None) -> Cost:
-    """One tile of a segment, band by band, as `run_bands` runs it (and `Executor._store` stores it);
-    `own`: the boxes of its one band, given."""
+def _tile_cost(seg, bands, scope: Scope, last, fixed, own=None) -> Cost:
+    """One tile of a segment, band by band, as `run_bands` runs it (and the executor stores it); `own`:
+    the boxes of its one band, given."""
+    shapes, chans, program, tracked, s = scope.shapes, scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
     needs = [own] if own is not None else [back_propagate(seg.ops, cores, shapes) for cores in bands]
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
-    owned = {v for v in seg.inputs if s.staging == "disk" or s.off(v)}  # reads that copy
-    if s.gpu and s.read_ahead and s.staging != "disk":  # host-staged first-band boxes read a tile ahead
+    owned = {v for v in seg.inputs if s.run.staging is Place.DISK or s.off(v)}  # reads that copy
+    if s.gpu and s.run.read_ahead and s.run.staging is not Place.DISK:  # host-staged first-band boxes
+        # read a tile ahead
         cost.ahead = cost.fetched = sum(box_area(needs[0][v]) * chans[v] * unit
                                         for v in owned - {program.input} if v in needs[0])
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
-            held = live_peak(seg.ops, need, shapes, chans, unit, owned - {program.input}, cores, last, stores,
-                             stream=streamed(s))
+            held = live_peak(seg.ops, need, Sizes(shapes, chans, unit), owned - {program.input}, cores, last,
+                             stores, stream=streamed(s))
         else:
             held = working_bytes(need, chans, unit)
         band = Cost(working=held)
@@ -212,12 +228,12 @@ def _tile_cost(seg, bands, shapes, chans, program, tracked, s: Setting, last, fi
             elif c[1] < box[1]:  # rows past the carried ones, then joined to them
                 band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, s, last, cores, fixed))
                 band.launches += 1
-            if op.kind == "conv" and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
+            if op.kind is OpKind.CONV and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
                     and nxt[d][2:] == box[2:]:
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
                 band.launches += 1  # (the carried rows are cloned)
         for v, core in cores.items():
-            band.add(_store_cost(v, core, shapes, chans, program, tracked, s))
+            band.add(_store_cost(v, core, scope))
         cost.add(band)
     return cost
 
@@ -226,7 +242,7 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
     """Work, FLOPs and launches of ops[i] on `box` (run_op; a conv in im2col row bands on a CPU plan)."""
     op = ops[i]
     cost = Cost()
-    if op.kind == "conv":
+    if op.kind is OpKind.CONV:
         lazy = lazy_input(ops, i, last, keep)
         macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * box_area(box)
         cost.work, cost.flops = macs, 2 * macs * s.batch
@@ -235,7 +251,7 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
             return cost
         rows = box[1] - box[0]
         per_row = (box[3] - box[2]) * op.weight.shape[1] * op.kernel[0] * op.kernel[1] * 4
-        step = max(1, s.conv_workspace // max(per_row, 1)) if s.conv_workspace else rows
+        step = max(1, s.run.conv_workspace // max(per_row, 1)) if s.run.conv_workspace else rows
         step = min(step, rows)
         shape = shapes[op.src[0]]
         for y in range(box[0], box[1], step):
@@ -246,15 +262,15 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
         if step < rows:
             cost.launches += -(-rows // step)  # every band copied into the one output
         return cost
-    if op.kind == "resample":
+    if op.kind is OpKind.RESAMPLE:
         cost.launches = 0 if lazy_output(ops, i, last, keep) else 1
-    elif op.kind == "pointwise":
-        cost.launches = POINTWISE.get(op.label, 1)
-    elif op.kind == "add":
+    elif op.kind is OpKind.POINTWISE:
+        cost.launches = op.kernels  # (the lowering says how many)
+    elif op.kind is OpKind.ADD:
         cost.launches = 1 + (op.scale != 1.0)
-    elif op.kind == "group_norm":
+    elif op.kind is OpKind.GROUP_NORM:
         cost.launches = 1  # GroupNorm's affine in one kernel (statistics known: executor)
-    elif op.kind == "attention":
+    elif op.kind is OpKind.ATTENTION:
         cost.add(_attention_tile(op, box, need, shapes, chans, s))
     else:
         cost.launches = 1
@@ -268,7 +284,7 @@ def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
     nq = box_area(box)
     h, w = shapes[src]
     nk = h * w if s.global_attention else nq
-    chunks = max(1, -(-nq // s.query_chunk))
+    chunks = max(1, -(-nq // s.run.query_chunk))
     d = c // op.heads
     proj = 2 * nq * c * c * 2  # to_q and to_out
     if not s.global_attention:
@@ -276,8 +292,8 @@ def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
     flops = s.batch * (proj + 4 * op.heads * nq * nk * d)
     launches = ATTENTION_TILE + (chunks - 1) + (chunks > 1)  # one fused kernel a chunk, then joined
     h2d = 0
-    if s.kv_chunk and s.global_attention:  # the online softmax over key chunks, all read once per box
-        launches = ATTENTION_TILE - 1 + STREAMED + (s.item < 4) + STREAMED_CHUNK * -(-nk // s.kv_chunk)
+    if s.run.kv_chunk and s.global_attention:  # the online softmax over key chunks, all read once per box
+        launches = ATTENTION_TILE - 1 + STREAMED + (s.item < 4) + STREAMED_CHUNK * -(-nk // s.run.kv_chunk)
         h2d = 2 * s.batch * nk * c * s.item if s.gpu else 0
     if not (box[2] == 0 and box[3] == w) and box[1] - box[0] > 1:
         launches += ATTENTION_COPY
@@ -286,8 +302,9 @@ def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
     return Cost(flops=flops, launches=launches, h2d=h2d)
 
 
-def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Cost:
-    """`Executor._store` of one core: its finite check or statistics, then its write."""
+def _store_cost(v: str, core, scope: Scope) -> Cost:
+    """The executor's store of one core: its finite check or statistics, then its write."""
+    chans, program, tracked, s = scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
     n = box_area(core) * chans[v] * unit
     cost = Cost()
@@ -296,11 +313,11 @@ def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Co
     elif s.off(v):
         cost.d2h += n
         cost.d2h_side += n
-    elif s.staging == "disk":
+    elif s.run.staging is Place.DISK:
         cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
     else:
         cost.launches += 1
-    if v not in tracked and s.checks:
+    if v not in tracked and s.run.check_finite:
         cost.launches += 1  # a sum for the finite check
     for _ in tracked.get(v, ()):
         cost.launches += _moments(core, chans[v], s)
@@ -309,27 +326,28 @@ def _store_cost(v: str, core, shapes, chans, program, tracked, s: Setting) -> Co
 
 def _moments(core, c: int, s: Setting) -> int:
     """Kernels of one GroupStats.add of a core with c channels (stats.moments)."""
-    if s.stats_chunk == 0:
+    if s.run.stats_chunk == 0:
         return WELFORD + (s.item < 4)
     h, w = core[1] - core[0], core[3] - core[2]
-    rows = max(1, min(h, s.stats_chunk // max(s.batch * c * w * 4, 1)))
+    rows = max(1, min(h, s.run.stats_chunk // max(s.batch * c * w * 4, 1)))
     return MOMENTS + MOMENTS_CHUNK * -(-h // rows)
 
 
-def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
+def _segment_once(seg, scope: Scope, parts: int) -> Cost:
     """What a segment dispatches once, not per tile: attention's keys and values, the statistics'
     merge and affine, the finite check."""
+    shapes, chans, tracked, s = scope.shapes, scope.chans, scope.tracked, scope.s
     unit = s.batch * s.item
     cost = Cost()
     for op in seg.ops:
-        if op.kind == "attention" and s.global_attention:
+        if op.kind is OpKind.ATTENTION and s.global_attention:
             src = op.src[0]
             h, w = shapes[src]
             c = chans[src]
-            bands = -(-h // max(1, min(h, (s.kv_chunk or s.query_chunk) // max(w, 1))))
-            if bands == 1 and not s.kv_chunk:  # (its keys and values are the store)
+            bands = -(-h // max(1, min(h, (s.run.kv_chunk or s.run.query_chunk) // max(w, 1))))
+            if bands == 1 and not s.run.kv_chunk:  # (its keys and values are the store)
                 cost.launches += KEYS_VALUES
-            elif s.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
+            elif s.run.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
                 cost.launches += KEYS_VALUES * bands
             else:  # into a store on the device: one addmm a projection, or a copy after it
                 into = projects_into(op, s.batch)
@@ -337,18 +355,18 @@ def _segment_once(seg, shapes, chans, tracked, s: Setting, parts: int) -> Cost:
             cost.flops += s.batch * 2 * 2 * h * w * c * c
             if s.off(src):
                 cost.h2d += h * w * c * unit
-            if s.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
+            if s.run.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
                 cost.d2h += 2 * h * w * c * unit
-        if op.kind == "group_norm":
+        if op.kind is OpKind.GROUP_NORM:
             cost.launches += AFFINE
     sums = any(v not in tracked for v in seg.outputs)
     merge = merge_launches(parts, s)
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
-            cost.launches += merge + s.checks  # and one sum of both into the finite check
+            cost.launches += merge + s.run.check_finite  # and one sum of both into the finite check
             cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
             sums = True
-    if sums and s.checks:
+    if sums and s.run.check_finite:
         cost.launches += CHECK
         cost.syncs += 1
     return cost
@@ -360,11 +378,11 @@ def untiled_cost(program, shapes, chans, s: Setting) -> Cost:
     full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
     last = last_use(program.ops, [program.output])
     cost = Cost()
-    one = Setting(**{**s.__dict__, "conv_workspace": 0})
+    one = s.with_run(conv_workspace=0)
     for i, op in enumerate(program.ops):
-        if op.kind == "group_norm":
+        if op.kind is OpKind.GROUP_NORM:
             cost.launches += 1  # torch's own GroupNorm
-        elif op.kind == "attention":
+        elif op.kind is OpKind.ATTENTION:
             q = _attention_tile(op, full[op.dst], full, shapes, chans, one)
             cost.flops += q.flops + s.batch * 2 * 2 * box_area(full[op.dst]) * chans[op.src[0]] ** 2
             cost.launches += q.launches + KEYS_VALUES
@@ -378,7 +396,7 @@ def untiled_cost(program, shapes, chans, s: Setting) -> Cost:
 
 def streamed(s: Setting) -> tuple[int, int] | None:
     """(key chunk, bytes per element) of streamed global attention, or None."""
-    return (s.kv_chunk, s.item) if s.kv_chunk and s.global_attention else None
+    return (s.run.kv_chunk, s.item) if s.run.kv_chunk and s.global_attention else None
 
 
 def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
@@ -387,6 +405,6 @@ def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
     if v not in tracked:
         return 0
     n = box_area(core) * chans[v] * s.batch * 4
-    if s.stats_chunk == 0:
+    if s.run.stats_chunk == 0:
         return n if s.item < 4 else 0
-    return min(n, s.stats_chunk)
+    return min(n, s.run.stats_chunk)

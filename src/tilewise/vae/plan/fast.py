@@ -1,174 +1,227 @@
 """Fast mode's passes, planned (`fast_passes`): decode's exact latent-resolution head, the low pass, each
-piece's sampled tiles and other tiles (`fast.run_fast`), encode's exact latent-resolution tail, and the
-choices a GPU plan makes among them: the pieces (`fast.piece_cuts`) and the low pass's tile.
+piece's sampled tiles and other tiles (`fast.run.run_fast`), encode's exact latent-resolution tail, and
+the choices a GPU plan makes among them: the pieces (`fast.split.piece_cuts`) and the low pass's tile.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from ..locality.ops import box_area, map_box
-from ..locality.program import Program, back_propagate
+from ...locality.ops import OpKind, box_area, map_box
+from ...locality.program import Program, back_propagate
+from ..fast.estimators import sample_tiles
+from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
+from ..run.executor import tile_grid
+from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import ADJUST, Setting, sample_stats_cost, stats_copy
-from .devices import device_profile
-from .estimators import sample_tiles
-from .fast import low_pass, piece_cuts, piece_grid, sample_fraction, split_pieces, split_program, tile_grid
-from .live import together_peak
-from .plan_pass import pass_plan, pass_seconds, with_held
-from .plan_records import Pass
+from .live import Sizes, together_peak
+from .passes import PassSpec, pass_plan
+from .records import Pass, PassKind
 
 
-def fast_passes(tv, kind: str, p: Program, k: int, shape, tile: int, s: Setting, full: int,
-                 cuts: tuple[int, ...] | None = None) -> tuple[list[Pass], tuple[int, ...], int]:
-    """The passes of `run_fast`, each with what it holds from the passes before it (the sampled tiles'
-    pass named "sampled tiles, staged" when they run one at a time, segment by segment), the pieces'
-    cuts and the low pass's tile (0: `tile`).
+def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setting, full: int,
+                cuts: tuple[int, ...] | None = None) -> tuple[list[Pass], tuple[int, ...], int]:
+    """The passes of `run_fast` for a program cut at k, each with what it holds from the passes before
+    it, the pieces' cuts and the low pass's tile (0: `tile`).
 
-    `cuts` None: a GPU plan takes the pieces (`fast.piece_cuts`) of least estimated time among those
+    `cuts` None: a GPU plan takes the pieces (`fast.split.piece_cuts`) of least estimated time among those
     within the memory budget (the fewest device bytes when none is), a CPU plan none. A GPU plan's low
     pass runs in one tile where that fits the budget (its halos cost launches, not FLOPs)."""
-    first, second = split_program(p, k)
+    first, second = split_program(job.program, k)
+    exact = s.with_run(band_bytes=job.profile.band_bytes)
     passes, held = [], 0
-    exact = Setting(**{**s.__dict__, "band_bytes": device_profile(tv).band_bytes})
-    if kind == "decode":
-        q = pass_plan(tv, "exact latent-resolution head", first, shape, tile, exact, first.input, set(),
-                      full)
+    if job.kind is Kind.DECODE:
+        q = pass_plan(PassSpec(PassKind.HEAD, first, shape, tile, first.input), exact, job.profile, full)
         passes.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    shapes = part.shapes(tuple(part_shape[-2:]))
+    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held)
     low_tile = 0
-    if tv.fast_low:
-        lp, low_tile = _low_pass_plan(tv, kind, part, part_shape, ref, tile, exact, full, held)
+    if settings.fast.low:
+        lp, low_tile = fp.low_pass_plan()
         passes.append(lp)
-    options = [cuts] if cuts is not None else _cut_options(tv, kind, p, part, shapes, ref, s)
     best = None
-    for c in options:
-        got = _piece_passes(tv, part, part_shape, ref, tile, s, exact, full, held, c, kind)
+    for c in [cuts] if cuts is not None else fp.cut_options():
+        got = fp.piece_passes(c)
         peak = max(q.peak for q in got)
-        fits = tv.memory_budget is None or peak <= tv.memory_budget
-        seconds = sum(pass_seconds(device_profile(tv), q, s.item < 4) for q in got)
+        fits = settings.memory_budget is None or peak <= settings.memory_budget
+        seconds = sum(q.timed(job.profile, s.item < 4).seconds for q in got)
         key = (not fits, seconds if fits else peak)
         if best is None or key < best[0]:
             best = (key, c, got)
     _, cuts, got = best
     passes += got
-    if kind == "encode":
+    if job.kind is Kind.ENCODE:
         rp = got[-1]
-        q = pass_plan(tv, "exact latent-resolution tail", second, rp.output_shape, tile, exact,
-                      second.output, set(), full)
-        passes.append(with_held(q, rp.output_bytes))
+        spec = PassSpec(PassKind.TAIL, second, rp.output_shape, tile, second.output)
+        q = pass_plan(spec, exact, job.profile, full)
+        passes.append(q.with_held(rp.output_bytes))
     return passes, tuple(cuts), low_tile
 
 
-def _cut_options(tv, kind: str, p: Program, part: Program, shapes, ref: str, s: Setting) -> list[tuple]:
-    """The pieces a GPU plan tries: every subset of the cuts (all or none beyond three), each cut where
-    the tile scales to its piece's reference exactly."""
-    if not s.gpu:
-        return [()]
-    found = []
-    for c in piece_cuts(tv, p, kind):  # (the value between two pieces is the later piece's reference
-        v = split_program(part, c)[0].output  # in decode, the earlier one's in encode: at a higher
-        r = shapes[v][0] // shapes[ref][0]  # resolution than the part's, by the factor the tile scales)
-        if shapes[v] == (r * shapes[ref][0], r * shapes[ref][1]):
-            found.append(c)
-    if len(found) > 3:
-        return [(), tuple(found)]
-    return [tuple(x for i, x in enumerate(found) if m >> i & 1) for m in range(1 << len(found))]
+@dataclass(frozen=True)
+class _FastPlan:
+    """The estimated part of one fast-mode plan: its program and input shape, the reference value and tile,
+    the settings of its passes (`s`; `exact`: the exact passes', in row bands) and what it holds before
+    it runs (`held`: decode's head output)."""
+
+    job: Job
+    settings: Settings
+    part: Program
+    part_shape: tuple
+    ref: str
+    tile: int
+    s: Setting
+    exact: Setting
+    full: int
+    held: int
+
+    def sampled(self, grid) -> set[int]:
+        return {t.index for t in sample_tiles(grid, self.settings.fast.fraction(Estimator.TILES))}
+
+    def cut_options(self) -> list[tuple]:
+        """The pieces a GPU plan tries: every subset of the cuts (all or none beyond three), each cut where
+        the tile scales to its piece's reference exactly."""
+        if not self.s.gpu:
+            return [()]
+        shapes = self.part.shapes(tuple(self.part_shape[-2:]))
+        found = []
+        for c in piece_cuts(self.job.program, self.job.kind, self.settings.mode, self.settings.fast):
+            # (the value between two pieces is the later piece's reference in decode, the earlier one's in
+            # encode: at a higher resolution than the part's, by the factor the tile scales)
+            v = split_program(self.part, c)[0].output
+            r = shapes[v][0] // shapes[self.ref][0]
+            if shapes[v] == (r * shapes[self.ref][0], r * shapes[self.ref][1]):
+                found.append(c)
+        if len(found) > 3:
+            return [(), tuple(found)]
+        return [tuple(x for i, x in enumerate(found) if m >> i & 1) for m in range(1 << len(found))]
+
+    def low_pass_plan(self) -> tuple[Pass, int]:
+        """The low pass (statistics only; the sampled cores' too, as probes) and its tile: a GPU plan's one
+        tile over its whole input where that fits the budget, else `tile` (0)."""
+        rh, rw = self.part.shapes(tuple(self.part_shape[-2:]))[self.ref]
+        grid = tile_grid((rh, rw), self.tile)  # (as the run)
+        sampled = self.sampled(grid)
+        low, small, low_ref = low_pass(self.job.kind, self.part, self.part_shape, self.ref,
+                                       self.settings.fast.low, self.job.factor)
+        lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
+        probes = tuple(map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled)
+        resized = math.prod(small) * self.exact.item if small[-2:] != self.part_shape[-2:] else 0
+
+        def planned(t: int) -> Pass:  # (its output is thrown away: only its statistics are wanted)
+            spec = PassSpec(PassKind.LOW, low, small, t or self.tile, low_ref, probes=probes, streamed=True)
+            return pass_plan(spec, self.exact, self.job.profile, self.full).with_held(self.held + resized)
+
+        budget = self.settings.memory_budget
+        if self.exact.gpu and max(lo) > self.tile:
+            whole = planned(max(lo))
+            if budget is None or whole.peak <= budget:
+                return whole, max(lo)
+        return planned(0), 0
+
+    def piece_passes(self, cuts: tuple[int, ...]) -> list[Pass]:
+        """Each piece's sampled tiles' and other tiles' passes, the value between pieces held whole; the
+        sampled tiles staged in every piece when they do not fit at once in one."""
+        pieces = split_pieces(self.part, cuts)
+        shapes = self.part.shapes(tuple(self.part_shape[-2:]))
+        staged = None
+        while True:
+            out, h, x_shape, used = [], self.held, self.part_shape, False
+            for j, piece in enumerate(pieces):
+                pref, ptile = piece_grid(piece, shapes, self.ref, self.tile, self.job.kind)
+                tag = (j + 1, len(pieces)) if len(pieces) > 1 else None
+                sp, rp, was = self.piece_pair(PieceRef(piece, x_shape, pref, ptile, tag), h, staged)
+                out += [sp, rp]
+                used |= was
+                h, x_shape = rp.output_bytes, rp.output_shape
+            if staged is not None or not used or len(pieces) == 1:
+                return out
+            staged = True  # (one flag for the run: every piece's sampled tiles staged)
+
+    def piece_pair(self, pc: PieceRef, held: int, staged: bool | None) -> tuple[Pass, Pass, bool]:
+        """The sampled tiles' and the other tiles' passes over (a piece of) the part, holding `held` (its
+        input); staged None: staged when the sampled tiles do not fit at once."""
+        s, part = self.s, pc.program
+        grid = tile_grid(pc.hw, pc.tile)  # (as the run)
+        sampled = frozenset(self.sampled(grid))
+        fixed = frozenset(id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM)
+        spec = PassSpec(PassKind.SAMPLED, part, pc.shape, pc.tile, pc.ref, fixed, sampled, together=True,
+                        piece=pc.piece)
+        sp = self._with_copies(pass_plan(spec, s, self.job.profile, self.full), pc, grid, sampled)
+        if staged is None:
+            budget = self.settings.memory_budget
+            staged = s.run.staging is Place.DISK or (s.gpu and budget is not None and sp.peak + held > budget)
+        if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
+            sp = self._staged(sp, pc, grid, sampled, len(fixed))
+        else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
+            stats = sample_stats_cost(part, grid, sampled, pc.shapes, part.channels(), pc.ref, s,
+                                      bool(self.settings.fast.low))
+            sp = sp.replace(launches=sp.launches + stats.launches)
+        out_hw = sp.output_shape[-2:]
+        kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, pc.hw, out_hw)) * s.item
+                   for t in grid if t.index in sampled)
+        # (no finite checks: the sampled tiles' outputs are checked with the other tiles')
+        sp = sp.replace(syncs=0, output_bytes=kept, peak=sp.peak - sp.output_bytes + kept)
+        rest = frozenset(t.index for t in grid) - sampled
+        rp = pass_plan(PassSpec(PassKind.OTHER, part, pc.shape, pc.tile, pc.ref, fixed, rest, banded=False,
+                                piece=pc.piece), s, self.job.profile, self.full)
+        return sp.with_held(held), rp.with_held(held + kept), staged and s.run.staging is not Place.DISK
+
+    def _with_copies(self, sp: Pass, pc: PieceRef, grid, sampled) -> Pass:
+        """The sampled tiles' pass with the copies their statistics take: on a GPU plan of one segment the
+        tiles' values op by op, summed, and the copies where made; else the sum of the tiles' largest
+        values and the largest copy beside them."""
+        s, part = self.s, pc.program
+        chans = part.channels()
+        chosen = [t for t in grid if t.index in sampled]
+
+        def copy(k: int, op) -> int:  # (a tile's statistics of a GroupNorm's input, one tile at a time)
+            return stats_copy(op.src[0], map_box(chosen[k].core, pc.hw, pc.shapes[op.dst]), chans, s,
+                              {op.src[0]: 1})
+
+        if s.gpu and sp.segments == 1:
+            outs = [map_box(t.core, pc.hw, pc.shapes[part.output]) for t in chosen]
+            needs = [back_propagate(part.ops, {part.output: b}, pc.shapes) for b in outs]
+            working = together_peak(part.ops, needs, outs, Sizes(pc.shapes, chans, s.batch * s.item),
+                                    part.output, copy)
+            return sp.replace(peak=sp.peak - sp.working + working, working=working)
+        return sp.replace(peak=sp.peak + max((copy(k, op) for op in part.ops if op.kind is OpKind.GROUP_NORM
+                                              for k in range(len(chosen))), default=0))
+
+    def _staged(self, sp: Pass, pc: PieceRef, grid, sampled, norms: int) -> Pass:
+        """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
+        back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
+        no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
+        part = pc.program
+        out_hw = pc.shapes[part.output]
+        regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, pc.hw, out_hw)}, pc.shapes)
+                   for t in grid if t.index in sampled}
+        unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
+        kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
+        spec = PassSpec(kind, part, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions, piece=pc.piece)
+        staged = pass_plan(spec, unchecked, self.job.profile, self.full)
+        extra = ADJUST * norms if self.settings.fast.low else 0
+        return staged.replace(work=sp.work, flops=sp.flops, launches=staged.launches + extra)
 
 
-def _low_pass_plan(tv, kind: str, part: Program, part_shape, ref: str, tile: int, exact: Setting,
-                   full: int, held: int) -> tuple[Pass, int]:
-    """The low pass (statistics only; the sampled cores' too, as probes) and its tile: a GPU plan's one
-    tile over its whole input where that fits the budget, else `tile` (0)."""
-    rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = tile_grid((rh, rw), tile)  # (as the run)
-    sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
-    low, small, low_ref = low_pass(tv, kind, part, part_shape, ref)
-    lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
-    probes = [map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled]
-    resized = math.prod(small) * exact.item if small[-2:] != part_shape[-2:] else 0
+@dataclass(frozen=True)
+class PieceRef:
+    """(A piece of) the estimated part as a pass runs it: its program on an input of `shape`, the
+    reference value and tile in that value's pixels, its place among the pieces (None: one piece)."""
 
-    def planned(t: int) -> Pass:
-        lp = pass_plan(tv, "low pass", low, small, t or tile, exact, low_ref, set(), full, probes=probes,
-                       streamed=True)  # (its output is thrown away: only its statistics are wanted)
-        return with_held(lp, held + resized)
+    program: Program
+    shape: tuple
+    ref: str
+    tile: int
+    piece: tuple[int, int] | None
 
-    if exact.gpu and max(lo) > tile:
-        whole = planned(max(lo))
-        if tv.memory_budget is None or whole.peak <= tv.memory_budget:
-            return whole, max(lo)
-    return planned(0), 0
+    @property
+    def shapes(self) -> dict:
+        return self.program.shapes(tuple(self.shape[-2:]))
 
-
-def _piece_passes(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, exact: Setting,
-                  full: int, held: int, cuts: tuple[int, ...], kind: str) -> list[Pass]:
-    """Each piece's sampled tiles' and other tiles' passes, the value between pieces held whole; the
-    sampled tiles staged in every piece when they do not fit at once in one."""
-    pieces = split_pieces(part, cuts)
-    shapes = part.shapes(tuple(part_shape[-2:]))
-    staged = None
-    while True:
-        out, h, x_shape, used = [], held, part_shape, False
-        for j, piece in enumerate(pieces):
-            pref, ptile = piece_grid(piece, shapes, ref, tile, kind)
-            tag = f" (piece {j + 1} of {len(pieces)})" if len(pieces) > 1 else ""
-            sp, rp, was = _piece_pair(tv, piece, x_shape, pref, ptile, s, exact, full, h, staged, tag)
-            out += [sp, rp]
-            used |= was
-            h, x_shape = rp.output_bytes, rp.output_shape
-        if staged is not None or not used or len(pieces) == 1:
-            return out
-        staged = True  # (one flag for the run: every piece's sampled tiles staged)
-
-
-def _piece_pair(tv, part: Program, part_shape, ref: str, tile: int, s: Setting, exact: Setting, full: int,
-                held: int, staged: bool | None, tag: str) -> tuple[Pass, Pass, bool]:
-    """The sampled tiles' and the other tiles' passes over (a piece of) the part, holding `held` (its
-    input); staged None: staged when the sampled tiles do not fit at once."""
-    rh, rw = part.shapes(tuple(part_shape[-2:]))[ref]
-    grid = tile_grid((rh, rw), tile)  # (as the run)
-    sampled = {t.index for t in sample_tiles(grid, sample_fraction(tv, "tiles"))}
-    fixed = {id(op) for op in part.ops if op.kind == "group_norm"}
-    sp = pass_plan(tv, "sampled tiles", part, part_shape, tile, s, ref, fixed, full, sampled, True)
-    pshapes, pchans = part.shapes(tuple(part_shape[-2:])), part.channels()
-    chosen = [t for t in grid if t.index in sampled]
-
-    def copy(k: int, op) -> int:  # (a tile's statistics of a GroupNorm's input, one tile at a time)
-        return stats_copy(op.src[0], map_box(chosen[k].core, (rh, rw), pshapes[op.dst]), pchans, s,
-                          {op.src[0]: 1})
-
-    if s.gpu and sp.segments == 1:  # the tiles' values op by op, summed, and the copies where made
-        outs = [map_box(t.core, (rh, rw), pshapes[part.output]) for t in chosen]
-        needs = [back_propagate(part.ops, {part.output: b}, pshapes) for b in outs]
-        working = together_peak(part.ops, needs, outs, pshapes, pchans, s.batch * s.item, part.output, copy)
-        sp.peak, sp.working = sp.peak - sp.working + working, working
-    else:  # (the sum of the tiles' largest values, and the largest copy beside them)
-        sp.peak += max((copy(k, op) for op in part.ops if op.kind == "group_norm"
-                        for k in range(len(chosen))), default=0)
-    if staged is None:
-        staged = s.staging == "disk" or (s.gpu and tv.memory_budget is not None
-                                         and sp.peak + held > tv.memory_budget)
-    if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
-        work, flops = sp.work, sp.flops  # each tile still runs on its regions back-propagated through
-        regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, (rh, rw),
-                                                                            pshapes[part.output])}, pshapes)
-                   for t in chosen}  # the whole part
-        unchecked = Setting(**{**exact.__dict__, "checks": False, "read_ahead": False})  # (no reads ahead)
-        sp = pass_plan(tv, "sampled tiles" + (", staged" if s.staging != "disk" else "") + tag, part,
-                       part_shape, tile, unchecked, ref, set(), full, sampled, regions=regions)
-        sp.work, sp.flops = work, flops
-        sp.launches += ADJUST * len(fixed) if tv.fast_low else 0  # (its statistics: as exact mode's)
-    else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
-        sp.name += tag
-        sp.launches += sample_stats_cost(part, grid, sampled, pshapes, pchans, ref, s,
-                                         bool(tv.fast_low)).launches
-    sp.syncs = 0  # (no finite checks: the sampled tiles' outputs are checked with the other tiles')
-    out_hw = sp.output_shape[-2:]
-    kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, (rh, rw), out_hw)) * s.item
-               for t in chosen)
-    sp.output_bytes, sp.peak = kept, sp.peak - sp.output_bytes + kept
-    rest = {t.index for t in grid} - sampled
-    rp = pass_plan(tv, "other tiles" + tag, part, part_shape, tile, s, ref, fixed, full, rest, banded=False)
-    return with_held(sp, held), with_held(rp, held + kept), staged and s.staging != "disk"
+    @property
+    def hw(self) -> tuple[int, int]:
+        return self.shapes[self.ref]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .executor import Executor
-from .sharding import RowBands, Rows
+from ...memory import format_bytes
+from ..run.executor import cut, last_readers, tile_grid
+from ..run.sharding import RowBands, Rows
+from ..settings import Attention
 
 
 @dataclass
@@ -18,29 +20,18 @@ class RankPlan:
     staged_peak: int  # most staged bytes (its bands of full-size values plus halo rows) alive at once
 
     def __str__(self) -> str:
-        from ..memory import format_bytes
-
         return (f"rank {self.rank}: latent rows [{self.rows[0]}, {self.rows[1]}), {self.tiles} tiles, "
                 f"staged at most {format_bytes(self.staged_peak)}")
 
 
-def plan_ranks(tv, shape: tuple[int, ...], world: int, kind: str = "decode", tile_size: int | None = None,
-               dtype=None) -> list[RankPlan]:
-    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
-    import torch
-
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
-    if tv.mode != "exact":
-        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode!r}")
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    ex = Executor(p, tile_size or tv.tile_size, ref, attention=tv.attention, progress=False)
+def rank_plans(p, ref: str, attention: Attention, shape: tuple[int, ...], world: int, tile: int,
+               item: int) -> list[RankPlan]:
+    """Per-rank plan of an exact run of program p (tiles of `tile` over value `ref`, `item` bytes per
+    element) on `world` ranks: what each rank's `Executor(group=...)` will stage."""
+    segs = cut(p, {}, attention)
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
-    segs = ex.segments()
-    grid = ex._grid(shapes)
-    last = ex._last_reader(segs)
-    item = torch.empty((), dtype=dtype or tv.vae.dtype).element_size()
+    grid = tile_grid(shapes[ref], tile)
+    last = last_readers(segs, p.input)
     plans = []
     for r in range(world):
         bands = RowBands.build(grid, r, world)

@@ -1,28 +1,34 @@
-"""The records of a TiledVAE plan: what a run will do (`Plan`), its passes and staged values, and what
-the run takes from it (`Choices`); `plan` makes them, `settle` chooses among them.
+"""The records of a TiledVAE plan: what a run will do (`Plan`), its passes (`Pass`, `PassKind`) and staged
+values (`Stage`), and what the run takes from it (`Plan.choices`, a `run.options.Choices`). `make` and
+`passes` build them whole, `settle` chooses among them; none is changed once built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
 
-from .devices import DeviceProfile
-
-
-class Choices(NamedTuple):
-    """What a plan settles beyond tile and staging, as the run takes it (`Plan.choices`)."""
-
-    band_bytes: int | None = None  # exact segments' big tiles in row bands of this
-    on_device: frozenset = frozenset()  # "device+host": the values staged on the device
-    staged_estimate: bool = False  # fast mode: sampled tiles staged segment by segment
-    attention: tuple[int, int] = (0, 0)  # (kv_chunk, query_rows): streamed global attention
-    read_ahead: bool = True  # host staging reads the next tile's inputs while a tile runs (copies.py)
-    fast_cuts: tuple[int, ...] = ()  # fast mode: its estimated part in pieces cut there (fast.piece_cuts)
-    low_tile: int = 0  # fast mode: the low pass's tile (0: the run's tile)
+from ...memory import format_bytes as fb
+from ...vocabulary import Vocabulary
+from ..devices import DeviceProfile
+from ..run.options import Choices
+from ..settings import Attention, Kind, Mode, Place
 
 
-@dataclass
+class PassKind(Vocabulary):
+    """What a pass of a plan runs (fast mode has several; its sampled tiles' pass staged segment by
+    segment where they do not fit at once)."""
+
+    UNTILED = "untiled"
+    TILED = "tiled"
+    HEAD = "exact latent-resolution head"
+    LOW = "low pass"
+    SAMPLED = "sampled tiles"
+    SAMPLED_STAGED = "sampled tiles, staged"
+    OTHER = "other tiles"
+    TAIL = "exact latent-resolution tail"
+
+
+@dataclass(frozen=True)
 class Stage:
     """One staged full-size value of a plan."""
 
@@ -30,14 +36,14 @@ class Stage:
     producer: str
     shape: tuple[int, ...]
     bytes: int
-    where: str
+    where: Place
 
 
-@dataclass
+@dataclass(frozen=True)
 class Pass:
     """One run over the tiles within a plan (fast mode has several)."""
 
-    name: str
+    kind: PassKind
     program: str
     grid: tuple[int, int]
     tiles: int  # tiles it runs
@@ -57,25 +63,47 @@ class Pass:
     h2d: int = 0  # bytes host -> device
     d2h: int = 0  # bytes device -> host
     seconds: float = 0.0  # estimated on the plan's device profile (devices.DeviceProfile.seconds)
-    hidden: float = 0.0  # ... less this: side-stream copies under their segment's compute (vae/copies.py)
+    hidden: float = 0.0  # ... less this: side-stream copies under their segment's compute (run/copies.py)
     ahead: int = 0  # most device bytes of a tile's inputs read while the tile before runs
     segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
+    piece: tuple[int, int] | None = None  # fast mode in pieces: (j, n), the j-th of n
+
+    @property
+    def name(self) -> str:
+        """What it runs, as the plan prints it (with its piece: "other tiles (piece 1 of 2)")."""
+        return self.kind.value + (f" (piece {self.piece[0]} of {self.piece[1]})" if self.piece else "")
+
+    def replace(self, **changes) -> Pass:
+        """A copy with some figures changed."""
+        return replace(self, **changes)
+
+    def with_held(self, held: int) -> Pass:
+        """This pass with `held` bytes of earlier passes' results alive during it."""
+        return replace(self, held=held, peak=self.peak + held)
+
+    def timed(self, profile: DeviceProfile, half: bool) -> Pass:
+        """This pass with its estimated time on `profile`, less its side-stream copies hidden under
+        compute."""
+        seconds = profile.seconds(self.flops, self.launches, self.h2d + self.d2h, half) - self.hidden
+        return replace(self, seconds=seconds)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak, and
-    what it dispatches on the device it is made for."""
+    what it dispatches on the device it is made for. Its `choices` are what the run follows; tile_size,
+    staging, band_bytes, on_device, kv_chunk, query_rows, read_ahead, fast_cuts, low_tile and
+    staged_estimate read them."""
 
-    kind: str
+    kind: Kind
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
-    tile_size: int
+    mode: Mode
+    attention: Attention
+    choices: Choices
+    profile: DeviceProfile  # the device kind it is shaped for, and the constants of its time estimate
     grid: tuple[int, int]
-    mode: str
-    attention: str
-    staging: str
     segments: int
     halo_overhead: float  # extra conv work (halos; fast mode: also its estimation passes) / untiled work
     stages: list[Stage] = field(default_factory=list)
@@ -86,9 +114,6 @@ class Plan:
     peak: int = 0  # estimated peak on the device (staged on the device + working + output + heap slack)
     passes: list[Pass] = field(default_factory=list)  # fast mode (sampled tiles): its passes, in order
     heap_slack: int = 0  # disk staging on the CPU: freed heap kept for reuse (within memory_budget)
-    device: str = "cpu"  # the device kind it is shaped for
-    profile: DeviceProfile | None = None  # ... and the constants of its time estimate
-    band_bytes: int | None = None  # local segments' big tiles in row bands of this (None: whole tiles)
     untiled: bool = False  # one tile covers the latent: the plain untiled run (exact mode's decode)
     flops: int = 0
     launches: int = 0
@@ -97,25 +122,64 @@ class Plan:
     d2h: int = 0
     seconds: float = 0.0
     untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
-    on_device: frozenset = frozenset()  # staging "device+host": the values staged on the device
-    staged_estimate: bool = False  # fast mode: sampled tiles one at a time, staged (not all at once)
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    kv_chunk: int = 0  # global attention's keys / values in host memory, streamed this many tokens a time
-    query_rows: int = 0  # ... its queries in row bands of this many latent rows (0: in the tiles)
-    read_ahead: bool = True  # host-staged inputs of the next tile read while a tile runs (GPU plans)
-    fast_cuts: tuple[int, ...] = ()  # fast mode: its estimated part run in pieces cut there, the values
-    # between them held whole (a GPU plan's choice: halos span a piece, not the part)
-    low_tile: int = 0  # fast mode: the low pass's tile in its reference pixels (0: tile_size)
 
-    def choices(self) -> Choices:
-        """What the run takes from this plan beyond tile and staging."""
-        return Choices(self.band_bytes, self.on_device, self.staged_estimate,
-                       (self.kv_chunk, self.query_rows), self.read_ahead, self.fast_cuts, self.low_tile)
+    @property
+    def device(self) -> str:
+        """The device kind the plan is shaped for ("cpu", "cuda")."""
+        return self.profile.kind
+
+    @property
+    def tile_size(self) -> int:
+        return self.choices.tile_size
+
+    @property
+    def staging(self) -> Place:
+        return self.choices.staging
+
+    @property
+    def band_bytes(self) -> int | None:
+        """Local segments' big tiles in row bands of this (None: whole tiles)."""
+        return self.choices.band_bytes
+
+    @property
+    def on_device(self) -> frozenset:
+        """Staging "device+host": the values staged on the device."""
+        return self.choices.on_device
+
+    @property
+    def kv_chunk(self) -> int:
+        """Global attention's keys / values in host memory, streamed this many tokens at a time."""
+        return self.choices.kv_chunk
+
+    @property
+    def query_rows(self) -> int:
+        """... its queries in row bands of this many latent rows (0: in the tiles)."""
+        return self.choices.query_rows
+
+    @property
+    def read_ahead(self) -> bool:
+        """Host-staged inputs of the next tile read while a tile runs (GPU plans)."""
+        return self.choices.read_ahead
+
+    @property
+    def fast_cuts(self) -> tuple[int, ...]:
+        """Fast mode: its estimated part run in pieces cut there, the values between them held whole (a
+        GPU plan's choice: halos span a piece, not the part)."""
+        return self.choices.fast_cuts
+
+    @property
+    def low_tile(self) -> int:
+        """Fast mode: the low pass's tile in its reference pixels (0: tile_size)."""
+        return self.choices.low_tile
+
+    @property
+    def staged_estimate(self) -> bool:
+        """Fast mode: sampled tiles one at a time, staged (not all at once)."""
+        return self.choices.staged_estimate
 
     def __str__(self) -> str:
-        from ..memory import format_bytes as fb
-
         rows = [
             f"TiledVAE {self.kind} plan: {self.input_shape} -> {self.output_shape}, mode={self.mode}, "
             f"attention={self.attention}",
@@ -132,7 +196,7 @@ class Plan:
                 f"  staging: {self.staging}, {len(self.stages)} staged values, at most "
                 f"{fb(self.staged_peak)} alive at once",
             ]
-        if self.device != "cpu" and self.staging in ("host", "device+host") and not self.untiled:
+        if self.device != "cpu" and self.staging in (Place.HOST, Place.MIXED) and not self.untiled:
             rows.append("    copies to the host on a side stream" + (", the next tile's inputs read while a "
                                                                      "tile runs" if self.read_ahead else ""))
         for s in self.stages[:6]:

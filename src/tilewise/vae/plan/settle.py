@@ -2,25 +2,31 @@
 
 CPU plans keep the largest tile up to tile_size and the nearest staging that fit. GPU plans search from
 the whole latent down, staging on the device, on the device where it fits and in pinned host memory
-where it does not ("device+host", `place`), in host memory, or on disk, and take the fitting plan of
-least estimated time (`devices`).
+where it does not ("device+host", `place`), in host memory, or on disk (which of those, `run.staging`'s
+`candidates` and `admits`), and take the fitting plan of least estimated time (`devices`).
 """
 
 from __future__ import annotations
 
-from .bands import BAND_BYTES
-from .devices import DeviceProfile, device_profile
-from .plan import Plan, make_plan
-from .staging import STAGINGS
+from ...locality.ops import OpKind
+from ...memory import format_bytes
+from ..devices import BAND_BYTES
+from ..run.options import Choices
+from ..run.staging import admits, candidates
+from ..settings import Attention, Job, Mode, Place, Settings
+from .make import make_plan, request
+from .records import Plan
+
+CPU_TILES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # the tiles a CPU plan tries, biggest first
+GPU_TILES = (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # ... a GPU plan, below the whole latent
+# Key / value chunks (tokens) streamed attention tries, biggest first: at 512 channels in float16 a chunk
+# of keys and values is 64 MiB at 32768 tokens (fewer merges: 6 launches a chunk), 8 MiB at 4096; every
+# power of two between (a budget that misses one by a few MiB takes the next, not a chunk 8x smaller),
+# the smaller ones for small budgets and latents.
+STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
 
 
-def choose(tv, kind: str, shape: tuple[int, ...]) -> tuple[int, str]:
-    """Tile size and staging: as given, or the largest tile and nearest staging within the budget."""
-    plan = settle(tv, kind, shape)
-    return plan.tile_size, plan.staging
-
-
-def settle(tv, kind: str, shape: tuple[int, ...], streamed: bool = False) -> Plan:
+def settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool = False) -> Plan:
     """The plan a run follows: tile and staging as given (no memory_budget), else within the budget.
 
     CPU plans: the largest tile up to tile_size, then the nearest staging, whose peak fits. GPU plans
@@ -28,113 +34,117 @@ def settle(tv, kind: str, shape: tuple[int, ...], streamed: bool = False) -> Pla
     run, unless `streamed` to a sink), each with device staging, then host (pinned), then disk (only
     when host memory cannot hold the staged values, or when asked), whole tiles unless only row bands
     fit; of the plans that fit, the one with the least estimated time."""
-    prof = device_profile(tv)
-    default = "device" if prof.kind != "cpu" or tv.staging == "auto" else tv.staging
-    if tv.memory_budget is None:
-        st = default if tv.staging == "auto" else tv.staging
-        return make_plan(tv, shape, kind, tv.tile_size, st, untiled=not streamed)
-    if prof.kind != "cpu":
-        return _settle_device(tv, kind, shape, prof, streamed)
-    stagings = STAGINGS if tv.staging == "auto" else (tv.staging,)
-    tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(tv.tile_size, 4)]
+    if settings.memory_budget is None:
+        return make_plan(settings, job, shape, request(settings, job), untiled=not streamed)
+    if job.gpu:
+        return _settle_device(settings, job, shape, streamed)
+    stagings = candidates(settings.staging, gpu=False, mixed=False)
+    tiles = [s for s in CPU_TILES if s <= max(settings.tile_size, 4)]
     for tile in tiles:
         for st in stagings:
-            plan = make_plan(tv, shape, kind, tile, st)
-            if plan.peak <= tv.memory_budget:
+            plan = make_plan(settings, job, shape, request(settings, job, tile, st))
+            if plan.peak <= settings.memory_budget:
                 return plan
-    raise _no_fit(tv, make_plan(tv, shape, kind, tiles[-1], stagings[-1]))
+    raise _no_fit(settings, make_plan(settings, job, shape, request(settings, job, tiles[-1], stagings[-1])))
 
 
-def _settle_device(tv, kind: str, shape, prof: DeviceProfile, streamed: bool) -> Plan:
+def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
     """`settle` on a GPU: the fitting plan of least estimated time, from the biggest tile down to the
     biggest that fits with each staging (smaller tiles only add launches and halo work); row bands
     (BAND_BYTES) only when no whole-tile plan fits."""
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    side = max(p.shapes(tuple(shape[-2:]))[ref])
-    tiles = [side] + [s for s in (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s < side]
-    stagings = (tv.staging,)
-    if tv.staging == "auto":
-        mixed = tv.mode == "exact" and tv.process_group is None
-        stagings = ("device", "device+host", "host", "disk") if mixed else ("device", "host", "disk")
-    host = prof.host_bytes()
-    budget, last, least = tv.memory_budget, None, None  # (least: the smallest peak tried, for the error)
+    side = max(job.program.shapes(tuple(shape[-2:]))[job.ref])
+    tiles = [side] + [s for s in GPU_TILES if s < side]
+    mixed = settings.mode is Mode.EXACT and settings.process_group is None
+    stagings = candidates(settings.staging, gpu=True, mixed=mixed)
+    search = _Search(settings, job, shape, streamed, job.profile.host_bytes())
     for bands in (None, BAND_BYTES):
         fits, settled = [], set()  # stagings that fit at a bigger tile, or at none
         for tile in tiles:
             for st in stagings:
-                if st in settled:
-                    continue
-                if st == "device+host":
-                    plan = _shrink(tv, shape, kind, tile, st, bands, place(tv, shape, kind, tile, bands))
-                    if plan is not None and plan.peak <= budget and plan.staged_peak <= host:
-                        fits.append(plan)
-                        settled.add(st)
-                    continue
-                last = make_plan(tv, shape, kind, tile, st, bands, untiled=not streamed)
-                if last.untiled and bands:
-                    continue  # (row bands do not apply to the untiled run)
-                if st == "disk" and tv.staging == "auto" and last.staged_peak <= host:
-                    settled.add(st)  # disk only when host memory cannot hold the staged values
-                    continue
-                if st == "host" and last.staged_peak > host:
-                    settled.add(st)
-                    continue
-                last = _shrink(tv, shape, kind, tile, st, bands, last)
-                if least is None or last.peak < least.peak:
-                    least = last
-                if last.peak <= budget:
-                    fits.append(last)
-                    settled.add(st)  # (a smaller tile only adds launches and halo work)
-                elif not last.untiled and _resident(last) > budget:
-                    settled.add(st)  # what a smaller tile cannot shrink exceeds the budget
-            if settled >= set(stagings) or any(q.staging == "device" for q in fits):
+                if st not in settled:
+                    search.visit(tile, st, bands, fits, settled)
+            if settled >= set(stagings) or any(q.staging is Place.DEVICE for q in fits):
                 break  # (device staging at this tile beats every staging at a smaller one)
         if fits:
             return min(fits, key=lambda q: (q.seconds, -q.tile_size))
-    raise _no_fit(tv, least or last)
+    raise _no_fit(settings, search.least or search.last)
 
 
-def _plan_at(tv, shape, kind: str, tile: int, staging: str, bands, attention: tuple[int, int] = (0, 0),
-             read_ahead: bool = True) -> Plan | None:
-    """The plan of a tile and staging ("device+host": `place`, None when it places nothing)."""
-    if staging == "device+host":
-        return place(tv, shape, kind, tile, bands, attention, read_ahead)
-    return make_plan(tv, shape, kind, tile, staging, bands, attention=attention, read_ahead=read_ahead)
+class _Search:
+    """`_settle_device`'s search: each (tile, staging, bands) planned and shrunk to the budget; the
+    smallest peak tried is kept for the error when nothing fits."""
+
+    def __init__(self, settings: Settings, job: Job, shape, streamed: bool, host: int):
+        self.settings, self.job, self.shape, self.streamed, self.host = settings, job, shape, streamed, host
+        self.last: Plan | None = None
+        self.least: Plan | None = None
+
+    def visit(self, tile: int, st: Place, bands, fits: list, settled: set) -> None:
+        """Plan one (tile, staging, bands); a plan that fits joins `fits`; a staging that cannot do better
+        at a smaller tile joins `settled`."""
+        settings, job, shape, budget = self.settings, self.job, self.shape, self.settings.memory_budget
+        ask = Choices(tile, st, band_bytes=bands, fast_cuts=None)
+        if st is Place.MIXED:
+            plan = _shrink(settings, job, shape, ask, place(settings, job, shape, ask))
+            if plan is not None and plan.peak <= budget and admits(st, settings.staging, plan.staged_peak,
+                                                                   self.host):
+                fits.append(plan)
+                settled.add(st)
+            return
+        last = self.last = make_plan(settings, job, shape, ask, untiled=not self.streamed)
+        if last.untiled and bands:
+            return  # (row bands do not apply to the untiled run)
+        if not admits(st, settings.staging, last.staged_peak, self.host):
+            settled.add(st)  # (disk only when host memory cannot hold the staged values)
+            return
+        last = self.last = _shrink(settings, job, shape, ask, last)
+        if self.least is None or last.peak < self.least.peak:
+            self.least = last
+        if last.peak <= budget:
+            fits.append(last)
+            settled.add(st)  # (a smaller tile only adds launches and halo work)
+        elif not last.untiled and _resident(last) > budget:
+            settled.add(st)  # what a smaller tile cannot shrink exceeds the budget
 
 
-def _shrink(tv, shape, kind: str, tile: int, staging: str, bands, plan: Plan | None) -> Plan | None:
+def _plan_at(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
+    """The plan of some choices (MIXED staging: `place`, None when it places nothing)."""
+    if ask.staging is Place.MIXED:
+        return place(settings, job, shape, ask)
+    return make_plan(settings, job, shape, ask)
+
+
+def _shrink(settings: Settings, job: Job, shape, ask: Choices, plan: Plan | None) -> Plan | None:
     """`plan`, or where it exceeds the budget the same tile and staging with less on the device: first
     without the next tile's inputs read ahead (exact mode), then with attention's keys and values
     streamed from host memory (`_stream`)."""
-    budget = tv.memory_budget
-    if plan is not None and plan.peak > budget and plan.read_ahead and tv.mode == "exact":
-        plan = _plan_at(tv, shape, kind, tile, staging, bands, read_ahead=False) or plan
+    budget = settings.memory_budget
+    if plan is not None and plan.peak > budget and plan.read_ahead and settings.mode is Mode.EXACT:
+        plan = _plan_at(settings, job, shape, ask.replace(read_ahead=False)) or plan
     if (plan is None or plan.peak > budget) and not (plan is not None and plan.untiled) \
-            and _can_stream(tv, kind):
-        plan = _stream(tv, shape, kind, tile, staging, bands) or plan
+            and _can_stream(settings, job):
+        plan = _stream(settings, job, shape, ask) or plan
     return plan
 
 
-def _can_stream(tv, kind: str) -> bool:
+def _can_stream(settings: Settings, job: Job) -> bool:
     """Whether exact global attention could stream its keys and values (one process, exact mode)."""
-    return (tv.mode == "exact" and tv.attention == "global" and tv.process_group is None
-            and any(op.kind == "attention" for op in tv.program(kind).ops))
+    return (settings.mode is Mode.EXACT and settings.attention is Attention.GLOBAL
+            and settings.process_group is None and any(op.kind is OpKind.ATTENTION for op in job.program.ops))
 
 
-def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None:
-    """The plan of a tile and staging with global attention's keys and values in host memory (`vae.
+def _stream(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
+    """The plan of a tile and staging with global attention's keys and values in host memory (`run.
     attention`), or None when none fits: the least (kv_chunk, query_rows) first (when even that does
     not fit, the other segments do not), then for each key chunk in STREAM_CHUNKS (biggest first) the
     biggest query bands that fit, where they are bigger than a bigger chunk's; the one of least
     estimated time."""
-    budget = tv.memory_budget
-    p = tv.program(kind)
-    h = p.shapes(tuple(shape[-2:]))[p.input if kind == "decode" else p.output][0]
-    rows = sorted({max(1, h >> i) for i in range(12)} | {min(tile, h)}, reverse=True)
+    budget = settings.memory_budget
+    h = job.program.shapes(tuple(shape[-2:]))[job.ref][0]
+    rows = sorted({max(1, h >> i) for i in range(12)} | {min(ask.tile_size, h)}, reverse=True)
 
     def plan(kv, q):  # (the tight budgets streaming is for: no tile's inputs read ahead)
-        return _plan_at(tv, shape, kind, tile, staging, bands, (kv, q), read_ahead=False)
+        return _plan_at(settings, job, shape, ask.replace(kv_chunk=kv, query_rows=q, read_ahead=False))
 
     def fits(got):
         return got is not None and got.peak <= budget
@@ -160,21 +170,12 @@ def _stream(tv, shape, kind: str, tile: int, staging: str, bands) -> Plan | None
     return min(found, key=lambda q: q.seconds)
 
 
-# Key / value chunks (tokens) streamed attention tries, biggest first: at 512 channels in float16 a chunk
-# of keys and values is 64 MiB at 32768 tokens (fewer merges: 6 launches a chunk), 8 MiB at 4096; every
-# power of two between (a budget that misses one by a few MiB takes the next, not a chunk 8x smaller),
-# the smaller ones for small budgets and latents.
-STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
-
-
-def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (0, 0),
-          read_ahead: bool = True) -> Plan | None:
-    """The "device+host" plan of a tile: staged values on the device while they fit beside what each
-    segment holds (the values read soonest after they are made first: they are held the shortest for
-    the transfers they save), the others in pinned host memory. None when none fits."""
-    host = make_plan(tv, shape, kind, tile, "host", bands, attention=attention,  # (every read a copy)
-                     read_ahead=read_ahead)
-    room = [tv.memory_budget - n for n in host.segment_bytes]
+def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
+    """The "device+host" plan of some choices: staged values on the device while they fit beside what
+    each segment holds (the values read soonest after they are made first: they are held the shortest
+    for the transfers they save), the others in pinned host memory. None when none fits."""
+    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST))  # (every read a copy)
+    room = [settings.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
     chosen = set()
     for v, (a, z) in sorted(host.lifetimes.items(), key=lambda kv: (kv[1][1] - kv[1][0], size[kv[0]])):
@@ -184,18 +185,15 @@ def place(tv, shape, kind: str, tile: int, bands, attention: tuple[int, int] = (
             chosen.add(v)
     if not chosen or len(chosen) == len(size):
         return None  # (all of them: device staging itself)
-    return make_plan(tv, shape, kind, tile, "device+host", bands, on_device=frozenset(chosen),
-                     attention=attention, read_ahead=read_ahead)
+    return make_plan(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=frozenset(chosen)))
 
 
 def _resident(plan: Plan) -> int:
     """Device bytes of a plan that no smaller tile shrinks: staged values on the device, the output."""
-    return (plan.staged_peak if plan.staging == "device" else 0) + plan.output_bytes
+    return (plan.staged_peak if plan.staging is Place.DEVICE else 0) + plan.output_bytes
 
 
-def _no_fit(tv, best: Plan) -> ValueError:
-    from ..memory import format_bytes
-
-    return ValueError(f"no plan fits memory_budget={format_bytes(tv.memory_budget)}: the smallest "
+def _no_fit(settings: Settings, best: Plan) -> ValueError:
+    return ValueError(f"no plan fits memory_budget={format_bytes(settings.memory_budget)}: the smallest "
                       f"(tile {best.tile_size}, staging {best.staging}) needs ~{format_bytes(best.peak)}; "
                       f"raise the budget or use mode='fast'")

@@ -11,19 +11,22 @@ keys and values once, so fewer, bigger bands move fewer bytes.
 
 from __future__ import annotations
 
+import torch
+
+from ...distributed import all_gather_cat
+from ...geometry import TileGrid
+
 
 def keys_values(op, read, h: int, w: int, rows: tuple[int, int], chunk: int, device, host: bool,
                 group=None):
     """(k, v): the (B, N, C) keys and values of the normalised input's rows `rows` of h x w tokens (read
     by `read(box)`), computed about `chunk` tokens at a time into stores on the device, or in host memory
     when `host`. With a process group: every rank's tokens, gathered on the device in rank order."""
-    import torch
 
     lo, hi = rows
     band = max(1, min(h, chunk // max(w, 1)))
     starts = list(range(lo, hi, band))
     if group is not None:  # each rank's rows, gathered: row-major token order
-        from ..distributed import all_gather_cat
 
         parts = [op.keys_values(read((y0, min(hi, y0 + band), 0, w))) for y0 in starts]
         if not parts:  # a rank without rows: no tokens, the right shapes
@@ -64,14 +67,12 @@ def keys_values(op, read, h: int, w: int, rows: tuple[int, int], chunk: int, dev
 def projects_into(op, batch: int) -> bool:
     """Whether keys and values can be projected straight into a store on the device: plain Linear layers
     with biases (one addmm each) and one batch item (a store's rows are then one matrix)."""
-    import torch
 
     return batch == 1 and all(type(m) is torch.nn.Linear and m.bias is not None for m in (op.to_k, op.to_v))
 
 
 def query_grid(shape: tuple[int, int], rows: int):
     """The row bands of `rows` reference rows (whole width) an attention segment's queries run in."""
-    from ..geometry import TileGrid
 
     h, w = shape
     return TileGrid(h, w, (min(rows, h), w), order="row")

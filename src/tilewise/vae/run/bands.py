@@ -1,30 +1,29 @@
 """Row bands: a tile of a local segment run as horizontal bands, convolution rows carried between bands.
 
-A local segment whose tile holds more than `BAND_BYTES` (three largest values) runs each tile in row
-bands of reference rows (`run_bands`): each band computes the rows of every convolution output the band
-before did not and carries the overlap rows over, so the convolutions do the tile's work once while the
-memory is one band's. Pointwise ops, GroupNorm applies, adds and resampling recompute the overlap (same
-values). Only row-local segments band: a tile-local attention would see a band instead of its tile.
+A local segment whose tile holds more than `band_bytes` (three largest values; CPU plans:
+`devices.BAND_BYTES`) runs each tile in row bands of reference rows (`run_bands`): each band computes
+the rows of every convolution output the band before did not and carries the overlap rows over, so the
+convolutions do the tile's work once while the memory is one band's. Pointwise ops, GroupNorm applies,
+adds and resampling recompute the overlap (same values). Only row-local segments band: a tile-local
+attention would see a band instead of its tile.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..locality.ops import Box, box_area, box_empty, map_box, sub_tensor
-from ..locality.program import Segment, back_propagate, run_op
-from .staging import Staging
+import torch
 
-# Local segments whose tile holds more than this (three largest values) run in row bands of about this much.
-# Measured in-process at 1024 px, 32-latent tiles, disk staging: exact decode 121 s / 180 MiB peak growth
-# with whole tiles, 115 s / 175 MiB in bands; fast decode's sampled-tile pass peak 325 -> 254 MiB.
-BAND_BYTES = 32 << 20
+from ...geometry import Box
+from ...locality.ops import OpKind, box_area, box_empty, map_box, sub_tensor
+from ...locality.program import Segment, SegmentKind, back_propagate, run_op
+from .staging import Staging
 
 
 def row_local(seg: Segment) -> bool:
     """Whether a segment may run in row bands: a local one without attention (attention="tile" attends
     over the box it is given, so a band would change what it sees)."""
-    return seg.kind == "local" and all(op.kind != "attention" for op in seg.ops)
+    return seg.kind is SegmentKind.LOCAL and all(op.kind is not OpKind.ATTENTION for op in seg.ops)
 
 
 def working_bytes(need: dict[str, Box], chans: dict[str, int], unit: int) -> int:
@@ -73,7 +72,6 @@ def run_bands(seg: Segment, stage: Staging, ctx, bands: list, shapes, last: dict
     same values. So the tile's convolutions do the tile's work once, halo rows included, while the
     memory is one band's boxes plus the carried rows.
     """
-    import torch
 
     needs = needs or [back_propagate(seg.ops, cores, shapes) for cores in bands]
     carry: dict[str, tuple[Any, Box]] = {}  # conv output -> (rows the next band reuses, their box)

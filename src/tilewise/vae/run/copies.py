@@ -23,6 +23,8 @@ and marks unfinished ones NaN, so a missing wait shows.
 
 from __future__ import annotations
 
+import torch
+
 
 class InlineLane:
     """Copies made at once, on the caller's stream. `prefetch`: the executor reads the next tile's inputs
@@ -55,7 +57,6 @@ class CudaLane:
     prefetch = True
 
     def __init__(self, device):
-        import torch
 
         self.torch = torch
         self.compute = torch.cuda.current_stream(device)
@@ -97,7 +98,6 @@ class CudaLane:
 
 def copy_lane(device, where: str):
     """The lane of a staging: a CUDA side stream for host staging on a CUDA device, else inline."""
-    import torch
 
     kind = torch.device(device).type
     if where == "host" and kind == "cuda":

@@ -16,8 +16,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..locality.ops import box_empty, map_box
-from ..locality.program import back_propagate
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...distributed import _comm_device, _global, all_gather_cat, all_merge_moments, shard
+from ...locality.ops import box_empty, map_box
+from ...locality.program import SegmentKind, back_propagate
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,6 @@ class RowBands:
     @classmethod
     def build(cls, grid, rank: int, world: int) -> RowBands:
         """Contiguous runs of the grid's tile rows, balanced by core height."""
-        from ..distributed import shard
 
         rows: dict[int, Rows] = {}
         for t in grid:
@@ -93,7 +97,7 @@ class RowBands:
                         lo, hi = need[v][0], need[v][1]
                         old = per_rank[r].get(v)
                         per_rank[r][v] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
-            if seg.kind == "attention":  # keys and values of the owned rows of the normalised input
+            if seg.kind is SegmentKind.ATTENTION:  # keys and values of the owned rows of the normalised input
                 n = seg.ops[0].src[0]
                 for r in range(self.world):
                     own = self.owned_rows(shapes[n][0], r)
@@ -116,7 +120,6 @@ class RowBands:
 
     def transfers(self, seg_index: int, value: str, size: int) -> list[tuple[int, int, Rows]]:
         """(src, dst, rows) that bring the rows segment `seg_index` reads to every rank, each row once."""
-        import numpy as np
 
         rows = self.needs.get((seg_index, value))
         if rows is None:
@@ -165,10 +168,7 @@ def exchange_rows(stage, value: str, plan: list[tuple[int, int, Rows]], rank: in
     Staged tensors hold rows [lo, hi) of their value (`stage.read` / `stage.write` translate), so a send
     reads global rows and a receive writes them. Returns the number of rows this rank received.
     """
-    import torch
-    import torch.distributed as dist
 
-    from ..distributed import _comm_device, _global
 
     shape, dtype, where = stage.info(value)
     width = shape[-1]
@@ -191,9 +191,7 @@ def exchange_rows(stage, value: str, plan: list[tuple[int, int, Rows]], rank: in
 
 def merge_group_stats(acc, group, batch: int) -> None:
     """Replace a rank's GroupStats by the exact merge over all ranks (Chan, rank order, float64)."""
-    import torch
 
-    from ..distributed import all_merge_moments
 
     if acc.mean is None:
         zeros = torch.zeros(batch, acc.groups, dtype=torch.float64)
@@ -207,7 +205,6 @@ def merge_group_stats(acc, group, batch: int) -> None:
 
 def gather_rows(band, rows: Rows, size: int, group):
     """Every rank's output band concatenated top to bottom: the full output on every rank."""
-    from ..distributed import all_gather_cat
 
     full = all_gather_cat(band, group, dim=-2)
     if full.shape[-2] != size:
@@ -217,10 +214,7 @@ def gather_rows(band, rows: Rows, size: int, group):
 
 def stream_rows(band, rows: Rows, bands: RowBands, size: int, emit, group, chunk: int = 64) -> None:
     """Send every other rank's output band to rank 0 in row chunks; rank 0 passes them to emit in order."""
-    import torch
-    import torch.distributed as dist
 
-    from ..distributed import _comm_device, _global
 
     rank = bands.rank
     device = _comm_device(group, band.device)

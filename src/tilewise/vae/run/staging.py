@@ -1,4 +1,5 @@
-"""Where full-size values live between segments: on the device, in host memory, or in disk files.
+"""Where full-size values live between segments: on the device, in host memory, or in disk files; and
+which of those a plan may choose (`candidates`, `admits`).
 
 Disk staging stores channels-last files read and written with positional I/O (one contiguous run per row
 of a tile's box), so staged data lives in the kernel's page cache and never in this process's resident
@@ -8,12 +9,18 @@ more than its heap slack is free: tile-sized buffers otherwise stay resident aft
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
 import tempfile
 from typing import Any
 
-from ..locality.ops import Box
+import torch
+
+from ...geometry import Box
+from ..settings import Place
+from . import copies
 
 STAGINGS = ("device", "host", "disk")
 
@@ -38,9 +45,6 @@ def trim_heap(min_free: int = 0) -> None:
     act only once fragmentation has grown."""
     global _LIBC, _MALLINFO2
     if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
@@ -59,8 +63,6 @@ def trim_heap(min_free: int = 0) -> None:
 
 
 def _mallinfo2_struct():
-    import ctypes
-
     names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
              "keepcost")
 
@@ -82,7 +84,6 @@ class DiskValue:
     _CHUNK = 8 << 20  # bytes of a write's channels-last copy at a time
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype):
-        import torch
 
         self.path, self.shape, self.dtype = path, tuple(shape), dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -98,7 +99,6 @@ class DiskValue:
 
     def read(self, y0: int, y1: int, x0: int, x1: int):
         """The box as a new (B, C, h, w) tensor in channels-last memory."""
-        import torch
 
         b, c = self.shape[:2]
         out = torch.empty((b, y1 - y0, x1 - x0, c), dtype=self.dtype)
@@ -111,7 +111,6 @@ class DiskValue:
 
     def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
         """Write a (B, C, h, w) tensor into the box."""
-        import torch
 
         b, c = self.shape[:2]
         want = (x1 - x0) * c * self.itemsize
@@ -134,16 +133,15 @@ class Staging:
     `heap_slack`: freed heap that disk staging keeps resident for reuse (see `trim`). `on_device`: values
     held on the device whatever `where` says (a GPU plan's "device+host" staging)."""
 
-    def __init__(self, where: str, device, directory: str | None = None, heap_slack: int = TRIM_FREE,
+    def __init__(self, where: str | Place, device, directory: str | None = None, heap_slack: int = TRIM_FREE,
                  on_device=frozenset()):
         if where not in STAGINGS:
             raise ValueError(f"staging must be one of {STAGINGS}, got {where!r}")
-        self.where, self.device, self.heap_slack, self.on_device = where, device, heap_slack, on_device
+        self.where = Place(where)
+        self.device, self.heap_slack, self.on_device = device, heap_slack, on_device
         self.dir = None
-        if where == "disk":
+        if self.where is Place.DISK:
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
-        from . import copies
-
         self.lane = copies.copy_lane(device, where)  # device -> host copies (a side stream on CUDA)
         self.fetched: dict = {}  # (value, box) -> a lane handle of a box read ahead (`prefetch`)
         self.given: set[str] = set()  # values staged as given (`put`: the program input)
@@ -154,7 +152,6 @@ class Staging:
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype, rows: tuple[int, int] | None = None) -> None:
         """Allocate a staged tensor; with `rows` = (lo, hi) only those rows of the value (a rank's band)."""
-        import torch
 
         if rows is not None:
             self.offsets[name] = rows[0]
@@ -162,9 +159,9 @@ class Staging:
         size = torch.empty((), dtype=dtype).element_size()
         self.sizes[name] = size * math.prod(shape)
         self.peak = max(self.peak, sum(self.sizes.values()))
-        if self.where == "device" or name in self.on_device:
+        if self.where is Place.DEVICE or name in self.on_device:
             self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
-        elif self.where == "host" or len(shape) != 4:
+        elif self.where is Place.HOST or len(shape) != 4:
             pin = torch.device(self.device).type == "cuda"
             self.tensors[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
         else:
@@ -180,7 +177,6 @@ class Staging:
         """(stored shape, dtype, device) of a staged value."""
         t = self.tensors[name]
         if isinstance(t, DiskValue):
-            import torch
 
             return t.shape, t.dtype, torch.device("cpu")
         return tuple(t.shape), t.dtype, t.device
@@ -200,7 +196,7 @@ class Staging:
 
     def prefetches(self, name: str) -> bool:
         """Whether boxes of `name` are read ahead (`prefetch`): host-staged values, with a lane that does."""
-        return (self.lane.prefetch and self.where == "host" and name not in self.on_device | self.given
+        return (self.lane.prefetch and self.where is Place.HOST and name not in self.on_device | self.given
                 and not isinstance(self.tensors.get(name), DiskValue | None))
 
     def prefetch(self, name: str, box: Box) -> None:
@@ -220,7 +216,6 @@ class Staging:
         t = self.tensors.get(name)
         if isinstance(t, DiskValue):
             return True
-        import torch
 
         return t is not None and t.device.type != torch.device(self.device).type
 
@@ -231,7 +226,7 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             t.write(y0 - off, y1 - off, x0, x1, value)
-        elif self.where == "host" and name not in self.on_device:  # into host memory: the lane's copy
+        elif self.where is Place.HOST and name not in self.on_device:  # into host memory: the lane's copy
             self.lane.copy(name, t[..., y0 - off : y1 - off, x0:x1], value)
         else:
             t[..., y0 - off : y1 - off, x0:x1].copy_(value, non_blocking=True)
@@ -240,7 +235,7 @@ class Staging:
         """Disk staging (the memory-bounded one) keeps at most heap_slack bytes of freed heap resident:
         called after every op and tile. Host and device staging never trim (re-faulting the trimmed
         pages cost ~7% of a decode)."""
-        if self.where == "disk":
+        if self.where is Place.DISK:
             trim_heap(self.heap_slack)
 
     def free(self, name: str) -> None:
@@ -259,3 +254,23 @@ class Staging:
             self.free(name)
         if self.dir is not None:
             self.dir.cleanup()
+
+
+def candidates(asked: Place | None, gpu: bool, mixed: bool) -> tuple[Place, ...]:
+    """The stagings a plan tries, nearest first: the one asked for, or ("auto") device, host, disk, and
+    on a GPU plan that may mix them (`mixed`: exact mode, one process) device+host after device."""
+    if asked is not None:
+        return (asked,)
+    if gpu and mixed:
+        return (Place.DEVICE, Place.MIXED, Place.HOST, Place.DISK)
+    return (Place.DEVICE, Place.HOST, Place.DISK)
+
+
+def admits(staging: Place, asked: Place | None, staged_bytes: int, host_bytes: int) -> bool:
+    """Whether a GPU plan may stage `staged_bytes` with `staging` given the host memory there is: host
+    staging only where host memory holds them; disk, unless asked for, only where it does not."""
+    if staging is Place.DISK and asked is None:
+        return staged_bytes > host_bytes
+    if staging in (Place.HOST, Place.MIXED):
+        return staged_bytes <= host_bytes
+    return True

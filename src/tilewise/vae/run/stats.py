@@ -10,6 +10,8 @@ costs no merge kernels.
 
 from __future__ import annotations
 
+import torch
+
 
 class GroupStats:
     """Exact per-(batch, group) mean and variance merged over disjoint tiles (Chan et al. 1979).
@@ -64,7 +66,6 @@ class GroupStats:
 
     def replace(self, n: int, mean, m2) -> None:
         """Set the merged moments (sharding: the merge over all ranks), dropping pending parts."""
-        import torch
 
         self._parts, self._n = [], n
         self._both = torch.stack((mean, m2 / n)).to(torch.float64)
@@ -74,7 +75,6 @@ class GroupStats:
         var = sum w_i (var_i + (mean_i - mean)^2) (Chan et al.'s update over k parts at once)."""
         if not self._parts:
             return
-        import torch
 
         parts, self._parts = self._parts, []
         if self._both is not None:
@@ -113,7 +113,6 @@ def moments(x, groups: int, chunk: int = 1 << 20):
     chunk=0 (GPU plans, where every kernel is a launch): one `var_mean` pass instead of ~20 kernels a
     chunk.
     """
-    import torch
 
     if chunk == 0:
         mean, var = var_mean(x, groups)
@@ -141,7 +140,6 @@ def moments(x, groups: int, chunk: int = 1 << 20):
 def var_mean(x, groups: int):
     """(mean, biased variance) of each (batch, group) of x (B, C, h, w) in one torch.var_mean (Welford)
     pass, float32 or wider (half-precision values are read as float32)."""
-    import torch
 
     g = x.unflatten(1, (groups, x.shape[1] // groups))
     if g.dtype not in (torch.float32, torch.float64):

@@ -24,14 +24,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..locality.ops import Op, box_empty, map_box, sub_tensor
-from ..locality.ops3d import StepContext
-from ..locality.program import back_propagate, last_use, run_op, split_segments
-from ..locality.program3d import VideoProgram
+import torch
+from tqdm.auto import tqdm
+
+from ...locality.ops import OpKind, box_empty, map_box, sub_tensor
+from ...locality.ops3d import StepContext
+from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
+from ...locality.program3d import VideoProgram
+from ...vocabulary import Vocabulary
+from ..run.executor import tile_grid
+from ..settings import Attention, Place
 
 logger = logging.getLogger(__name__)
 
-ORDERS = ("frames", "tiles")
+
+
+class Order(Vocabulary):
+    """frames: step by step, the model's own order (any sink); tiles: tile by tile through every step
+    (one tile's caches at a time; random-access sinks)."""
+
+    FRAMES = "frames"
+    TILES = "tiles"
+
+
+ORDERS = Order.words()
 VIDEO_STAGINGS = ("device", "host")
 
 
@@ -48,17 +64,13 @@ def cache_bytes(caches: dict) -> int:
 class _Store:
     """Staged values of the run: (value, step) -> full-size tensor, on the device or the host."""
 
-    def __init__(self, where: str, device):
-        import torch
-
+    def __init__(self, where: Place, device):
         self.device = device
-        self.home = device if where == "device" else torch.device("cpu")
+        self.home = device if where is Place.DEVICE else torch.device("cpu")
         self.values: dict[tuple[str, int], Any] = {}
         self.alive = self.peak = 0
 
     def write(self, key, shape, dtype, box, block) -> None:
-        import torch
-
         if key not in self.values:
             self.values[key] = torch.empty(shape, dtype=dtype, device=self.home)
             self.alive += nbytes(self.values[key])
@@ -73,192 +85,205 @@ class _Store:
         for key in [k for k in self.values if k[0] == value]:
             self.alive -= nbytes(self.values.pop(key))
 
+    def drop(self, value: str, step: int) -> None:
+        """Free one step's tensor of a value (if it was staged)."""
+        t = self.values.pop((value, step), None)
+        if t is not None:
+            self.alive -= nbytes(t)
+
+
+def video_segments(program: VideoProgram, attention: Attention) -> list[Segment]:
+    """The program cut at its barriers: attention when global (these families have no GroupNorm)."""
+    return split_segments(program, lambda op: attention is Attention.GLOBAL if op.kind is OpKind.ATTENTION
+                          else op.sync)
+
+
+def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, dict]]:
+    """(segment, tile) -> (cores of the segment's outputs in the tile, boxes every value needs)."""
+    out = {}
+    for i, seg in enumerate(segs):
+        for tile in grid:
+            cores = {v: map_box(tile.core, shapes[ref], shapes[v]) for v in seg.outputs}
+            cores = {v: b for v, b in cores.items() if not box_empty(b)}
+            if cores:
+                out[i, tile.index] = cores, back_propagate(seg.ops, cores, shapes)
+    return out
+
 
 @dataclass
+class VideoResult:
+    """What one video run made: its output (None when streamed), the most cache bytes held at once (every
+    tile's), the most staged bytes held at once."""
+
+    output: Any
+    cache_peak: int
+    staged_peak: int
+
+
+@dataclass(frozen=True)
 class VideoExecutor:
-    """Runs a video program over a tile grid on a reference value (the latent) and the causal steps."""
+    """A video program run over a tile grid on a reference value (the latent) and the causal steps."""
 
     program: VideoProgram
     tile_size: int
     ref: str  # the value whose pixels tile_size counts (decoder input / encoder output latent)
-    attention: str = "global"
-    staging: str = "device"
-    order: str = "frames"
+    attention: Attention = Attention.GLOBAL
+    staging: Place = Place.DEVICE
+    order: Order = Order.FRAMES
     device: Any = "cpu"
     query_chunk: int = 4096
     progress: bool = True
-    cache_peak: int = 0  # most cache bytes held at once in the last run (every tile's)
-    staged_peak: int = 0  # most staged bytes held at once in the last run
 
     def __post_init__(self):
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        put = object.__setattr__
+        put(self, "order", Order.parse(self.order, "order"))
         if self.staging not in VIDEO_STAGINGS:
             raise ValueError(f"staging for a video VAE must be one of {VIDEO_STAGINGS}, got {self.staging!r}")
+        put(self, "staging", Place(self.staging))
+        put(self, "attention", Attention.parse(self.attention, "attention"))
 
-    def is_global(self, op: Op) -> bool:
-        """Barrier ops: attention when global (these families have no GroupNorm)."""
-        return self.attention == "global" if op.kind == "attention" else op.sync
+    def run(self, x, emit: Callable | None = None) -> VideoResult:
+        """Run on x (B, C, T, H, W): the output, or its cores streamed to emit(frame0, box, block)."""
+        return _VideoRun(self, x, emit).go()
 
-    def segments(self):
-        return split_segments(self.program, self.is_global)
 
-    def grid(self, shapes):
-        from ..geometry import TileGrid
+class _VideoRun:
+    """The state of one `VideoExecutor.run`: shapes, frames and steps, the layout, staging and caches."""
 
-        h, w = shapes[self.ref]
-        return TileGrid(h, w, (min(self.tile_size, h), min(self.tile_size, w)), order="serpentine")
-
-    def layout(self, shapes, segs, grid) -> dict[tuple[int, int], tuple[dict, dict]]:
-        """(segment, tile) -> (cores of the segment's outputs in the tile, boxes every value needs)."""
-        ref = shapes[self.ref]
-        out = {}
-        for i, seg in enumerate(segs):
-            for tile in grid:
-                cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
-                cores = {v: b for v, b in cores.items() if not box_empty(b)}
-                if cores:
-                    out[i, tile.index] = cores, back_propagate(seg.ops, cores, shapes)
-        return out
-
-    def run(self, x, emit: Callable | None = None):
-        """Run on x (B, C, T, H, W); returns the output, or streams emit(frame0, box, block) of its cores."""
-        import torch
-
-        p = self.program
-        self._shapes = p.shapes(tuple(x.shape[-2:]))
-        self._chunks = p.chunks(x.shape[2])
-        self._frames = p.frames(self._chunks)
-        self._chans = p.channels()
-        segs = self.segments()
-        grid = self.grid(self._shapes)
-        self._layout = self.layout(self._shapes, segs, grid)
-        self._lasts = [last_use(seg.ops, seg.outputs) for seg in segs]
-        t_out = self._frames[p.output]
-        self._offsets = [sum(t_out[:k]) for k in range(len(t_out))]
-        self._x, self._emit, self._out = x, emit, None
+    def __init__(self, ex: VideoExecutor, x, emit):
+        p = self.program = ex.program
+        self.ex, self.x, self.emit = ex, x, emit
+        self.shapes, self.chans = p.shapes(tuple(x.shape[-2:])), p.channels()
+        self.chunks = p.chunks(x.shape[2])
+        self.frames = p.frames(self.chunks)
+        self.segs = video_segments(p, ex.attention)
+        self.grid = tile_grid(self.shapes[ex.ref], ex.tile_size)
+        self.layout = layout(self.segs, self.shapes, self.grid, ex.ref)
+        self.lasts = [last_use(seg.ops, seg.outputs) for seg in self.segs]
+        t_out = self.frames[p.output]
+        self.offsets = [sum(t_out[:k]) for k in range(len(t_out))]
+        self.out = None
         if emit is None:
-            h, w = self._shapes[p.output]
-            self._out = torch.empty((x.shape[0], self._chans[p.output], sum(t_out), h, w), dtype=x.dtype,
-                                    device=self.device)
-        self._store = _Store(self.staging, torch.device(self.device))
+            h, w = self.shapes[p.output]
+            self.out = torch.empty((x.shape[0], self.chans[p.output], sum(t_out), h, w), dtype=x.dtype,
+                                   device=ex.device)
+        self.store = _Store(ex.staging, torch.device(ex.device))
         # host staging keeps the frame-major run's caches (every tile's) on the host; a tile-major run
         # holds one tile's caches, on the device
-        cache_home = torch.device("cpu") if self.staging == "host" and self.order == "frames" else None
-        self._ctx = StepContext(query_chunk=self.query_chunk, cache_device=cache_home)
-        self._caches: dict[tuple[int, int], dict] = {}
-        self._cache_alive, self.cache_peak = 0, 0
-        readers = {}
-        for i, seg in enumerate(segs):
-            for v in seg.inputs:
-                readers[v] = i
-        from tqdm.auto import tqdm
+        on_host = ex.staging is Place.HOST and ex.order is Order.FRAMES
+        home = torch.device("cpu") if on_host else None
+        self.ctx = StepContext(query_chunk=ex.query_chunk, cache_device=home)
+        self.caches: dict[tuple[int, int], dict] = {}
+        self.cache_alive = self.cache_peak = 0
+        self.readers = {v: i for i, seg in enumerate(self.segs) for v in seg.inputs}
 
-        bar = tqdm(total=len(self._layout) * len(self._chunks), desc="tiles x steps", unit="unit",
-                   disable=not self.progress, leave=False)
-        steps = range(len(self._chunks))
+    def go(self) -> VideoResult:
+        bar = tqdm(total=len(self.layout) * len(self.chunks), desc="tiles x steps", unit="unit",
+                   disable=not self.ex.progress, leave=False)
+        steps = range(len(self.chunks))
         try:
-            if self.order == "frames":
+            if self.ex.order is Order.FRAMES:
                 for k in steps:
-                    for i, seg in enumerate(segs):
-                        self._segment_step(i, seg, grid, k, bar)
-                        self._free(readers, i, k)
+                    for i, seg in enumerate(self.segs):
+                        self._segment_step(i, seg, k, bar)
+                        self._free(i, k)
             else:
-                for i, seg in enumerate(segs):
-                    if seg.kind == "attention":
-                        for k in steps:
-                            self._segment_step(i, seg, grid, k, bar)
-                    else:
-                        for tile in grid:
-                            for k in steps:
-                                self._unit(i, seg, tile.index, k)
-                                bar.update(1)
-                            self._drop_caches(i, tile.index)
-                    self._free(readers, i, None)
+                for i, seg in enumerate(self.segs):
+                    self._segment_tiles(i, seg, bar)
+                    self._free(i, None)
         finally:
             bar.close()
-            self.staged_peak = self._store.peak
-        return self._out
+        return VideoResult(self.out, self.cache_peak, self.store.peak)
 
-    def _segment_step(self, i, seg, grid, k, bar) -> None:
+    def _segment_tiles(self, i: int, seg, bar) -> None:
+        """Tile-major: segment i tile by tile, each through every step (attention: step by step)."""
+        steps = range(len(self.chunks))
+        if seg.kind is SegmentKind.ATTENTION:
+            for k in steps:
+                self._segment_step(i, seg, k, bar)
+            return
+        for tile in self.grid:
+            for k in steps:
+                self._unit(i, seg, tile.index, k)
+                bar.update(1)
+            self._drop_caches(i, tile.index)
+
+    def _segment_step(self, i: int, seg, k: int, bar) -> None:
         """Segment i on every tile for step k (keys and values of the step's frames first for attention)."""
-        self._ctx.kv.clear()
-        if seg.kind == "attention":
+        self.ctx.kv.clear()
+        if seg.kind is SegmentKind.ATTENTION:
             self._prepare_attention(seg, k)
-        for tile in grid:
+        for tile in self.grid:
             self._unit(i, seg, tile.index, k)
             bar.update(1)
-        if k == len(self._chunks) - 1:
-            for tile in grid:
+        if k == len(self.chunks) - 1:
+            for tile in self.grid:
                 self._drop_caches(i, tile.index)
 
-    def _free(self, readers: dict[str, int], i: int, k: int | None) -> None:
+    def _free(self, i: int, k: int | None) -> None:
         """Drop the staged values segment i read last (of step k, or of every step)."""
-        for v, j in readers.items():
+        for v, j in self.readers.items():
             if j == i and v != self.program.input:
                 if k is None:
-                    self._store.free(v)
+                    self.store.free(v)
                 else:
-                    t = self._store.values.pop((v, k), None)
-                    if t is not None:
-                        self._store.alive -= nbytes(t)
+                    self.store.drop(v, k)
 
     def _drop_caches(self, i: int, tile: int) -> None:
-        caches = self._caches.pop((i, tile), None)
+        caches = self.caches.pop((i, tile), None)
         if caches:
-            self._cache_alive -= cache_bytes(caches)
+            self.cache_alive -= cache_bytes(caches)
 
     def _read(self, v: str, k: int, box):
         """Box of staged value v in step k (the program input: the step's frames of x)."""
         if v == self.program.input:
-            a, b = self._chunks[k]
-            t = self._x[:, :, a:b, box[0] : box[1], box[2] : box[3]]
-            return t.to(self.device, non_blocking=True)
-        return self._store.read((v, k), box)
+            a, b = self.chunks[k]
+            t = self.x[:, :, a:b, box[0] : box[1], box[2] : box[3]]
+            return t.to(self.ex.device, non_blocking=True)
+        return self.store.read((v, k), box)
 
     def _prepare_attention(self, seg, k: int) -> None:
         """Keys and values of every token of each frame of step k, in row bands of the staged input."""
-        import torch
-
         op = seg.ops[0]
         n = op.src[0]
-        h, w = self._shapes[n]
-        band = max(1, min(h, self.query_chunk // max(w, 1)))
+        h, w = self.shapes[n]
+        band = max(1, min(h, self.ex.query_chunk // max(w, 1)))
         ks, vs = [], []
         for y0 in range(0, h, band):
             kk, vv = op.keys_values(self._read(n, k, (y0, min(h, y0 + band), 0, w)))
             ks.append(kk)
             vs.append(vv)
-        self._ctx.kv[id(op)] = (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+        self.ctx.kv[id(op)] = (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
 
     def _unit(self, i: int, seg, tile: int, k: int) -> None:
         """Segment i on one tile for step k: read, run the ops with the tile's caches, store the cores."""
-        hit = self._layout.get((i, tile))
+        hit = self.layout.get((i, tile))
         if hit is None:
             return
         cores, need = hit
-        ctx = self._ctx
-        ctx.step, ctx.last = k, k == len(self._chunks) - 1
-        ctx.caches = self._caches.setdefault((i, tile), {})
+        ctx = self.ctx
+        ctx.step, ctx.last = k, k == len(self.chunks) - 1
+        ctx.caches = self.caches.setdefault((i, tile), {})
         before = cache_bytes(ctx.caches)
         vals, shared = {}, []
         for v in seg.inputs:
             t = self._read(v, k, need[v])
             vals[v] = (t, need[v])
             shared.append(t)
-        last = self._lasts[i]
         for j in range(len(seg.ops)):
-            run_op(seg.ops, j, ctx, vals, need, self._shapes, last, keep=seg.outputs, shared=shared)
-        self._cache_alive += cache_bytes(ctx.caches) - before
-        self.cache_peak = max(self.cache_peak, self._cache_alive)
-        p = self.program
+            run_op(seg.ops, j, ctx, vals, need, self.shapes, self.lasts[i], keep=seg.outputs, shared=shared)
+        self.cache_alive += cache_bytes(ctx.caches) - before
+        self.cache_peak = max(self.cache_peak, self.cache_alive)
         for v, core in cores.items():
-            block = sub_tensor(vals[v][0], vals[v][1], core)
-            if v != p.output:
-                shape = (self._x.shape[0], self._chans[v], self._frames[v][k], *self._shapes[v])
-                self._store.write((v, k), shape, block.dtype, core, block)
-            elif self._emit is not None:
-                self._emit(self._offsets[k], core, block)
-            else:
-                t0 = self._offsets[k]
-                self._out[:, :, t0 : t0 + block.shape[2], core[0] : core[1], core[2] : core[3]].copy_(block)
+            self._store_core(v, k, core, sub_tensor(vals[v][0], vals[v][1], core))
+
+    def _store_core(self, v: str, k: int, core, block) -> None:
+        """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
+        if v != self.program.output:
+            shape = (self.x.shape[0], self.chans[v], self.frames[v][k], *self.shapes[v])
+            self.store.write((v, k), shape, block.dtype, core, block)
+        elif self.emit is not None:
+            self.emit(self.offsets[k], core, block)
+        else:
+            t0 = self.offsets[k]
+            self.out[:, :, t0 : t0 + block.shape[2], core[0] : core[1], core[2] : core[3]].copy_(block)

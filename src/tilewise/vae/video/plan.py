@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..locality.ops import box_area
-from .video import ORDERS, VIDEO_STAGINGS, VideoExecutor
+from ...locality.ops import OpKind, box_area
+from ...locality.program import SegmentKind
+from ...memory import format_bytes
+from ..run.executor import tile_grid
+from ..settings import Job, Mode, Place, Settings
+from .executor import VIDEO_STAGINGS, Order, layout, video_segments
 
 
 @dataclass
@@ -49,8 +53,7 @@ class VideoPlan:
         return self.macs / self.macs_untiled - 1.0 if self.macs_untiled else 0.0
 
     def __str__(self) -> str:
-        from ..memory import format_bytes as fb
-
+        fb = format_bytes
         chunks = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in self.steps[:4])
         more = f", ... ({len(self.steps)} steps)" if len(self.steps) > 4 else ""
         rows = [
@@ -73,24 +76,23 @@ class VideoPlan:
 
 
 def _conv_macs(op, frames: int, area: int) -> int:
-    return int(op.weight.numel()) * frames * area if op.kind in ("conv3d", "frame_conv") else 0
+    return int(op.weight.numel()) * frames * area if op.kind in (OpKind.CONV3D, OpKind.FRAME_CONV) else 0
 
 
-def count(p, shape, tile: int, ref: str, attention: str, staging: str, order: str, item: int,
+def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order, item: int,
           query_chunk: int = 4096, to_sink: bool = False) -> dict:
     """The figures of a VideoPlan for program p on an input of `shape` (B, C, T, H, W)."""
     b = int(shape[0])
-    ex = VideoExecutor(p, tile, ref, attention=attention, staging=staging, order=order, progress=False)
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     chunks = p.chunks(int(shape[2]))
     frames = p.frames(chunks)
-    segs = ex.segments()
-    grid = ex.grid(shapes)
-    layout = ex.layout(shapes, segs, grid)
+    segs = video_segments(p, attention)
+    grid = tile_grid(shapes[ref], tile)
+    units = layout(segs, shapes, grid, ref)
     last = len(chunks) - 1
     src_of = {op.dst: op.src[0] for op in p.ops}
     per_unit, macs, working = {}, 0, 0
-    for (i, t), (_, need) in layout.items():
+    for (i, t), (_, need) in units.items():
         elems = sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]], chans[src_of[op.dst]], last - 1)
                     for op in segs[i].ops if hasattr(op, "cache_elems") and op.dst in need) if last else 0
         per_unit[i, t] = elems * b * item
@@ -104,11 +106,11 @@ def count(p, shape, tile: int, ref: str, attention: str, staging: str, order: st
     tiles_of: dict[int, int] = {}
     for (_, t), n in per_unit.items():
         tiles_of[t] = tiles_of.get(t, 0) + n
-    caches = sum(per_unit.values()) if order == "frames" else max(per_unit.values(), default=0)
+    caches = sum(per_unit.values()) if order is Order.FRAMES else max(per_unit.values(), default=0)
     staged = _staged_peak(p, segs, shapes, chans, frames, b * item, order)
     attn = 0
     for seg in segs:
-        if seg.kind == "attention":
+        if seg.kind is SegmentKind.ATTENTION:
             n = seg.ops[0].src[0]
             tokens = shapes[n][0] * shapes[n][1]
             per_tile = -(-tokens // len(grid))
@@ -118,9 +120,10 @@ def count(p, shape, tile: int, ref: str, attention: str, staging: str, order: st
     h, w = shapes[p.output]
     out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
     out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
-    cached_on_host = staging == "host" and order == "frames"  # (a tile-major run keeps its one tile's)
-    host = (caches if cached_on_host else 0) + (staged if staging == "host" else 0)
-    resident = (0 if cached_on_host else caches) + (0 if staging == "host" else staged)
+    # (a tile-major run keeps its one tile's caches on the device)
+    cached_on_host = staging is Place.HOST and order is Order.FRAMES
+    host = (caches if cached_on_host else 0) + (staged if staging is Place.HOST else 0)
+    resident = (0 if cached_on_host else caches) + (0 if staging is Place.HOST else staged)
     reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
     return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
                 sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
@@ -143,7 +146,7 @@ def _staged_peak(p, segs, shapes, chans, frames, unit: int, order: str) -> int:
         return sum(unit * chans[v] * frames[v][k] * shapes[v][0] * shapes[v][1] for k in ks)
 
     peak = 0
-    for ks in ([[k] for k in steps] if order == "frames" else [list(steps)]):
+    for ks in ([[k] for k in steps] if order is Order.FRAMES else [list(steps)]):
         alive: dict[str, int] = {}
         for i, seg in enumerate(segs):
             for v in seg.outputs:
@@ -155,62 +158,56 @@ def _staged_peak(p, segs, shapes, chans, frames, unit: int, order: str) -> int:
     return peak
 
 
-def make_video_plan(tv, shape, kind: str = "decode", tile_size: int | None = None, staging: str | None = None,
-                    order: str | None = None, to_sink: bool = False, sequential: bool = False) -> VideoPlan:
-    """The plan of TiledVAE `tv` (a 3-D VAE) for an input of `shape` (B, C, T, H, W).
+def make_video_plan(settings: Settings, job: Job, shape, tile_size: int | None = None, staging=None,
+                    order=None, to_sink: bool = False, sequential: bool = False) -> VideoPlan:
+    """The plan of a 3-D VAE's job for an input of `shape` (B, C, T, H, W).
 
-    Tile size, staging and order as given, else chosen: within tv.memory_budget the largest tile, and of
-    the orders the smaller peak ("frames" only when the sink needs its frames in order: `sequential`)."""
-    tile, st, order = choose_video(tv, shape, kind, tile_size, staging, order, to_sink, sequential)
-    return _plan(tv, shape, kind, tile, st, order, to_sink)
+    Tile size, staging and order as given, else chosen: within the memory budget the largest tile, and
+    of the orders the smaller peak ("frames" only when the sink needs its frames in order: `sequential`)."""
+    tile, st, order = choose_video(settings, job, shape, tile_size, staging, order, to_sink, sequential)
+    return _plan(settings, job, shape, tile, st, order, to_sink)
 
 
-def _plan(tv, shape, kind, tile, st, order, to_sink) -> VideoPlan:
-    import torch
-
-    p = tv.program(kind)
-    ref = p.input if kind == "decode" else p.output
-    item = torch.empty((), dtype=tv.vae.dtype).element_size()
+def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Order,
+          to_sink: bool) -> VideoPlan:
+    p = job.program
     shape = tuple(int(d) for d in shape)
-    f = count(p, shape, tile, ref, tv.attention, st, order, item, tv.query_chunk, to_sink)
+    f = count(p, shape, tile, job.ref, settings.attention, st, order, job.item, settings.query_chunk, to_sink)
     notes = []
-    if tv.mode == "fast":
+    if settings.mode is Mode.FAST:
         notes.append("fast mode estimates GroupNorm statistics; this VAE has none: the run is exact")
     if f["dropped"]:
         notes.append(f"the model encodes 1 + {p.every} k frames: the last {f['dropped']} input frames are "
-                     f"not encoded (as {type(tv.vae).__name__}.encode does)")
-    return VideoPlan(kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, "exact",
-                     tv.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, **f)
+                     f"not encoded (as {job.model}.encode does)")
+    return VideoPlan(job.kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, Mode.EXACT,
+                     settings.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, **f)
 
 
-def choose_video(tv, shape, kind, tile_size=None, staging=None, order=None, to_sink=False,
-                 sequential=False) -> tuple[int, str, str]:
-    """(tile, staging, order): as given, else the largest tile within tv.memory_budget and, of the
+def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=None, order=None, to_sink=False,
+                 sequential=False) -> tuple[int, Place, Order]:
+    """(tile, staging, order): as given, else the largest tile within the memory budget and, of the
     allowed orders and stagings, the first ("device" before "host") with the smaller peak."""
-    if tv.staging not in ("auto", *VIDEO_STAGINGS):
-        raise ValueError(f"staging={tv.staging!r} is not available for a 3-D VAE: use 'auto' or one of "
-                         f"{VIDEO_STAGINGS}")
-    if order is not None and order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if order == "tiles" and sequential:
+    if settings.staging is not None and settings.staging not in VIDEO_STAGINGS:
+        raise ValueError(f"staging={settings.staging_word!r} is not available for a 3-D VAE: use 'auto' or "
+                         f"one of {VIDEO_STAGINGS}")
+    order = None if order is None else Order.parse(order, "order")
+    if order is Order.TILES and sequential:
         raise ValueError("this sink takes frames in order: order='tiles' would hold every frame open; "
                          "use order='frames' or a .npy stack")
-    orders = (order,) if order else (("frames",) if sequential else ORDERS)
-    stagings = (staging,) if staging else (VIDEO_STAGINGS if tv.staging == "auto" else (tv.staging,))
-    tiles = [tile_size or tv.tile_size]
-    if tile_size is None and tv.memory_budget is not None:
-        tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(tv.tile_size, 4)]
+    orders = (order,) if order else ((Order.FRAMES,) if sequential else tuple(Order))
+    stagings = (Place(staging),) if staging else (tuple(Place(s) for s in VIDEO_STAGINGS)
+                                                  if settings.staging is None else (settings.staging,))
+    budget = settings.memory_budget
+    tiles = [tile_size or settings.tile_size]
+    if tile_size is None and budget is not None:
+        tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(settings.tile_size, 4)]
     best = None
     for tile in tiles:
         for st in stagings:
-            plans = [_plan(tv, shape, kind, tile, st, o, to_sink) for o in orders]
-            q = min(plans, key=lambda q: q.peak)
-            if tv.memory_budget is None or q.peak <= tv.memory_budget:
+            q = min((_plan(settings, job, shape, tile, st, o, to_sink) for o in orders), key=lambda q: q.peak)
+            if budget is None or q.peak <= budget:
                 return tile, st, q.order
             best = q if best is None or q.peak < best.peak else best
-    from ..memory import format_bytes
-
-    raise ValueError(f"no plan fits memory_budget={format_bytes(tv.memory_budget)}: the smallest (tile "
+    raise ValueError(f"no plan fits memory_budget={format_bytes(budget)}: the smallest (tile "
                      f"{best.tile_size}, staging {best.staging}, order {best.order}) needs "
-                     f"~{format_bytes(best.peak)}; "
-                     f"raise the budget or stream to a sink (decode_to)")
+                     f"~{format_bytes(best.peak)}; raise the budget or stream to a sink (decode_to)")

@@ -1,0 +1,83 @@
+"""How a run runs: the choices a plan settles (`Choices`), and how each of its passes runs (`RunOptions`).
+
+A plan (`vae.plan`) settles a run's `Choices` (tile, staging, row bands, streamed attention, reads ahead,
+fast mode's pieces) within the memory budget; each pass of the run then gets its `RunOptions`, made from
+those choices, the user's settings and the device profile (`pass_options`). The executor follows them,
+and the plan's counts read the same record, so what is counted is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..devices import BAND_BYTES, DeviceProfile
+from ..settings import Attention, Place, Settings
+from .staging import TRIM_FREE
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What a plan settles beyond the settings, as the run takes it (`Plan.choices`). Given to `make_plan`
+    as a request, `fast_cuts` None asks it to choose the pieces; the plan's own choices say what it chose."""
+
+    tile_size: int
+    staging: Place
+    band_bytes: int | None = None  # exact segments' big tiles in row bands of this
+    on_device: frozenset = frozenset()  # MIXED staging: the values staged on the device
+    kv_chunk: int = 0  # streamed global attention: keys / values read this many tokens at a time ...
+    query_rows: int = 0  # ... by queries in row bands of this many latent rows (0: in the tiles)
+    read_ahead: bool = True  # host staging reads the next tile's inputs while a tile runs (`copies`)
+    fast_cuts: tuple[int, ...] | None = ()  # fast mode: its estimated part in pieces cut there
+    low_tile: int = 0  # fast mode: the low pass's tile (0: the run's tile)
+    staged_estimate: bool = False  # fast mode: the sampled tiles staged segment by segment
+
+    def __post_init__(self):
+        object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
+
+    def replace(self, **changes) -> Choices:
+        """A copy with some choices changed."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a pass runs (defaults: a CPU run with everything staged on the device)."""
+
+    attention: Attention = Attention.GLOBAL  # global (exact) or tile-local attention
+    staging: Place = Place.DEVICE  # where staged values live (MIXED: `on_device` there, the rest host)
+    on_device: frozenset = frozenset()  # MIXED: the values staged on the device
+    band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (None: whole)
+    kv_chunk: int = 0  # global attention: keys / values in host memory, streamed this many tokens a time
+    query_rows: int = 0  # global attention: queries in row bands of this many reference rows (0: tiles)
+    read_ahead: bool = True  # host staging: the next tile's inputs read while a tile runs (where it can)
+    query_chunk: int = 4096  # queries attended at a time
+    conv_workspace: int = 32 << 20  # convs on bigger tiles run in row bands (bounds CPU im2col buffers)
+    stats_chunk: int = 1 << 20  # bytes of one pass of GroupNorm moments (0: one Welford pass, GPU plans)
+    check_finite: bool = True  # NaN / inf checks of the stored values, one host sync a segment
+    check_emitted: bool = True  # each emitted core checked before it leaves for the sink (one sync a
+    # core; False for a sink that discards them: with the segment's other checks, one sync a segment)
+    heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
+    stage_dir: str | None = None  # disk staging's folder (None: the system's temporary folder)
+    progress: bool = True  # a progress bar over the tiles
+
+    def __post_init__(self):
+        object.__setattr__(self, "attention", Attention.parse(self.attention, "attention"))
+        object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
+
+    def replace(self, **changes) -> RunOptions:
+        """A copy with some options changed."""
+        return replace(self, **changes)
+
+    def place(self, value: str) -> Place:
+        """Where staged value `value` lives."""
+        return Place.DEVICE if value in self.on_device else self.staging.home
+
+
+def pass_options(settings: Settings, profile: DeviceProfile, choices: Choices, **changes) -> RunOptions:
+    """The options of a pass that follows `choices` under `settings` on `profile` (with `changes`)."""
+    base = RunOptions(attention=settings.attention, staging=choices.staging, on_device=choices.on_device,
+                      band_bytes=choices.band_bytes, kv_chunk=choices.kv_chunk, query_rows=choices.query_rows,
+                      read_ahead=choices.read_ahead, query_chunk=settings.query_chunk,
+                      conv_workspace=profile.conv_workspace, stats_chunk=profile.stats_chunk,
+                      stage_dir=settings.stage_dir, progress=settings.progress)
+    return base.replace(**changes) if changes else base
