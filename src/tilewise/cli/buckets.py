@@ -1,4 +1,7 @@
-"""The `buckets` command: bucket set, assignments with explanations, measured profile and choice."""
+"""The `buckets` command: bucket set, assignments with explanations, measured profile and choice.
+
+Imports of torch and the library layers are inside the functions: they keep `tilewise --help` fast.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def buckets(
 
     Example: tilewise buckets --request 800x1200 --request 2048x512 --policy pad --k 3 --plot cost.png
     """
-    from ..buckets import BucketPlanner, choose_buckets, profile_buckets
+    from ..buckets import BucketPlanner, choose_buckets
 
     defaults = ["800x1200", "1200x800", "2048x512", "512x512"]
     requests = [parse_size(r, "--request") for r in (request or defaults)]
@@ -42,28 +45,11 @@ def buckets(
         + ", ".join(f"{w}x{h}" for w, h in planner.buckets[:12])
         + (" ..." if len(planner.buckets) > 12 else "")
     )
-    scaled = []
-    for w, h in requests:
-        s = min(1.0, (area / (w * h)) ** 0.5)
-        sw, sh = max(step, int(w * s / step) * step), max(step, int(h * s / step) * step)
-        scaled.append((sw, sh))
-        a = planner.assign(sw, sh, policy=policy.value)
-        typer.echo(f"- {w}x{h} (as {sw}x{sh}) -> bucket {a.bucket[0]}x{a.bucket[1]}: {a.explain()}")
+    scaled = _assign(planner, requests, area, step, policy.value)
     if not profile:
         return
-    import torch
-
-    from ..pipelines import load_pipeline
-
-    loaded = load_pipeline(None)
-    unet = loaded.pipe.unet
-    emb = loaded.encode("", "")["prompt_embeds"]
-
-    def step_fn(x):
-        return unet(x, 500, encoder_hidden_states=emb.expand(len(x), -1, -1)).sample
-
     candidates = sorted(set(planner.buckets))
-    prof = profile_buckets(step_fn, candidates, guidance=5.0, repeats=repeats, dtype=torch.float32)
+    prof = _profile_embedded_unet(candidates, repeats)
     typer.echo(prof.table())
     choice = choose_buckets(scaled, prof, min(k, len(candidates)), policy=policy.value)
     typer.echo(choice.table())
@@ -76,3 +62,34 @@ def buckets(
             json.dumps([{"tokens": t.tokens, "seconds": t.median} for t in prof.timings], indent=2)
         )
     finish_report(run_dir)
+
+
+def _assign(planner, requests: list[tuple[int, int]], area: int, step: int,
+            policy: str) -> list[tuple[int, int]]:
+    """Each request scaled down to the bucket area (sides multiples of `step`), assigned to a bucket with
+    the explanation printed; the scaled sizes."""
+    scaled = []
+    for w, h in requests:
+        s = min(1.0, (area / (w * h)) ** 0.5)
+        sw, sh = max(step, int(w * s / step) * step), max(step, int(h * s / step) * step)
+        scaled.append((sw, sh))
+        a = planner.assign(sw, sh, policy=policy)
+        typer.echo(f"- {w}x{h} (as {sw}x{sh}) -> bucket {a.bucket[0]}x{a.bucket[1]}: {a.explain()}")
+    return scaled
+
+
+def _profile_embedded_unet(candidates: list[tuple[int, int]], repeats: int):
+    """One guided call of the embedded UNet timed at each candidate bucket (the measured cost profile)."""
+    import torch
+
+    from ..buckets import profile_buckets
+    from ..pipelines import load_pipeline
+
+    loaded = load_pipeline(None)
+    unet = loaded.pipe.unet
+    emb = loaded.encode("", "")["prompt_embeds"]
+
+    def step_fn(x):
+        return unet(x, 500, encoder_hidden_states=emb.expand(len(x), -1, -1)).sample
+
+    return profile_buckets(step_fn, candidates, guidance=5.0, repeats=repeats, dtype=torch.float32)

@@ -1,11 +1,16 @@
-"""Commands that run the denoiser: `generate` (text to image at any size) and `upscale` (tiled img2img)."""
+"""Commands that run the denoiser: `generate` (text to image at any size) and `upscale` (tiled img2img).
+
+Each checks its options, builds the recipe's options record (`GenerateOptions`, `UpscaleOptions`), runs
+the recipe and reports. Imports of torch, PIL and the library layers are inside the functions: they keep
+`tilewise --help` fast.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,6 +18,9 @@ from . import checks, options
 from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
+
+if TYPE_CHECKING:
+    from ..pipelines import GenerateOptions, GenerateResult, Loaded
 
 
 def generate(
@@ -52,8 +60,7 @@ def generate(
     Example: tilewise generate --prompt grass --width 2048 --height 512
     --region "0,0,1024,512:brick" --region "1024,0,2048,512:gravel" --out wide.png
     """
-    from ..pipelines import generate as run
-    from ..pipelines import load_pipeline, parse_region
+    from ..pipelines import GenerateOptions, load_pipeline, parse_region, run_generate
 
     regions = [parse_region(r) for r in region or []]
     checks.output(out, no_clobber=no_clobber, bits=8)
@@ -61,63 +68,42 @@ def generate(
     checks.model_paths(model, config)
     device = options.resolve_device(device)
     group, rank = join_ranks(nproc)
-    quiet = quiet or rank != 0
-    loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
-    t0 = time.perf_counter()
-    res = run(
-        loaded,
-        prompt,
-        width,
-        height,
-        negative=negative,
-        regions=regions,
-        method=method.value,
-        tile_size=tile,
-        overlap=overlap,
-        batch_size=batch_size,
-        steps=steps,
-        seed=seed,
-        guidance=guidance,
-        vae_tile=vae_tile,
-        vae_mode=vae_mode.value,
-        out=str(out),
-        progress=not quiet,
-        process_group=group,
+    job = GenerateOptions(
+        prompt, width, height, negative=negative, regions=regions, method=method.value, tile_size=tile,
+        overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance, vae_tile=vae_tile,
+        vae_mode=vae_mode.value, out=str(out), progress=not (quiet or rank != 0), process_group=group,
         replace=not no_clobber,
     )
+    loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    res = run_generate(loaded, job)
     total = time.perf_counter() - t0
-    if rank != 0:
-        return
+    if rank == 0:
+        _report_generate(job, region or [], loaded, res, total, report)
+
+
+def _report_generate(job: GenerateOptions, region_texts: list[str], loaded: Loaded, res: GenerateResult,
+                     total: float, report: Path | None) -> None:
+    """The line of what `generate` wrote, and its run folder: tiles, VAE plan, the UNet's cost curve."""
+    from ..geometry import TileGrid
+
     typer.echo(
-        f"wrote {out} ({width}x{height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
+        f"wrote {job.out} ({job.width}x{job.height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
         f"({res.unet_tiles_per_call} {'UNet' if loaded.denoiser == 'unet' else 'transformer'} tiles per "
         f"call), decode {res.seconds['decode']:.1f}s"
     )
-    run_dir = run_folder(
-        report,
-        {
-            "command": "generate",
-            "prompt": prompt,
-            "regions": region or [],
-            "size": [width, height],
-            "method": method.value,
-            "tile": tile,
-            "overlap": overlap,
-            "steps": steps,
-            "seed": seed,
-            "model": loaded.source,
-            "seconds": res.seconds,
-            "output": str(out),
-        },
-    )
+    run_dir = run_folder(report, {
+        "command": "generate", "prompt": job.prompt, "regions": region_texts, "size": [job.width, job.height],
+        "method": job.method, "tile": job.tile_size, "overlap": job.overlap, "steps": job.steps,
+        "seed": job.seed, "model": loaded.source, "seconds": res.seconds, "output": job.out,
+    })
     if run_dir is not None:
-        from ..geometry import TileGrid
-
-        f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
-        TileGrid(height // f, width // f, tile, overlap=overlap).draw(str(run_dir / "tiles.png"), scale=f)
+        f, tile = int(getattr(loaded.pipe, "vae_scale_factor", 8)), job.tile_size
+        grid = TileGrid(job.height // f, job.width // f, tile, overlap=job.overlap)
+        grid.draw(str(run_dir / "tiles.png"), scale=f)
         write_plan(run_dir, res.vae_plan)
         if loaded.denoiser == "unet":  # the cost curve is measured on UNet calls
-            _write_unet_costs(run_dir, loaded, guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
+            _write_unet_costs(run_dir, loaded, job.guidance, sizes=(tile // 2, tile, 2 * tile, 3 * tile), f=f)
     finish_report(run_dir)
 
 
@@ -180,11 +166,9 @@ def upscale(
     Example: tilewise upscale photo.png --scale 2 --strength 0.5 --controlnet tile-cn --inversion-steps 10
     --out photo_2x.png
     """
-    from ..diffusion import upscale as run
+    from ..diffusion import UpscaleOptions, run_upscale
     from ..pipelines import load_pipeline
     from ..pipelines.fits import check_upscale_fits
-    from ..pipelines.loading import load_controlnet
-    from ..sinks import open_sink
     from ..sources import read_image
 
     checks.output(out, no_clobber=no_clobber)
@@ -194,33 +178,31 @@ def upscale(
     src = read_image(image)  # at its depth (16-bit in, 16-bit out); alpha is not used
     check_upscale_fits(src.width, src.height, scale)
     group, rank = join_ranks(nproc)
-    quiet = quiet or rank != 0
-    extra = {}
-    if controlnet is not None:  # (small, and refused in one line before the pipeline loads)
-        extra = dict(controlnet=load_controlnet(controlnet, device, dtype),
-                     controlnet_conditioning_scale=controlnet_scale)
+    extra = _controlnet(controlnet, controlnet_scale, device, dtype)
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
-    result = run(
-        loaded.pipe,
-        src.tensor((0.0, 1.0)),
-        scale=scale,
-        strength=strength,
-        tile_size=tile,
-        overlap=overlap,
-        method=method.value,
-        vae_tile_size=vae_tile,
-        num_inference_steps=steps,
-        seed=seed,
-        guidance_scale=guidance,
-        disable=quiet,
-        process_group=group,
-        inversion_steps=inversion_steps,
-        **extra,
-        **cond,
-    )
-    if rank != 0:
-        return
+    job = UpscaleOptions(scale=scale, strength=strength, tile_size=tile, overlap=overlap, method=method.value,
+                         vae_tile_size=vae_tile, num_inference_steps=steps, seed=seed,
+                         disable=quiet or rank != 0, process_group=group, inversion_steps=inversion_steps)
+    result = run_upscale(loaded.pipe, src.tensor((0.0, 1.0)), job, guidance_scale=guidance, **extra, **cond)
+    if rank == 0:
+        _write_upscaled(out, result, src, no_clobber)
+
+
+def _controlnet(folder: Path | None, scale: float, device: str, dtype: str) -> dict:
+    """The upscale's ControlNet arguments: the model of --controlnet (small, and refused in one line before
+    the pipeline loads) and its conditioning scale; none without one."""
+    from ..pipelines.loading import load_controlnet
+
+    if folder is None:
+        return {}
+    return dict(controlnet=load_controlnet(folder, device, dtype), controlnet_conditioning_scale=scale)
+
+
+def _write_upscaled(out: Path, result, src, no_clobber: bool) -> None:
+    """Write the upscaled image at the input's depth, and say so."""
+    from ..sinks import open_sink
+
     h, w = result.shape[-2:]
     bits = src.bits
     with open_sink(str(out), h, w, 3, bits=bits, replace=not no_clobber, value_range=(0.0, 1.0)) as sink:

@@ -1,4 +1,8 @@
-"""Commands of the tiled VAE: `decode`, `encode`, `analyze` (tileability), `plan`, `compare` (vs untiled)."""
+"""Commands of the tiled VAE: `decode`, `encode`, `analyze` (tileability), `plan`, `compare` (vs untiled).
+
+`decode` and `encode` build the recipes' options record (`VaeFileOptions`) from their typed options. Imports
+of torch, numpy, PIL and the library layers are inside the functions: they keep `tilewise --help` fast.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def decode(
 
     Example: tilewise decode video.safetensors --model wan-folder --out "frames/f{:04d}.png"
     """
-    from ..pipelines import decode_file, load_vae
+    from ..pipelines import VaeFileOptions, load_vae, run_decode_file
 
     checks.model_paths(model, config)
     video = _video_vae(model, nproc)
@@ -62,25 +66,14 @@ def decode(
     device = options.resolve_device(device)
     checks.latents_input(latents, video=video)
     group, rank = join_ranks(nproc)
-    quiet = quiet or rank != 0
+    job = VaeFileOptions(str(latents), str(out), tile_size=tile, mode=mode.value, budget=budget,
+                         staging=staging.value, bits=bits, progress=not (quiet or rank != 0),
+                         process_group=group, replace=not no_clobber)
     vae = load_vae(model, config=config, device=device)
-    plan = decode_file(
-        vae,
-        str(latents),
-        str(out),
-        tile_size=tile,
-        mode=mode.value,
-        budget=budget,
-        staging=staging.value,
-        bits=bits,
-        progress=not quiet,
-        process_group=group,
-        replace=not no_clobber,
-    )
+    plan = run_decode_file(vae, job)
     if rank != 0:
         return
-    typer.echo(str(plan))
-    typer.echo(f"wrote {out}")
+    typer.echo(f"{plan}\nwrote {out}")
     run_dir = run_folder(
         report, {"command": "decode", "latents": str(latents), "mode": mode.value, "output": str(out)}
     )
@@ -116,7 +109,7 @@ def encode(
 
     Example: tilewise encode video.npy --model wan-folder --out video.safetensors
     """
-    from ..pipelines import encode_file, load_vae
+    from ..pipelines import VaeFileOptions, load_vae, run_encode_file
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
     checks.model_paths(model, config)
@@ -126,24 +119,14 @@ def encode(
         checks.image_input(image)
     device = options.resolve_device(device)
     group, rank = join_ranks(nproc)
-    quiet = quiet or rank != 0
+    job = VaeFileOptions(str(image), str(out), tile_size=tile, mode=mode.value, budget=budget,
+                         staging=staging.value, progress=not (quiet or rank != 0), process_group=group,
+                         replace=not no_clobber)
     vae = load_vae(model, config=config, device=device)
-    plan = encode_file(
-        vae,
-        str(image),
-        str(out),
-        tile_size=tile,
-        mode=mode.value,
-        budget=budget,
-        staging=staging.value,
-        progress=not quiet,
-        process_group=group,
-        replace=not no_clobber,
-    )
+    plan = run_encode_file(vae, job)
     if rank != 0:
         return
-    typer.echo(str(plan))
-    typer.echo(f"wrote {out}")
+    typer.echo(f"{plan}\nwrote {out}")
 
 
 def _video_vae(model, nproc: int) -> bool:
@@ -240,11 +223,34 @@ def plan(
 
     Example: tilewise plan --width 4096 --height 4096 --device cuda --dtype float16 --budget 16GiB
     """
-    from ..errors import WontFit
-    from ..geometry import TileGrid
     from ..pipelines import load_pipeline
     from ..vae import TiledVAE
 
+    _check_plan_options(kind, image, over, report, model, config, no_clobber)
+    device = options.resolve_device(device, present=False)
+    kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
+    loaded = load_pipeline(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
+    f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
+    if width % f or height % f:
+        raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
+    tv = TiledVAE(loaded.pipe.vae, tile_size=tile, mode=mode.value, memory_budget=budget,
+                  staging=staging.value, device_kind=kind_of)
+    shape, p = _plan_of(tv, loaded.pipe.vae, kind, width, height, f)
+    typer.echo(str(p))
+    typer.echo(f"  device {device}: {_here(device)}")
+    lat = (height // f, width // f)
+    owner = _rank_owners(tv, shape, ranks, kind, p.tile_size, lat) if ranks > 1 else None
+    run_dir = run_folder(report, {"command": "plan", "size": [width, height], "kind": kind})
+    pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
+    if pictures:
+        _draw_plan(pictures, over, (width, height), lat, p.tile_size, f, owner)
+    write_plan(run_dir, p)
+    finish_report(run_dir)
+
+
+def _check_plan_options(kind: str, image: Path | None, over: Path | None, report: Path | None, model, config,
+                        no_clobber: bool) -> None:
+    """plan's checks before the model loads: the kind, the picture, the report folder, --over, the model."""
     if kind not in ("decode", "encode"):
         raise ValueError(f"--kind must be 'decode' or 'encode', got {kind!r}")
     checks.picture(image, "--image", no_clobber)
@@ -252,57 +258,56 @@ def plan(
     if over is not None:
         checks.image_input(over, "--over")
     checks.model_paths(model, config)
-    device = options.resolve_device(device, present=False)
-    kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
-    loaded = load_pipeline(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
-    vae = loaded.pipe.vae
-    f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
-    if width % f or height % f:
-        raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
-    tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value,
-                  device_kind=kind_of)
+
+
+def _plan_of(tv, vae, kind: str, width: int, height: int, f: int):
+    """The input shape of a `kind` run of `vae` over a width x height image, and the TiledVAE's plan of it."""
+    from ..errors import WontFit
+
     shape = (
         (1, vae.config.latent_channels, height // f, width // f)
         if kind == "decode"
         else (1, vae.config.in_channels, height, width)
     )
     try:
-        p = tv.plan(shape, kind=kind)
+        return shape, tv.plan(shape, kind=kind)
     except WontFit as e:
         raise WontFit(f"plan of a {width}x{height} {kind} (latent {height // f}x{width // f}): {e}") from e
-    typer.echo(str(p))
-    typer.echo(f"  device {device}: {_here(device)}")
-    owner = None
-    if ranks > 1:
-        from ..vae import plan_ranks
-        from ..vae.run.sharding import RowBands
 
-        for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=p.tile_size):
-            typer.echo(f"  {rp}")
-        lat = (height // f, width // f)
-        g = TileGrid(*lat, (min(p.tile_size, lat[0]), min(p.tile_size, lat[1])), order="serpentine")
-        bands = RowBands.build(g, 0, ranks)
-        owner = {i: r for r in range(ranks) for i in bands.tiles[r]}
-    run_dir = run_folder(report, {"command": "plan", "size": [width, height], "kind": kind})
-    pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
-    if pictures:
-        import numpy as np
 
-        backdrop = None
-        if over is not None:
-            from PIL import Image
+def _rank_owners(tv, shape: tuple[int, ...], ranks: int, kind: str, tile: int, lat: tuple[int, int]) -> dict:
+    """Print each of `ranks` processes' plan, and return which rank owns each tile (its row band)."""
+    from ..geometry import TileGrid
+    from ..vae import plan_ranks
+    from ..vae.run.sharding import RowBands
 
-            from ..sources import read_image
+    for rp in plan_ranks(tv, shape, ranks, kind=kind, tile_size=tile):
+        typer.echo(f"  {rp}")
+    g = TileGrid(*lat, (min(tile, lat[0]), min(tile, lat[1])), order="serpentine")
+    bands = RowBands.build(g, 0, ranks)
+    return {i: r for r in range(ranks) for i in bands.tiles[r]}
 
-            pic = read_image(over)  # the grid is drawn over an 8-bit view of it
-            rgb = pic.pixels if pic.bits == 8 else (pic.pixels >> 8).astype(np.uint8)
-            backdrop = np.asarray(Image.fromarray(rgb).resize((width, height)))
-        grid = TileGrid(height // f, width // f, p.tile_size, order="serpentine")
-        for q in pictures:
-            grid.draw(str(q), image=backdrop, scale=f, owner=owner)
-            typer.echo(f"wrote {q}")
-    write_plan(run_dir, p)
-    finish_report(run_dir)
+
+def _draw_plan(pictures: list[Path], over: Path | None, size: tuple[int, int], lat: tuple[int, int],
+               tile: int, f: int, owner: dict | None) -> None:
+    """Draw the plan's tile grid (ranks coloured by `owner`) to each picture, over --over's image if given."""
+    import numpy as np
+
+    from ..geometry import TileGrid
+
+    backdrop = None
+    if over is not None:
+        from PIL import Image
+
+        from ..sources import read_image
+
+        pic = read_image(over)  # the grid is drawn over an 8-bit view of it
+        rgb = pic.pixels if pic.bits == 8 else (pic.pixels >> 8).astype(np.uint8)
+        backdrop = np.asarray(Image.fromarray(rgb).resize(size))
+    grid = TileGrid(*lat, tile, order="serpentine")
+    for q in pictures:
+        grid.draw(str(q), image=backdrop, scale=f, owner=owner)
+        typer.echo(f"wrote {q}")
 
 
 def _here(device: str) -> str:
@@ -334,14 +339,9 @@ def compare(
 
     Example: tilewise compare --size 96x64 --tile 16 --mode fast --heatmap err.png
     """
-    import torch
-
     from ..geometry import TileGrid
     from ..metrics import compare as measure
-    from ..metrics import error_heatmap, save_heatmap_png
-    from ..patterns import structured_latent, white_latent
     from ..pipelines import load_pipeline
-    from ..vae import TiledVAE
 
     if pattern not in ("white", "structured"):
         raise ValueError(f"--pattern must be 'white' or 'structured', got {pattern!r}")
@@ -352,37 +352,64 @@ def compare(
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
-    shape = (1, vae.config.latent_channels, h, w)
-    z = (white_latent if pattern == "white" else structured_latent)(shape, seed=0).to(vae.dtype)
-    with torch.no_grad():
-        ref = vae.decode(z).sample
-        got = TiledVAE(vae, tile_size=tile, mode=mode.value, progress=not quiet).decode(z).sample
+    z, ref, got = _decode_both(vae, pattern, (h, w), tile, mode.value, quiet)
     grid = TileGrid(h * f, w * f, tile * f)
     rows = {"tilewise " + mode.value: measure(got, ref, tiles=grid, data_range=2.0)}
     if diffusers_tiling:
-        import copy
+        rows["diffusers enable_tiling"] = _diffusers_tiling_error(vae, z, ref, grid, tile, f)
+    _echo_errors(rows)
+    run_dir = run_folder(report, {"command": "compare", "size": size, "pattern": pattern, "tile": tile})
+    targets = [q for q in (heatmap, run_dir / "heatmap.png" if run_dir else None) if q is not None]
+    _write_heatmaps(targets, got, ref, grid, f"|tiled - untiled|, {mode.value}, tile {tile} latent px")
+    if run_dir is not None:
+        (run_dir / "errors.json").write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
+    finish_report(run_dir)
 
-        dv = copy.deepcopy(vae)
-        dv.enable_tiling()
-        dv.tile_latent_min_size, dv.tile_sample_min_size = tile, tile * f
-        with torch.no_grad():
-            rows["diffusers enable_tiling"] = measure(dv.decode(z).sample, ref, tiles=grid, data_range=2.0)
+
+def _decode_both(vae, pattern: str, size: tuple[int, int], tile: int, mode: str, quiet: bool):
+    """A test latent of `pattern` at size (h, w), decoded untiled (the reference) and by a TiledVAE."""
+    import torch
+
+    from ..patterns import structured_latent, white_latent
+    from ..vae import TiledVAE
+
+    shape = (1, vae.config.latent_channels, *size)
+    z = (white_latent if pattern == "white" else structured_latent)(shape, seed=0).to(vae.dtype)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        got = TiledVAE(vae, tile_size=tile, mode=mode, progress=not quiet).decode(z).sample
+    return z, ref, got
+
+
+def _diffusers_tiling_error(vae, z, ref, grid, tile: int, f: int):
+    """The error of diffusers' own tiled decode (enable_tiling, on a copy of `vae`) at the same tile size."""
+    import copy
+
+    import torch
+
+    from ..metrics import compare as measure
+
+    dv = copy.deepcopy(vae)
+    dv.enable_tiling()
+    dv.tile_latent_min_size, dv.tile_sample_min_size = tile, tile * f
+    with torch.no_grad():
+        return measure(dv.decode(z).sample, ref, tiles=grid, data_range=2.0)
+
+
+def _echo_errors(rows: dict) -> None:
+    """One line per decode: max and mean error, PSNR, seam score (and the untiled one's), tone drift."""
     for name, c in rows.items():
         seam = "-" if c.seam_score is None else f"{c.seam_score:.3f} (untiled {c.seam_score_reference:.3f})"
         typer.echo(
             f"{name:<26} max {c.max_abs:.3g}  mean {c.mean_abs:.3g}  PSNR {c.psnr:.1f} dB  "
             f"seam {seam}  tone drift {c.tone_drift:.3g}"
         )
-    run_dir = run_folder(report, {"command": "compare", "size": size, "pattern": pattern, "tile": tile})
-    targets = [q for q in (heatmap, run_dir / "heatmap.png" if run_dir else None) if q is not None]
+
+
+def _write_heatmaps(targets: list[Path], got, ref, grid, title: str) -> None:
+    """The error heatmap |got - ref| with the tile grid over it, to each target PNG."""
+    from ..metrics import error_heatmap, save_heatmap_png
+
     for q in targets:
-        save_heatmap_png(
-            error_heatmap(got, ref),
-            str(q),
-            grid_or_boxes=grid,
-            title=f"|tiled - untiled|, {mode.value}, tile {tile} latent px",
-        )
+        save_heatmap_png(error_heatmap(got, ref), str(q), grid_or_boxes=grid, title=title)
         typer.echo(f"wrote {q}")
-    if run_dir is not None:
-        (run_dir / "errors.json").write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
-    finish_report(run_dir)

@@ -6,6 +6,7 @@
   TiledDenoiser computes per tile, on the tile's crop of the latent and of the control image.
 - `Region`: a box or mask with its own prompt embeddings that replaces the prompt where it applies.
 - `upscale`: Lanczos resize, encode, noise to `strength`, tiled denoise, decode; exactly `scale` x the input.
+  Its options as one record: `UpscaleOptions`, which `run_upscale` (the CLI's form) takes.
 
 Tiling the denoiser is a different policy from tiling the decoder: unlike `TiledVAE` it changes the
 denoising trajectory (each tile sees only its window), so global composition can be lost. The fused
@@ -19,6 +20,7 @@ affine: there the two orders differ, and the wrapper implements fuse-then-step.
 from .controlnet import TiledControlNet
 from .fusion import METHODS, TiledDenoiser
 from .regions import Region
-from .upscale import upscale
+from .upscale import UpscaleOptions, run_upscale, upscale
 
-__all__ = ["METHODS", "Region", "TiledControlNet", "TiledDenoiser", "upscale"]
+__all__ = ["METHODS", "Region", "TiledControlNet", "TiledDenoiser", "UpscaleOptions", "run_upscale",
+           "upscale"]

@@ -7,12 +7,16 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
+from tqdm.auto import tqdm
 
+from .controlnet import TiledControlNet
 from .fusion import TiledDenoiser
 
 logger = logging.getLogger(__name__)
@@ -20,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 def _to_tensor(image: Any) -> tuple[torch.Tensor, str]:
     """(B, 3, H, W) float32 in [0, 1] and the input kind ("pil" or "pt")."""
-    from PIL import Image
-
     if isinstance(image, Image.Image):
         arr = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
         return torch.from_numpy(arr).permute(2, 0, 1)[None].contiguous(), "pil"
@@ -38,8 +40,6 @@ def _to_tensor(image: Any) -> tuple[torch.Tensor, str]:
 
 def lanczos_resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Lanczos (PIL, float per channel) resize of a (B, C, H, W) [0, 1] tensor to size (h, w), clipped."""
-    from PIL import Image
-
     h, w = size
     out = torch.empty((*x.shape[:2], h, w))
     for b in range(x.shape[0]):
@@ -64,7 +64,7 @@ def _pad_to(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, tuple[int, in
 def _img2img(pipe: Any, controlnet: Any = None) -> Any:
     """The pipeline's image-to-image variant (its ControlNet variant with `controlnet`), sharing its
     components (the input pipeline is not modified)."""
-    from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
+    from diffusers import AutoPipelineForImage2Image, DiffusionPipeline  # (lazy: seconds to import)
 
     if controlnet is not None:
         return AutoPipelineForImage2Image.from_pipe(pipe, controlnet=controlnet)
@@ -89,7 +89,7 @@ def _vae(vae: Any, vae_tile_size: int | None, disable: bool, process_group: Any 
         logger.warning("upscale: vae_tile_size=%s given but tilewise.vae is not available; "
                        "using the plain VAE", vae_tile_size)
         return vae
-    from ..vae import TiledVAE
+    from ..vae import TiledVAE  # (lazy: optional here, as the find_spec check above says)
 
     return TiledVAE(vae, tile_size=vae_tile_size, progress=not disable, process_group=process_group)
 
@@ -105,6 +105,41 @@ def _decode(vae: Any, latents: torch.Tensor, base_vae: Any, pipe: Any = None, si
         z = z + cfg.shift_factor
     out = vae.decode(z.to(base_vae.dtype), return_dict=False)[0]
     return (out.float() / 2 + 0.5).clamp(0, 1)
+
+
+@dataclass(frozen=True)
+class UpscaleOptions:
+    """The options of `upscale` (its keyword arguments but the model objects, the generator, the callback and
+    the pipeline's own arguments), checked when built: scale > 0, strength in (0, 1] leaving at least one
+    denoising step, inversion_steps an int >= 0."""
+
+    scale: float = 2
+    strength: float = 0.3
+    tile_size: int = 64
+    overlap: int = 16
+    method: str = "mixture"
+    vae_tile_size: int | None = None
+    num_inference_steps: int = 20
+    seed: int = 0
+    batch_size: int = 1
+    disable: bool = False
+    denoiser_kwargs: dict | None = None
+    process_group: Any = None
+    inversion_steps: int = 0
+
+    def __post_init__(self) -> None:
+        scale, strength, steps = self.scale, self.strength, self.num_inference_steps
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        if not 0 < strength <= 1:
+            raise ValueError(f"strength must be in (0, 1], got {strength}")
+        if int(steps * strength) < 1:
+            raise ValueError(f"strength {strength} of num_inference_steps {steps} leaves no "
+                             f"denoising step (int({steps} * {strength}) = 0): use at least "
+                             f"{math.ceil(1 / strength)} steps")
+        n = self.inversion_steps
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"inversion_steps must be an int >= 0 (0: fresh noise), got {n!r}")
 
 
 def upscale(
@@ -140,52 +175,86 @@ def upscale(
     `inversion_steps` N > 0: instead of fresh noise, the encoded input is DDIM-inverted in N steps up to the
     first denoising timestep under the same tiled denoiser and conditioning, and DDIM samples down from
     there (`tilewise.diffusion.inversion`; both passes use DDIM built from the pipeline's scheduler).
+    The options are those of `UpscaleOptions`; `run_upscale` takes them as that record.
     """
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
-    if not 0 < strength <= 1:
-        raise ValueError(f"strength must be in (0, 1], got {strength}")
-    if int(num_inference_steps * strength) < 1:
-        raise ValueError(f"strength {strength} of num_inference_steps {num_inference_steps} leaves no "
-                         f"denoising step (int({num_inference_steps} * {strength}) = 0): use at least "
-                         f"{math.ceil(1 / strength)} steps")
-    if not isinstance(inversion_steps, int) or inversion_steps < 0:
-        raise ValueError(f"inversion_steps must be an int >= 0 (0: fresh noise), got {inversion_steps!r}")
+    options = UpscaleOptions(
+        scale=scale, strength=strength, tile_size=tile_size, overlap=overlap, method=method,
+        vae_tile_size=vae_tile_size, num_inference_steps=num_inference_steps, seed=seed,
+        batch_size=batch_size, disable=disable, denoiser_kwargs=denoiser_kwargs, process_group=process_group,
+        inversion_steps=inversion_steps,
+    )
+    return run_upscale(pipe, image, options, generator=generator, callback=callback, controlnet=controlnet,
+                       **pipe_kwargs)
+
+
+def run_upscale(
+    pipe: Any,
+    image: Any,
+    options: UpscaleOptions,
+    *,
+    generator: torch.Generator | None = None,
+    callback: Callable[[int, Any, torch.Tensor], None] | None = None,
+    controlnet: Any = None,
+    **pipe_kwargs: Any,
+) -> Any:
+    """`upscale` with its options as one record (the CLI's form), in the steps of a pipeline's __call__."""
+    o = options
+    # 1. check the input; the output is round(scale x its size)
     x, kind = _to_tensor(image)
     H, W = x.shape[-2:]
-    size = (max(1, round(H * scale)), max(1, round(W * scale)))
-    if inversion_steps:
-        from .inversion import check_invertible
+    size = (max(1, round(H * o.scale)), max(1, round(W * o.scale)))
+    if o.inversion_steps:
+        from .inversion import check_invertible  # (lazy: inversion imports diffusers)
 
         check_invertible(pipe.scheduler)  # before the expensive work
+    # 2. Lanczos resize
     x = lanczos_resize(x, size)
+    # 3. the pipeline's img2img variant (its ControlNet one with `controlnet`), sharing its components
     attr = denoiser_attr(pipe)
     model = getattr(pipe, attr)
     model = model.unet if isinstance(model, TiledDenoiser) else model
     if controlnet is not None:
-        from .controlnet import TiledControlNet
-
         controlnet = controlnet if isinstance(controlnet, TiledControlNet) else TiledControlNet(controlnet)
     i2i = _img2img(pipe, controlnet)
     s = i2i.vae_scale_factor
-    x, _ = _pad_to(x, s if attr == "unet" else 2 * s)  # transformers: whole 2x2 patches
-    denoiser = TiledDenoiser(model, tile_size=tile_size, overlap=overlap, method=method,
-                             batch_size=batch_size, seed=seed, vae_scale_factor=s,
-                             process_group=process_group, **(denoiser_kwargs or {}))
+    # 4. pad to whole latent pixels (transformers: whole 2x2 patches); cropped after decode
+    x, _ = _pad_to(x, s if attr == "unet" else 2 * s)
+    # 5. tile the denoiser and the VAE
+    denoiser = TiledDenoiser(model, tile_size=o.tile_size, overlap=o.overlap, method=o.method,
+                             batch_size=o.batch_size, seed=o.seed, vae_scale_factor=s,
+                             process_group=o.process_group, **(o.denoiser_kwargs or {}))
     setattr(i2i, attr, denoiser)
-    i2i.vae = _vae(pipe.vae, vae_tile_size, disable, process_group)
+    i2i.vae = _vae(pipe.vae, o.vae_tile_size, o.disable, o.process_group)
     i2i.set_progress_bar_config(disable=True)
-    generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-    if controlnet is not None:
-        pipe_kwargs = {"control_image": x, **pipe_kwargs}
-    if "height" in inspect.signature(i2i.__call__).parameters:  # Flux, SD3: else their default size
-        pipe_kwargs = {"height": x.shape[-2], "width": x.shape[-1], **pipe_kwargs}
-    steps = min(int(num_inference_steps * strength), num_inference_steps) * i2i.scheduler.order
-    pieces = denoiser.count(x.shape[-2] // s, x.shape[-1] // s)
-    from tqdm.auto import tqdm
+    # 6. the pipeline's arguments: generator, control image, size
+    generator = generator if generator is not None else torch.Generator().manual_seed(o.seed)
+    pipe_kwargs = _call_kwargs(i2i, x, controlnet is not None, pipe_kwargs)
+    # 7. noise to `strength` (or DDIM-invert) and denoise, one bar over steps x tiles
+    latents = _denoise(i2i, denoiser, x, o, generator, callback, pipe_kwargs)
+    # 8. decode, crop to the size asked
+    out = _decode(i2i.vae, latents, pipe.vae, i2i, x.shape[-2:])[..., : size[0], : size[1]].cpu()
+    return out if kind == "pt" else _to_pil(out)
 
-    total = (steps + inversion_steps) * pieces
-    with tqdm(total=total, desc="upscale (steps x tiles)", disable=disable) as bar:
+
+def _call_kwargs(i2i: Any, x: torch.Tensor, control: bool, pipe_kwargs: dict) -> dict:
+    """The img2img call's own arguments: the resized input as control image, its size where the pipeline
+    takes one (Flux, SD3: else their default size), then the caller's."""
+    if control:
+        pipe_kwargs = {"control_image": x, **pipe_kwargs}
+    if "height" in inspect.signature(i2i.__call__).parameters:
+        pipe_kwargs = {"height": x.shape[-2], "width": x.shape[-1], **pipe_kwargs}
+    return pipe_kwargs
+
+
+def _denoise(i2i: Any, denoiser: TiledDenoiser, x: torch.Tensor, o: UpscaleOptions, generator: Any,
+             callback: Callable | None, pipe_kwargs: dict) -> torch.Tensor:
+    """img2img from `x` at `strength` to latents (from its DDIM inversion with `inversion_steps`), the tiled
+    denoiser counting its tiles into one bar of steps x tiles."""
+    s = i2i.vae_scale_factor
+    steps = min(int(o.num_inference_steps * o.strength), o.num_inference_steps) * i2i.scheduler.order
+    pieces = denoiser.count(x.shape[-2] // s, x.shape[-1] // s)
+    total = (steps + o.inversion_steps) * pieces
+    with tqdm(total=total, desc="upscale (steps x tiles)", disable=o.disable) as bar:
         denoiser.progress_bar = bar
 
         def on_step(_pipe, i, t, kw):
@@ -193,20 +262,20 @@ def upscale(
                 callback(i, t, kw["latents"])
             return kw
 
-        if inversion_steps:
-            from .inversion import ddim_invert, start_from
+        if o.inversion_steps:
+            from .inversion import ddim_invert, start_from  # (lazy: inversion imports diffusers)
 
-            start = ddim_invert(i2i, x, strength, num_inference_steps, inversion_steps, generator=generator,
-                                **pipe_kwargs)
+            start = ddim_invert(i2i, x, o.strength, o.num_inference_steps, o.inversion_steps,
+                                generator=generator, **pipe_kwargs)
             start_from(i2i, start)
-        latents = i2i(image=x, strength=strength, num_inference_steps=num_inference_steps,
+        latents = i2i(image=x, strength=o.strength, num_inference_steps=o.num_inference_steps,
                       generator=generator, output_type="latent", callback_on_step_end=on_step,
                       **pipe_kwargs).images
         denoiser.progress_bar = None
-    out = _decode(i2i.vae, latents, pipe.vae, i2i, x.shape[-2:])[..., : size[0], : size[1]].cpu()
-    if kind == "pt":
-        return out
-    from PIL import Image
+    return latents
 
+
+def _to_pil(out: torch.Tensor) -> Any:
+    """The first image of a (B, 3, H, W) [0, 1] tensor as an 8-bit RGB PIL image."""
     arr = (out[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     return Image.fromarray(arr)

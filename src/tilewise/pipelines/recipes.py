@@ -1,4 +1,11 @@
-"""The recipes the CLI calls: `generate` (tiled denoise, then tiled decode), `decode_file`, `encode_file`."""
+"""The recipes the CLI calls: `generate` (tiled denoise, then tiled decode), `decode_file`, `encode_file`.
+
+Each has a keyword form (its options as arguments) and a `run_*` form that takes the options as one record
+(`pipelines.options`), written as numbered steps that call the helpers below. torch, safetensors and the
+layers that import torch (`tilewise.vae`, `tilewise.diffusion`) are imported inside the functions that use
+them: the CLI reads this package (`parse_region`, `vae_class`) in its checks, before any model loads, and
+importing torch and the VAE engine there would delay each refusal by seconds.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic import atomic_path
-from ..errors import BadRequest
+from ..distributed import rank_world, resolve_group
+from ..errors import BadInputFile, BadRequest
 from ..locality.lowering3d import is_video_vae
+from ..sinks import open_sink
+from ..sources import read_image, read_latents
 from .fits import check_generate_fits, check_image_output, check_latents_output
 from .loading import Loaded
+from .options import GenerateOptions, VaeFileOptions
 from .video import decode_video_file, encode_video_file
 
 logger = logging.getLogger(__name__)
@@ -78,101 +89,122 @@ def generate(
     every rank calls this, rank 0 writes `out`. Before anything runs, `out` is checked (suffix, folder,
     replace=False: must not exist) and the full-size buffers of denoising and decoding are estimated
     against the memory (and staging disk) there is (`WontFit` with the figure otherwise).
+    The options are those of `GenerateOptions`; `run_generate` takes them as that record.
     """
-    import torch
+    options = GenerateOptions(
+        prompt, width, height, negative=negative, regions=regions, method=method, tile_size=tile_size,
+        overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance,
+        vae_tile=vae_tile, vae_mode=vae_mode, out=out, bits=bits, progress=progress,
+        process_group=process_group, replace=replace,
+    )
+    return run_generate(loaded, options)
 
-    from ..diffusion import Region, TiledDenoiser
-    from ..vae import TiledVAE
 
-    pipe = loaded.pipe
-    attr = loaded.denoiser  # "unet", or "transformer" (SD3, Flux, ...: the adapter follows its class)
+def run_generate(loaded: Loaded, options: GenerateOptions) -> GenerateResult:
+    """`generate` with its options as one record (the CLI's form), in the steps of a pipeline's __call__."""
+    from ..vae import TiledVAE  # (lazy: torch and the layers that import it, see the module docstring)
+
+    o = options
+    pipe, attr = loaded.pipe, loaded.denoiser  # "unet", or "transformer" (SD3, Flux, ...)
     f = int(getattr(pipe, "vae_scale_factor", 8))
-    m = f if attr == "unet" else 2 * f  # transformers take whole 2x2 latent patches
-    if width <= 0 or height <= 0 or width % m or height % m:
+    # 1. check the request (size, output, regions) and that the full-size buffers fit, before any work
+    _check_request(o, f if attr == "unet" else 2 * f)  # transformers take whole 2x2 latent patches
+    check_generate_fits(getattr(pipe, attr), o.width, o.height, f, len(o.regions))
+    tv = TiledVAE(pipe.vae, tile_size=o.vae_tile, mode=o.vae_mode, progress=o.progress,
+                  process_group=o.process_group)
+    zshape = (1, int(pipe.vae.config.latent_channels), o.height // f, o.width // f)
+    tv.preflight(zshape, streamed=o.out is not None)  # (its staging against the memory and disk there are)
+    # 2. encode the prompt and the regions' prompts
+    cond = loaded.encode(o.prompt, o.negative)
+    regions = _region_embeds(loaded, o.regions, o.negative)
+    # 3. tile the denoiser
+    denoiser = _tiled_denoiser(loaded, o, regions, f)
+    tiles = denoiser.count(o.height // f, o.width // f)
+    logger.info("generate %dx%d: %s over %d %s tiles of %d latent px per call, %d steps", o.width, o.height,
+                o.method, tiles, type(getattr(pipe, attr)).__name__, o.tile_size, o.steps)
+    # 4. denoise with the pipeline's own loop, its denoiser swapped for the tiled one
+    t0 = time.perf_counter()
+    latents = _denoise(pipe, attr, denoiser, cond, o)
+    seconds = {"denoise": time.perf_counter() - t0}
+    # 5. decode: streamed to `out` (rank 0 writes), or in memory
+    z = _vae_latents(pipe, latents, o.height, o.width, f)
+    plan = tv.plan(tuple(z.shape))
+    t0 = time.perf_counter()
+    image = _decode_out(tv, z, o.out, o.bits, o.replace)
+    seconds["decode"] = time.perf_counter() - t0
+    return GenerateResult(out=o.out, image=image, seconds=seconds, unet_tiles_per_call=tiles, vae_plan=plan)
+
+
+def _check_request(o: GenerateOptions, m: int) -> None:
+    """The size (positive multiples of `m` pixels), the output, and every region's box inside the image."""
+    if o.width <= 0 or o.height <= 0 or o.width % m or o.height % m:
         raise ValueError(
-            f"width and height have to be positive multiples of {m} but are {width} and {height}"
+            f"width and height have to be positive multiples of {m} but are {o.width} and {o.height}"
         )
-    check_image_output(out, bits, replace)
-    for box, _ in regions or []:
+    check_image_output(o.out, o.bits, o.replace)
+    for box, _ in o.regions:
         x0, y0, x1, y1 = box
-        if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
-            raise ValueError(f"region box {box} lies outside the {width}x{height} image")
-    check_generate_fits(getattr(pipe, attr), width, height, f, len(regions or []))
-    tv = TiledVAE(pipe.vae, tile_size=vae_tile, mode=vae_mode, progress=progress, process_group=process_group)
-    zshape = (1, int(pipe.vae.config.latent_channels), height // f, width // f)
-    streamed = out is not None
-    tv.preflight(zshape, streamed=streamed)
+        if not (0 <= x0 < x1 <= o.width and 0 <= y0 < y1 <= o.height):
+            raise ValueError(f"region box {box} lies outside the {o.width}x{o.height} image")
+
+
+def _region_embeds(loaded: Loaded, regions, negative: str) -> list:
+    """Each (box, prompt) as a `Region` with its own prompt embeddings (and pooled ones, where there are)."""
+    from ..diffusion import Region  # (lazy: torch, see the module docstring)
+
+    out = []
+    for box, text in regions:
+        emb = loaded.region_embeds(text, negative)
+        out.append(Region(box=box, prompt_embeds=emb["prompt_embeds"],
+                          pooled_prompt_embeds=emb.get("pooled_prompt_embeds")))
+    return out
+
+
+def _tiled_denoiser(loaded: Loaded, o: GenerateOptions, regions: list, f: int):
+    """The pipeline's denoiser wrapped in a TiledDenoiser with the options' tiles, fusion and regions."""
+    from ..diffusion import TiledDenoiser  # (lazy: torch, see the module docstring)
+
+    batch_size = o.batch_size
     if batch_size is None:  # the embedded UNet is tiny: per-call overhead dominates, batch many tiles
         batch_size = 32 if loaded.embedded else 4
-    cond = loaded.encode(prompt, negative)
-    tiled_regions = []
-    for box, text in regions or []:
-        emb = loaded.region_embeds(text, negative)
-        tiled_regions.append(
-            Region(
-                box=box,
-                prompt_embeds=emb["prompt_embeds"],
-                pooled_prompt_embeds=emb.get("pooled_prompt_embeds"),
-            )
-        )
+    return TiledDenoiser(getattr(loaded.pipe, loaded.denoiser), tile_size=o.tile_size, overlap=o.overlap,
+                         method=o.method, batch_size=batch_size, regions=regions or None, seed=o.seed,
+                         vae_scale_factor=f, progress=False, process_group=o.process_group)
+
+
+def _denoise(pipe, attr: str, denoiser, cond: dict, o: GenerateOptions):
+    """The pipeline's sampling loop with `denoiser` in place of its own (put back after): the latents."""
+    import torch  # (lazy: see the module docstring)
+
     model = getattr(pipe, attr)
-    denoiser = TiledDenoiser(
-        model,
-        tile_size=tile_size,
-        overlap=overlap,
-        method=method,
-        batch_size=batch_size,
-        regions=tiled_regions or None,
-        seed=seed,
-        vae_scale_factor=f,
-        progress=False,
-        process_group=process_group,
-    )
-    tiles = denoiser.count(height // f, width // f)
-    logger.info(
-        "generate %dx%d: %s over %d %s tiles of %d latent px per call, %d steps",
-        width,
-        height,
-        method,
-        tiles,
-        type(model).__name__,
-        tile_size,
-        steps,
-    )
-    seconds: dict[str, float] = {}
     setattr(pipe, attr, denoiser)
     try:
-        pipe.set_progress_bar_config(disable=not progress, desc="denoise")
-        t0 = time.perf_counter()
-        latents = pipe(
+        pipe.set_progress_bar_config(disable=not o.progress, desc="denoise")
+        return pipe(
             **cond,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            generator=torch.Generator("cpu").manual_seed(seed),
+            height=o.height,
+            width=o.width,
+            num_inference_steps=o.steps,
+            guidance_scale=o.guidance,
+            generator=torch.Generator("cpu").manual_seed(o.seed),
             output_type="latent",
         ).images
-        seconds["denoise"] = time.perf_counter() - t0
     finally:
         setattr(pipe, attr, model)
+
+
+def _vae_latents(pipe, latents, height: int, width: int, f: int):
+    """The pipeline's latents as the VAE decodes them: Flux's packed tokens unpacked, scale, shift undone."""
     if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):  # Flux: packed 2x2 patch tokens
         latents = pipe._unpack_latents(latents, height, width, f)
     sf, shift = latent_scale(pipe.vae)
-    z = latents / sf + shift
-    plan = tv.plan(tuple(z.shape))
-    t0 = time.perf_counter()
-    image = _decode_out(tv, z, out, bits, replace)
-    seconds["decode"] = time.perf_counter() - t0
-    return GenerateResult(out=out, image=image, seconds=seconds, unet_tiles_per_call=tiles, vae_plan=plan)
+    return latents / sf + shift
 
 
 def _decode_out(tv, z, out: str | None, bits: int, replace: bool = True):
     """Decode to a file sink (streamed, atomic) or to memory; returns the image tensor when in memory."""
     if out is None:
         return tv.decode(z).sample
-    from ..sinks import open_sink
-
     if not _writes(tv):  # rank 0 writes; this rank sends its rows
         tv.decode_to(z, None)
         return None
@@ -185,8 +217,6 @@ def _decode_out(tv, z, out: str | None, bits: int, replace: bool = True):
 
 def _writes(tv) -> bool:
     """Whether this process writes output files: single process, or rank 0 of the TiledVAE's group."""
-    from ..distributed import rank_world, resolve_group
-
     return rank_world(resolve_group(tv.process_group))[0] == 0
 
 
@@ -213,31 +243,45 @@ def decode_file(
     `loaded` is a pipeline or a VAE. A 3-D VAE (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W)
     latents to an image or a video sink (`pipelines.video`).
 
-    The output and the latents file (header, shape, dtype, channels, values) are checked first."""
-    from ..sources import read_latents
-    from ..vae import TiledVAE
+    The output and the latents file (header, shape, dtype, channels, values) are checked first. The
+    options are those of `VaeFileOptions`; `run_decode_file` takes them as that record."""
+    return run_decode_file(loaded, VaeFileOptions(
+        latents_path, out, tile_size=tile_size, mode=mode, budget=budget, staging=staging, bits=bits,
+        progress=progress, process_group=process_group, replace=replace,
+    ))
 
+
+def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
+    """`decode_file` with its options as one record (the CLI's form); returns the VAE's plan."""
+    o = options
     vae = _vae(loaded)
+    # 1. a 3-D VAE decodes to an image or a video, in one process
     if is_video_vae(vae):
-        _one_process(vae, process_group)
-        return decode_video_file(vae, latents_path, out, tile_size=tile_size, mode=mode, budget=budget,
-                                 staging=staging, bits=bits, progress=progress, replace=replace)
-    check_image_output(out, bits, replace)
-    z = read_latents(latents_path, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
+        _one_process(vae, o.process_group)
+        return decode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
+                                 staging=o.staging, bits=o.bits, progress=o.progress, replace=o.replace)
+    # 2. check the output, read the latents (checked as they are read)
+    check_image_output(o.out, o.bits, o.replace)
+    z = read_latents(o.source, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
     sf, shift = latent_scale(vae)
-    tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
-                  progress=progress, process_group=process_group)
+    # 3. plan and decode, streamed to the output
+    tv = _tiled_vae(vae, o)
     plan = tv.plan(tuple(z.shape))
-    _decode_out(tv, z / sf + shift, out, bits, replace)
+    _decode_out(tv, z / sf + shift, o.out, o.bits, o.replace)
     return plan
+
+
+def _tiled_vae(vae, o: VaeFileOptions):
+    """A TiledVAE over `vae` with a file job's tiling, budget, staging and process group."""
+    from ..vae import TiledVAE  # (lazy: torch and the layers that import it, see the module docstring)
+
+    return TiledVAE(vae, tile_size=o.tile_size, mode=o.mode, memory_budget=o.budget, staging=o.staging,
+                    progress=o.progress, process_group=o.process_group)
 
 
 def load_image(path: str, multiple: int = 8):
     """An image file as a (1, 3, H, W) float tensor in [-1, 1], read at its depth (`tilewise.sources`);
     sides must be multiples of `multiple`."""
-    from ..errors import BadInputFile
-    from ..sources import read_image
-
     pic = read_image(path)
     h, w = pic.height, pic.width
     if h % multiple or w % multiple:
@@ -264,26 +308,42 @@ def encode_file(
     """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
 
     With `process_group` every rank encodes its band of tiles and rank 0 writes the file. `loaded` is a
-    pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`)."""
-    from safetensors.torch import save_file
+    pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`). The options are those
+    of `VaeFileOptions` (its `bits` unused); `run_encode_file` takes them as that record."""
+    return run_encode_file(loaded, VaeFileOptions(
+        image_path, out, tile_size=tile_size, mode=mode, budget=budget, staging=staging, progress=progress,
+        process_group=process_group, replace=replace,
+    ))
 
-    from ..vae import TiledVAE
 
-    check_latents_output(out, replace)
+def run_encode_file(loaded: Loaded | Any, options: VaeFileOptions):
+    """`encode_file` with its options as one record (the CLI's form); returns the VAE's plan."""
+    o = options
+    # 1. check the output
+    check_latents_output(o.out, o.replace)
     vae = _vae(loaded)
+    # 2. a 3-D VAE encodes an image or a video, in one process
     if is_video_vae(vae):
-        _one_process(vae, process_group)
-        return encode_video_file(vae, image_path, out, tile_size=tile_size, mode=mode, budget=budget,
-                                 staging=staging, progress=progress, replace=replace)
-    x = load_image(image_path, vae_factor(vae)).to(vae.device, vae.dtype)
-    tv = TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
-                  progress=progress, process_group=process_group)
+        _one_process(vae, o.process_group)
+        return encode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
+                                 staging=o.staging, progress=o.progress, replace=o.replace)
+    # 3. read the image, plan and encode: the distribution's mean, scaled like a pipeline's latents
+    x = load_image(o.source, vae_factor(vae)).to(vae.device, vae.dtype)
+    tv = _tiled_vae(vae, o)
     plan = tv.plan(tuple(x.shape), kind="encode")
     dist = tv.encode(x).latent_dist
     sf, shift = latent_scale(vae)
     latents = ((dist.mean - shift) * sf).contiguous()
-    if not _writes(tv):
-        return plan
+    # 4. rank 0 writes the file
+    if _writes(tv):
+        _save_latents(latents, o.out, sf, shift, o.replace)
+    return plan
+
+
+def _save_latents(latents, out: str, sf: float, shift: float, replace: bool) -> None:
+    """Write latents to a .safetensors file atomically, with the scale and shift they carry as metadata."""
+    from safetensors.torch import save_file  # (lazy: imports torch, see the module docstring)
+
     with atomic_path(out, replace=replace) as tmp:
         try:
             save_file({"latents": latents.cpu()}, str(tmp),
@@ -292,7 +352,6 @@ def encode_file(
             if "os error 28" in str(e) or "No space left" in str(e):
                 raise OSError(errno.ENOSPC, "No space left on device", str(out)) from e
             raise
-    return plan
 
 
 def _vae(loaded):
