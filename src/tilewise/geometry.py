@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-Box = tuple[int, int, int, int]
+Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open: rows y0..y1-1, columns x0..x1-1
 Pair = tuple[int, int]
 
 EDGES = ("shift", "pad")

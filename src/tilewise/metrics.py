@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_path
+from .geometry import Box
 from .patterns import core_boxes
 
 logger = logging.getLogger(__name__)
-
-Box = tuple[int, int, int, int]
 
 
 def as_nchw(x: Any, name: str = "image") -> np.ndarray:

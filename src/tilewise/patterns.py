@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-Box = tuple[int, int, int, int]
+from .geometry import Box
 
 
 def core_boxes(grid_or_boxes: Any) -> list[Box]:

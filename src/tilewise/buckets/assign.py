@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..geometry import Box
 from . import imageops
 
 Size = tuple[int, int]  # (width, height)
-Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open
 
 
 def aspect_error(request: Size, bucket: Size) -> float:

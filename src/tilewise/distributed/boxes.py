@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..geometry import Box
 from .groups import _comm_device, _global, rank_world
-
-Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open, as tilewise.geometry
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from ..atomic import name_target, temporary_path
+from ..geometry import Box
 from .base import Sink
-from .coverage import Box, first_gap
+from .coverage import first_gap
 from .pixels import is_torch
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..atomic import temporary_path
+from ..geometry import Box
 from .base import Sink
-from .coverage import Box, RowBuffer
+from .coverage import RowBuffer
 
 logger = logging.getLogger(__name__)
 
