@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ..geometry import Box
 from .groups import _comm_device, _global, rank_world
 
@@ -73,9 +76,6 @@ def exchange_boxes(tensor: Any, owned: Sequence[Box], needed: Sequence[Box], gro
     gather of an output): box lists are all-gathered, then each intersection goes point to point, in
     the same order on every rank. Returns the number of elements this rank received.
     """
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return 0
     rank, world = rank_world(group)
