@@ -2,10 +2,14 @@
 
 The costs come from `profiler.profile_buckets` (or any bucket -> seconds per request mapping); the
 choice reports logical work (tokens, padded tokens) beside them.
+
+numpy is imported inside the functions that use it, so that `import tilewise.buckets` imports no numpy, PIL or
+torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -216,8 +220,6 @@ def _set_costs(M: Any, c: Any, w: Any, block: Any, B: int) -> tuple[Any, Any]:
 
 def _exhaustive(M: Any, c: Any, w: Any, k: int, B: int) -> list[int]:
     """Exact: evaluate every k-subset of columns in vectorised chunks; first minimum in lexical order."""
-    import itertools
-
     import numpy as np
 
     best, best_cost = None, math.inf

@@ -3,6 +3,9 @@
 Seed 000: local operations scale roughly with token count, global attention quadratically, and real
 models mix terms and kernel thresholds; so buckets are chosen by time measured at the real guidance and
 precision (`choice.choose_buckets`), and the report keeps the logical work (padded positions) beside it.
+
+torch (~2 s), numpy, tqdm and matplotlib (~0.5 s) are imported inside the functions that use them, so that
+`import tilewise.buckets` imports none of them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Loading a pipeline: the embedded default, a local diffusers folder, or one checkpoint file; `Loaded`."""
+"""Loading a pipeline: the embedded default, a local diffusers folder, or one checkpoint file; `Loaded`.
+
+diffusers (~4 s) and torch are imported inside the loaders, so that `import tilewise.pipelines` imports no
+torch, diffusers or numpy: the CLI's commands import it before they check their arguments, and a bad argument
+fails before ~4 s of torch and diffusers imports.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Any
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
 from ..locality.lowering3d import VIDEO_VAES
+from ..models import SCHEDULERS, default_prompt_embeds, load_default_pipeline
+from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -35,34 +42,24 @@ class Loaded:
         """{prompt_embeds, negative_prompt_embeds[, pooled_prompt_embeds, negative_pooled_prompt_embeds]}
         (`tilewise.pipelines.prompts`: per family; other pipelines get the text)."""
         if self.embedded:
-            from ..models import default_prompt_embeds
-
             return default_prompt_embeds(self.pipe, prompt, negative)
-        from .prompts import encode
-
         return encode(self.pipe, prompt, negative)
 
     def region_embeds(self, prompt: str, negative: str = "") -> dict[str, Any]:
         """A regional prompt's embeddings (refused in one line where tilewise does not encode prompts)."""
         if self.embedded:
             return self.encode(prompt, negative)
-        from .prompts import embeds_for_regions
-
         return embeds_for_regions(self.pipe, prompt, negative)
 
 
 def _saved_as_none(path: Path) -> dict[str, None]:
     """Components model_index.json lists as null (e.g. SD3 without T5): stock loading wants them as None."""
-    import json
-
     index = json.loads((path / "model_index.json").read_text())
     return {k: None for k, v in index.items() if isinstance(v, list) and v and v[0] is None}
 
 
 def load_controlnet(folder: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
     """A ControlNet saved with save_pretrained (config.json naming its class, e.g. ControlNetModel)."""
-    import json
-
     import diffusers
 
     path = Path(folder)
@@ -108,8 +105,6 @@ def load_pipeline(
     if model is None:
         if config is not None:
             raise ValueError(f"--config {str(config)!r} needs a single-file --model checkpoint to apply to")
-        from ..models import load_default_pipeline
-
         pipe = load_default_pipeline(scheduler=scheduler, device=device, dtype=torch_dtype)
         return Loaded(pipe, "embedded default (tilewise/models)", embedded=True, sdxl=False)
     path = Path(model)
@@ -148,8 +143,6 @@ def load_pipeline(
         )
     if scheduler != "ddim":
         import diffusers
-
-        from ..models import SCHEDULERS
 
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
