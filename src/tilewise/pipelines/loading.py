@@ -100,13 +100,27 @@ def load_pipeline(
     A single file takes its architecture from `config`, a local diffusers pipeline folder of the same
     model family (diffusers' from_single_file(config=...)); offline, a single file needs one.
     """
-
     torch_dtype = _torch_dtype(dtype)
+    # 1. the embedded default
     if model is None:
         if config is not None:
             raise ValueError(f"--config {str(config)!r} needs a single-file --model checkpoint to apply to")
         pipe = load_default_pipeline(scheduler=scheduler, device=device, dtype=torch_dtype)
         return Loaded(pipe, "embedded default (tilewise/models)", embedded=True, sdxl=False)
+    # 2. a local pipeline folder or one checkpoint file
+    path = Path(model)
+    pipe = _load_local(model, config, local_files_only)
+    # 3. what tilewise needs of it: a denoiser beside a VAE, and the scheduler asked for
+    _check_parts(pipe, path, scheduler)
+    if scheduler != "ddim":
+        _set_scheduler(pipe, scheduler)
+    pipe.to(device, torch_dtype)
+    sdxl = "XL" in type(pipe).__name__
+    return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+
+def _load_local(model: str | os.PathLike, config: str | os.PathLike | None, local_files_only: bool) -> Any:
+    """A diffusers pipeline folder (from_pretrained) or a .safetensors/.ckpt file (`load_single_file`)."""
     path = Path(model)
     if not path.exists():
         raise BadRequest(
@@ -130,6 +144,11 @@ def load_pipeline(
             pipe = load_single_file(path, config, local_files_only)
     else:
         raise BadRequest(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
+    return pipe
+
+
+def _check_parts(pipe: Any, path: Path, scheduler: str) -> None:
+    """Refuse a pipeline without a UNet or transformer beside a VAE, or --scheduler for a transformer."""
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     if denoiser is None or getattr(pipe, "vae", None) is None:
         raise ModelProblem(
@@ -141,15 +160,15 @@ def load_pipeline(
             f"--scheduler {scheduler} applies to UNet pipelines; {type(pipe).__name__} keeps its own "
             f"{type(pipe.scheduler).__name__}"
         )
-    if scheduler != "ddim":
-        import diffusers
 
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
-        pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
-    pipe.to(device, torch_dtype)
-    sdxl = "XL" in type(pipe).__name__
-    return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+def _set_scheduler(pipe: Any, scheduler: str) -> None:
+    """The pipeline's scheduler replaced by the named one (`SCHEDULERS`), from the pipeline's config."""
+    import diffusers
+
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
+    pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
 
 
 def read_model_index(folder: Path, what: str) -> dict:
