@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_vae_support import kl_vae, structured_latent  # noqa: E402
+from vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import lower  # noqa: E402

@@ -42,7 +42,7 @@ CASES = {
 
 
 def _input(task: str, shape: tuple) -> torch.Tensor:
-    from test_vae_support import structured_latent
+    from vae_support import structured_latent
 
     if task == "decode":
         return structured_latent(*shape)
@@ -50,7 +50,7 @@ def _input(task: str, shape: tuple) -> torch.Tensor:
 
 
 def _run(name: str, group) -> torch.Tensor:
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     import tilewise as tw
 
@@ -64,7 +64,7 @@ def _run(name: str, group) -> torch.Tensor:
 
 def _staged_peak(group, tile: int) -> int:
     """Most staged bytes one process holds in an exact decode of a tall latent."""
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     import tilewise as tw
     from tilewise.vae.run.executor import Executor
@@ -81,7 +81,7 @@ def _decode_to(group) -> torch.Tensor | None:
     """decode_to through rank 0 into a memmap sink; returns rank 0's image."""
     import tempfile
 
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     import tilewise as tw
     from tilewise.sinks import MemmapSink
@@ -110,7 +110,7 @@ def _all_cases(rank: int, world: int) -> dict:
 
 
 def _bad_rank(rank: int, world: int) -> None:
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     import tilewise as tw
 
@@ -126,7 +126,7 @@ def reference():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_tiled_vae_on_n_ranks_equals_single_process(world, reference):
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     t0 = time.monotonic()
     res = td.spawn(_all_cases, world, start_method="fork", limit=LIMIT, timeout=60)
@@ -174,7 +174,7 @@ def test_a_rank_with_bad_input_stops_all_ranks_fast():
 
 
 def test_bad_process_group_arguments():
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     import tilewise as tw
 

@@ -229,7 +229,7 @@ def test_fp16_vae_upcast_by_the_pipeline_moves_the_wrapped_vae():
 
 @pytest.mark.parametrize("hw", [(100, 60), (33, 17), (8, 8), (5, 120)])
 def test_any_size_the_stock_vae_encodes_tiledvae_encodes(hw):
-    from test_vae_support import kl_vae, tiny_vae
+    from vae_support import kl_vae, tiny_vae
 
     for vae in (kl_vae("sd3"), tiny_vae()):
         x = torch.rand(1, 3, *hw, generator=tp._g(1)) * 2 - 1
@@ -242,7 +242,7 @@ def test_any_size_the_stock_vae_encodes_tiledvae_encodes(hw):
 
 
 def test_a_size_the_stock_vae_cannot_encode_is_refused_by_name():
-    from test_vae_support import kl_vae
+    from vae_support import kl_vae
 
     vae = kl_vae("sd")
     x = torch.zeros(1, 3, 5, 120)

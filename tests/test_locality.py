@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_vae_support import kl_vae, structured_latent, tiny_vae  # noqa: E402
+from vae_support import kl_vae, structured_latent, tiny_vae  # noqa: E402
 
 from tilewise.locality import LoweringError, analyze, lower, probe_receptive_field  # noqa: E402
 from tilewise.locality.program import split_segments  # noqa: E402

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from counting import build_vae, count, fake  # noqa: E402
 from test_counting import _encode_run  # noqa: E402  (tv.encode counted, the posterior apart)
-from test_vae_support import kl_vae, structured_latent  # noqa: E402
+from vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.vae.devices import CUDA  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_vae_support import kl_vae, structured_latent  # noqa: E402
+from vae_support import kl_vae, structured_latent  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.vae.run.finite import NonFiniteError  # noqa: E402

@@ -70,5 +70,14 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover  (every name of _EXPORTS, from the module it names, for type checkers)
+    from .blending import Accumulator, weight_window  # noqa: F401
+    from .buckets import BucketPlanner, batch_by_bucket, choose_buckets, profile_buckets  # noqa: F401
+    from .diffusion import Region, TiledControlNet, TiledDenoiser, upscale  # noqa: F401
     from .geometry import Tile, TileGrid  # noqa: F401
+    from .locality import analyze, lower, probe_receptive_field  # noqa: F401
+    from .memory import format_bytes, measure_peak, parse_bytes, tensor_bytes  # noqa: F401
+    from .metrics import compare, psnr, seam_score, tone_drift  # noqa: F401
+    from .sinks import MemmapSink, PNGSink, TensorSink, TIFFSink, open_sink  # noqa: F401
+    from .sinks.video import open_video_sink  # noqa: F401
+    from .vae import TiledVAE  # noqa: F401

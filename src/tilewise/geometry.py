@@ -8,7 +8,10 @@ Boxes are half-open `(y0, y1, x0, x1)` tuples in image coordinates. Every tile h
 - `pad`: (top, bottom, left, right) pixels beyond the image that `read` needs (only with `edge="pad"`);
 - `crop`: the core relative to the read box's origin, to cut the owned part out of a tile's output.
 
-Pure Python: no torch import, so planning and drawing a grid costs nothing.
+Pure Python: no torch import, so planning and drawing a grid costs nothing. `plots`, `limits` and
+`memory` are imported inside the two functions that use them (`draw`; the check of a grid too big for
+memory): at module level they would double this module's import time (logging, subprocess, pathlib),
+and `limits.host_memory_available` is looked up when the check runs (tests patch it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-Box = tuple[int, int, int, int]
+from .errors import WontFit
+
+Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open: rows y0..y1-1, columns x0..x1-1
 Pair = tuple[int, int]
 
 EDGES = ("shift", "pad")
@@ -329,7 +334,6 @@ def _check_fits(grid: TileGrid, count: int) -> None:
     room = host_memory_available()
     if need <= room:
         return
-    from .errors import WontFit
     from .memory import format_bytes
 
     fits = max(1, room // (2 * TILE_BYTES))  # half the room: the work around the grid needs memory too

@@ -59,7 +59,7 @@ def _cgroup_room() -> int | None:
 
 def device_memory_available(device: Any = None) -> int:
     """Bytes that can still be allocated on `device`: host memory for the CPU (or None)."""
-    import torch
+    import torch  # (lazy: the host-memory checks, e.g. TileGrid's, import this module without torch)
 
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda" and torch.cuda.is_available():

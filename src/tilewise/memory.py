@@ -7,6 +7,9 @@ resident set from ``/proc/self/statm`` every ``interval`` seconds (default 1 ms)
 is used; a spike shorter than the interval can then be missed. Benchmarks should prefer
 :func:`peak_rss_subprocess`, which measures a fresh process and so is not disturbed by what earlier code
 left allocated.
+
+torch (~2 s) and numpy are imported inside the functions that use them: `import tilewise.memory` imports
+neither (tests/test_memory.py checks torch); `resource` (Unix only) is imported only where /proc is absent.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ iterable of tiles, or of ``(y0, y1, x0, x1)`` core boxes.
   well above 1 when the boundaries show. NaN when the tiling has no interior boundary.
 - **tone drift**: per tile, the mean of (result - reference) over its core, per channel; a tile-wise
   colour or brightness shift such as statistics estimated per tile produce.
+
+matplotlib (~0.3-0.5 s) is imported inside the functions that draw, so that `import tilewise.metrics` needs
+numpy only.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_path
+from .geometry import Box
 from .patterns import core_boxes
 
 logger = logging.getLogger(__name__)
-
-Box = tuple[int, int, int, int]
 
 
 def as_nchw(x: Any, name: str = "image") -> np.ndarray:

@@ -5,6 +5,9 @@ per-pixel coordinate pattern for checking streamed outputs.
 Image patterns are torch tensors (N, C, H, W) in ``value_range`` (default (-1, 1), the VAE's image range).
 ``grid_or_boxes`` is a :class:`tilewise.geometry.TileGrid` (its tiles' cores are used), an iterable of
 tiles, or an iterable of ``(y0, y1, x0, x1)`` core boxes.
+
+torch (~2 s) is imported inside the functions that build tensors: `import tilewise.patterns` needs numpy only
+(tests/test_metrics.py checks it).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-Box = tuple[int, int, int, int]
+from .geometry import Box
 
 
 def core_boxes(grid_or_boxes: Any) -> list[Box]:

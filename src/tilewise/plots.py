@@ -1,4 +1,4 @@
-"""Pictures people would rather look at than read: tile layouts (matplotlib, imported on use)."""
+"""Pictures people would rather look at than read: tile layouts (matplotlib, imported on use: ~0.5 s)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ What each policy does (``apply``):
 
 ``restore`` is the geometric inverse back to exactly the requested size. Content that ``apply`` cut away
 cannot come back: those pixels are filled with ``fill`` and flagged by ``cut_mask``.
+
+numpy is imported inside the two mask properties, so that `import tilewise.buckets` (planning and assignment
+are pure Python) imports no numpy, PIL or torch.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..geometry import Box
 from . import imageops
 
 Size = tuple[int, int]  # (width, height)
-Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open
 
 
 def aspect_error(request: Size, bucket: Size) -> float:

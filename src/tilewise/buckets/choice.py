@@ -2,10 +2,14 @@
 
 The costs come from `profiler.profile_buckets` (or any bucket -> seconds per request mapping); the
 choice reports logical work (tokens, padded tokens) beside them.
+
+numpy is imported inside the functions that use it, so that `import tilewise.buckets` imports no numpy, PIL or
+torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -128,50 +132,60 @@ def choose_buckets(
     """
     import numpy as np
 
+    # 1. the inputs: how often each request occurs, each candidate bucket's seconds per request, options
     counts = _request_counts(request_sizes)
-    costs = (
-        costs.costs()
-        if isinstance(costs, BucketProfile)
-        else {_check_size("bucket", b): float(c) for b, c in costs.items()}
-    )
+    costs = _bucket_costs(costs)
     k = _positive_int("k", k)
-    if policy not in ("pad", "resize"):
-        raise ValueError(f"choose_buckets policy must be 'pad' or 'resize', got {policy!r}")
-    if method not in ("auto", "exhaustive", "greedy"):
-        raise ValueError(f"method must be 'auto', 'exhaustive' or 'greedy', got {method!r}")
+    _check_options(policy, method)
     cands = sorted(costs)
     if k > len(cands):
         raise ValueError(f"k={k} exceeds the {len(cands)} costed candidate buckets")
+    # 2. M[request, bucket]: the bucket's cost where it can take the request, inf where it cannot
     reqs = list(counts)
-    M = np.array(
-        [
-            [costs[b] if feasible(r, b, policy, max_aspect_error, max_area_error) else np.inf for b in cands]
-            for r in reqs
-        ]
-    )
+    M = _cost_matrix(reqs, cands, costs, policy, max_aspect_error, max_area_error)
     _check_coverage(reqs, M, policy)
     w = np.array([counts[r] for r in reqs], dtype=np.float64)
     c = np.array([costs[b] for b in cands])
     B = _positive_int("batch_size", batch_size)
+    # 3. the k columns: every k-subset when there are few enough, else greedy additions and single swaps
     exhaustive = method == "exhaustive" or (method == "auto" and math.comb(len(cands), k) <= max_combinations)
     chosen = _exhaustive(M, c, w, k, B) if exhaustive else _greedy_swap(M, c, w, k, B)
     unserved, total = (float(v[0]) for v in _set_costs(M, c, w, np.array([chosen]), B))
     if unserved > 0:
         raise ValueError(f"no set of k={k} buckets serves every request under policy='{policy}'; raise k")
+    # 4. each request to its cheapest chosen bucket
     sub = M[:, chosen]
     assignment = {r: cands[chosen[int(np.argmin(sub[i]))]] for i, r in enumerate(reqs)}
     picked = sorted(cands[j] for j in chosen)
-    return BucketChoice(
-        picked,
-        float(total),
-        exhaustive,
-        "exhaustive" if exhaustive else "greedy+swap",
-        policy,
-        assignment,
-        counts,
-        costs,
-        latent_factor,
-        B,
+    method_used = "exhaustive" if exhaustive else "greedy+swap"
+    return BucketChoice(picked, float(total), exhaustive, method_used, policy, assignment, counts, costs,
+                        latent_factor, B)
+
+
+def _bucket_costs(costs: Mapping[Size, float] | BucketProfile) -> dict[Size, float]:
+    """Seconds per request of each candidate bucket, from a profile or a bucket -> cost mapping."""
+    if isinstance(costs, BucketProfile):
+        return costs.costs()
+    return {_check_size("bucket", b): float(c) for b, c in costs.items()}
+
+
+def _check_options(policy: str, method: str) -> None:
+    if policy not in ("pad", "resize"):
+        raise ValueError(f"choose_buckets policy must be 'pad' or 'resize', got {policy!r}")
+    if method not in ("auto", "exhaustive", "greedy"):
+        raise ValueError(f"method must be 'auto', 'exhaustive' or 'greedy', got {method!r}")
+
+
+def _cost_matrix(reqs: list[Size], cands: list[Size], costs: dict[Size, float], policy: str,
+                 max_aspect_error: float, max_area_error: float) -> Any:
+    """(requests, buckets) float array: the bucket's cost where `feasible`, inf elsewhere."""
+    import numpy as np
+
+    return np.array(
+        [
+            [costs[b] if feasible(r, b, policy, max_aspect_error, max_area_error) else np.inf for b in cands]
+            for r in reqs
+        ]
     )
 
 
@@ -216,8 +230,6 @@ def _set_costs(M: Any, c: Any, w: Any, block: Any, B: int) -> tuple[Any, Any]:
 
 def _exhaustive(M: Any, c: Any, w: Any, k: int, B: int) -> list[int]:
     """Exact: evaluate every k-subset of columns in vectorised chunks; first minimum in lexical order."""
-    import itertools
-
     import numpy as np
 
     best, best_cost = None, math.inf

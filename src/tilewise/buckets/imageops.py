@@ -9,6 +9,9 @@ Kinds and layouts (sizes are always given here as (height, width)):
 Crop and pad never resample, so they are exact for every kind. Resizing uses PIL's own filters for PIL
 images and ``torch.nn.functional.interpolate`` (``antialias=True``) for arrays and tensors, computed in
 float32 and cast back (integer dtypes are rounded and clipped to their range).
+
+PIL, numpy and torch (~2 s) are imported inside the functions that use them, so that `import tilewise.buckets`
+imports none of them.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Seed 000: local operations scale roughly with token count, global attention quadratically, and real
 models mix terms and kernel thresholds; so buckets are chosen by time measured at the real guidance and
 precision (`choice.choose_buckets`), and the report keeps the logical work (padded positions) beside it.
+
+torch (~2 s), numpy, tqdm and matplotlib (~0.5 s) are imported inside the functions that use them, so that
+`import tilewise.buckets` imports none of them.
 """
 
 from __future__ import annotations
@@ -184,16 +187,11 @@ def profile_buckets(
     benchmark UNet we saw 6-22% higher minima).
     """
     import torch
-    from tqdm.auto import tqdm
 
+    # 1. the buckets and options, checked
     if isinstance(buckets, BucketPlanner):
         latent_factor, buckets = buckets.latent_factor, buckets.buckets
-    buckets = [_check_size("bucket", b) for b in buckets]
-    bad = [b for b in buckets if b[0] % latent_factor or b[1] % latent_factor]
-    if not buckets or bad:
-        raise ValueError(
-            f"need buckets with sides divisible by latent_factor={latent_factor}; bad: {bad or buckets}"
-        )
+    buckets = _checked_buckets(buckets, latent_factor)
     batch_size, repeats = _positive_int("batch_size", batch_size), _positive_int("repeats", repeats)
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup!r}")
@@ -201,29 +199,51 @@ def profile_buckets(
         raise ValueError(f"order must be 'interleaved' or 'blocked', got {order!r}")
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dev = torch.device(device)
+    # 2. one seeded latent batch per bucket, (N, channels, H/f, W/f), N doubled by CFG
     n = batch_size * (2 if guidance > 1 else 1)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(n, channels, b[1] // latent_factor, b[0] // latent_factor) for b in buckets]
-    times: list[list[float]] = [[] for _ in buckets]
-    # interleaved: repeat r times every shape before repeat r + 1, so slow drift or other jobs' load
-    # spreads over all buckets alike; blocked: all repeats of one shape back to back
-    rounds = (
-        [list(range(len(buckets)))] * repeats
-        if order == "interleaved"
-        else [[i] * repeats for i in range(len(buckets))]
-    )
+    # 3. warm-up calls, then the timed repeats
     with torch.inference_mode():
         xs = [torch.randn(shape, generator=gen).to(device=dev, dtype=dt) for shape in shapes]
-        for x in tqdm(xs, desc="warm up buckets", disable=disable):
-            for _ in range(warmup):
-                fn(x)
-        for row in tqdm(rounds, desc="profile buckets", disable=disable):
-            for i in row:
-                times[i].append(_time_call(fn, xs[i], dev))
+        times = _timed_repeats(fn, xs, dev, warmup, repeats, order, disable)
     timings = [
         BucketTiming(b, s, batch_size, tuple(t)) for b, s, t in zip(buckets, shapes, times, strict=True)
     ]
     return BucketProfile(timings, float(guidance), str(dt).removeprefix("torch."), str(dev))
+
+
+def _checked_buckets(buckets: Iterable[Size], latent_factor: int) -> list[Size]:
+    """The buckets as (width, height) ints, refused unless there is one and every side divides by f."""
+    buckets = [_check_size("bucket", b) for b in buckets]
+    bad = [b for b in buckets if b[0] % latent_factor or b[1] % latent_factor]
+    if not buckets or bad:
+        raise ValueError(
+            f"need buckets with sides divisible by latent_factor={latent_factor}; bad: {bad or buckets}"
+        )
+    return buckets
+
+
+def _timed_repeats(fn: Callable[[Any], Any], xs: list[Any], device: Any, warmup: int, repeats: int,
+                   order: str, disable: bool | None) -> list[list[float]]:
+    """Seconds of each timed fn(x) per input, after `warmup` untimed calls on each."""
+    from tqdm.auto import tqdm
+
+    times: list[list[float]] = [[] for _ in xs]
+    # interleaved: repeat r times every shape before repeat r + 1, so slow drift or other jobs' load
+    # spreads over all buckets alike; blocked: all repeats of one shape back to back
+    rounds = (
+        [list(range(len(xs)))] * repeats
+        if order == "interleaved"
+        else [[i] * repeats for i in range(len(xs))]
+    )
+    for x in tqdm(xs, desc="warm up buckets", disable=disable):
+        for _ in range(warmup):
+            fn(x)
+    for row in tqdm(rounds, desc="profile buckets", disable=disable):
+        for i in row:
+            times[i].append(_time_call(fn, xs[i], device))
+    return times
 
 
 def _time_call(fn: Callable[[Any], Any], x: Any, device: Any) -> float:

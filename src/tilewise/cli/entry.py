@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from .failures import report, signals_raise
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -34,8 +36,6 @@ def _main(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one clear line per error (traceback with --debug) and the exit status of its kind
     (`tilewise.errors`); SIGINT / SIGTERM / SIGHUP leave no partial file and exit 130 / 143 / 129."""
-    from .failures import report, signals_raise
-
     # diffusers imports transformers' image processors, which warn about torchvision on every start
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = list(sys.argv[1:] if argv is None else argv)

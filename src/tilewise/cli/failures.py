@@ -16,8 +16,11 @@ import errno
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import typer.exceptions
 
 from ..errors import BadRequest, Interrupted, TilewiseError, WontFit
 
@@ -49,8 +52,6 @@ def signals_raise() -> Iterator[None]:
 
 def exit_code(e: BaseException) -> int:
     """The exit status for an exception that ended a command (see `tilewise.errors`)."""
-    import typer.exceptions
-
     if isinstance(e, Interrupted):
         return e.exit_code
     if isinstance(e, KeyboardInterrupt):
@@ -73,8 +74,6 @@ def exit_code(e: BaseException) -> int:
 
 def message(e: BaseException, argv: list[str]) -> str:
     """One line that says what failed, naming the user's value; no traceback."""
-    import typer.exceptions
-
     if isinstance(e, Interrupted | KeyboardInterrupt):
         name = e.name if isinstance(e, Interrupted) else "SIGINT"
         return f"interrupted ({name}): stopped; no partial output was left"
@@ -101,8 +100,6 @@ def message(e: BaseException, argv: list[str]) -> str:
 
 def report(e: BaseException, argv: list[str], debug: bool) -> int:
     """Print the failure (its traceback too with --debug) to stderr; return the exit status."""
-    import typer.exceptions
-
     code = exit_code(e)
     if isinstance(e, typer.exceptions.Exit):
         return code
@@ -110,8 +107,6 @@ def report(e: BaseException, argv: list[str], debug: bool) -> int:
         e.show()
         return code
     if debug and not isinstance(e, typer.TyperException):
-        import traceback
-
         traceback.print_exception(e)
     typer.echo(message(e, argv), err=True)
     return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -9,6 +10,7 @@ from typing import Annotated
 import typer
 
 from ..errors import BadRequest
+from . import checks
 
 
 class Method(str, Enum):
@@ -89,17 +91,13 @@ def resolve_device(device: str, present: bool = True) -> str:
     """The torch device a command runs on (or plans for): "auto" is CUDA when one is present (under
     torchrun the rank's own, cuda:LOCAL_RANK), else the CPU. `present`: the device must be on this
     machine (`checks.device`; plans need not run where they are made)."""
-    import os
-
-    import torch
+    import torch  # (lazy: `tilewise --help` must not import torch, ~2 s)
 
     if device == "auto":
         if not torch.cuda.is_available():
             return "cpu"
         return f"cuda:{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ else "cuda"
     if present:
-        from . import checks
-
         checks.device(device)
         return device
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import typer
@@ -19,14 +20,12 @@ def join_ranks(nproc: int) -> tuple[object, int]:
     ARGS` (ARGS without --nproc) and exits with its status: torchrun stops every rank when one fails.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        from ..distributed import init_from_env
+        from ..distributed import init_from_env  # (lazy: tilewise.distributed imports torch, ~2 s)
 
         rank, _ = init_from_env()
         return "default", rank
     if nproc > 1:
-        import subprocess
-
-        from ..distributed import torchrun_command
+        from ..distributed import torchrun_command  # (lazy: as init_from_env above)
 
         cmd = torchrun_command(sys.argv[1:], nproc)
         logger.info("launching %d ranks: %s", nproc, " ".join(cmd))

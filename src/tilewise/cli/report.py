@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -22,8 +23,6 @@ def write_plan(run_dir: Path | None, plan) -> None:
     """The plan as plan.json in the run folder."""
     if run_dir is None or plan is None:
         return
-    from dataclasses import asdict
-
     (run_dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2, default=str))
 
 
@@ -31,7 +30,7 @@ def finish_report(run_dir: Path | None) -> None:
     """Build the HTML report of the run folder and print where it is."""
     if run_dir is None:
         return
-    from ..report import build_report
+    from ..report import build_report  # (lazy: not on the path of `tilewise --help`)
 
     typer.echo(f"report: {build_report(run_dir)}")
 

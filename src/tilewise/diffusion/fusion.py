@@ -24,10 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..blending import Accumulator, weight_window
 from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, resolve_group, shard
 from ..geometry import TileGrid, as_pair, box_slices
+from ..locality import probe_receptive_field
 from ..wrapper import ModelWrapper
 from .adapters import Call, adapter_for
 from .pieces import Piece, plan_pieces
@@ -200,8 +202,6 @@ class TiledDenoiser(ModelWrapper):
 
     def _probe_halo(self, call: Call) -> tuple[int, int]:
         """halo='probe': the receptive-field radius measured by perturbing one latent pixel (first call)."""
-        from ..locality import probe_receptive_field
-
         sample, B = call.sample, call.sample.shape[0]
         row = torch.zeros(1, dtype=torch.long)
         t = take_rows(call.timestep, row, B, 1)
@@ -295,8 +295,6 @@ class TiledDenoiser(ModelWrapper):
             return self.progress_bar
         if not self.progress:
             return None
-        from tqdm.auto import tqdm
-
         return tqdm(total=total, desc="tiles", leave=False)
 
     # ---- conditioning runs: the pipeline prompt and each region -----------------------------------------

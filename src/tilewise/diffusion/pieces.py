@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..geometry import Box, TileGrid
 
 
@@ -33,8 +35,6 @@ class Piece:
 
 def spot_offset(seed: int, timestep: Any, tile: tuple[int, int]) -> tuple[int, int]:
     """SpotDiffusion shift (dy, dx) in [0, tile): a pure function of the seed and the timestep value."""
-    import torch
-
     t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
     rng = random.Random(f"tilewise-spot:{seed}:{round(t * 1000)}")
     return rng.randrange(tile[0]), rng.randrange(tile[1])

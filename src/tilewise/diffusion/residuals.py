@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-Box = tuple[int, int, int, int]
+from ..geometry import Box
 
 
 class Residual:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def take_rows(value: Any, rows, n_rows: int, repeats: int) -> Any:
     """Per-row conditioning (leading dim == n_rows) restricted to `rows` and repeated for `repeats` tiles."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         if value.ndim >= 1 and value.shape[0] == n_rows:
             part = value.index_select(0, rows.to(value.device))

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 # `X as X`: private names other modules use through this package, re-exported on purpose:
 # tilewise.vae.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union, _first_failure)
-from .boxes import Box, exchange_boxes, exchange_plan
+from ..geometry import Box
 from .boxes import _disjoint_union as _disjoint_union
+from .boxes import exchange_boxes, exchange_plan
 from .collectives import (
     all_gather_cat,
     all_merge_moments,

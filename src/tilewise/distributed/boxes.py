@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .groups import _comm_device, _global, rank_world
+import torch
+import torch.distributed as dist
 
-Box = tuple[int, int, int, int]  # (y0, y1, x0, x1), half-open, as tilewise.geometry
+from ..geometry import Box
+from .groups import _comm_device, _global, rank_world
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -74,9 +76,6 @@ def exchange_boxes(tensor: Any, owned: Sequence[Box], needed: Sequence[Box], gro
     gather of an output): box lists are all-gathered, then each intersection goes point to point, in
     the same order on every rank. Returns the number of elements this rank received.
     """
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return 0
     rank, world = rank_world(group)

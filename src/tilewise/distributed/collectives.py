@@ -6,6 +6,9 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from .groups import DEFAULT_TIMEOUT, _backend, _comm_device, _global, rank_world
 
 
@@ -15,9 +18,6 @@ def all_reduce_sum(tensors: Sequence[Any], group: Any, dtype: Any = None) -> Non
     `dtype` defaults to float64 (sums of float32 parts are then exact to ~1e-16 relative, so the result
     hardly depends on the number of ranks); pass float32 to halve the traffic.
     """
-    import torch
-    import torch.distributed as dist
-
     if group is None or not tensors:
         return
     dtype = dtype or torch.float64
@@ -40,9 +40,6 @@ def all_reduce_accumulator(acc: Any, group: Any, dtype: Any = None) -> None:
 
 def all_reduce_max(value: int, group: Any) -> int:
     """The largest of one int over the ranks (e.g. a channel count that an empty shard cannot know)."""
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=_comm_device(group, None))
@@ -56,9 +53,6 @@ def all_gather_cat(tensor: Any, group: Any, dim: int = 0) -> Any:
     The other dimensions must agree. Used for attention keys/values: each rank computes them for its
     tokens, every rank gets all of them.
     """
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return tensor
     rank, world = rank_world(group)
@@ -107,9 +101,6 @@ def all_merge_moments(count: float, mean: Any, m2: Any, group: Any) -> tuple[flo
     count 0 on a rank that saw no pixels. Merging about each part's own mean is exact, unlike summing
     per-shard variances (wrong by the spread of the shard means). Every rank gets the same result.
     """
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return count, mean, m2
     _, world = rank_world(group)
@@ -127,9 +118,6 @@ def all_merge_moments(count: float, mean: Any, m2: Any, group: Any) -> tuple[flo
 
 def broadcast(value: Any, group: Any, src: int = 0) -> Any:
     """Rank `src`'s tensor (in place, returned) or picklable object, on every rank."""
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return value
     src_global = _global(group, src)
@@ -147,8 +135,6 @@ def broadcast(value: Any, group: Any, src: int = 0) -> Any:
 
 def barrier(group: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Wait for every rank; gloo names the ranks that did not arrive within `timeout` seconds."""
-    import torch.distributed as dist
-
     if group is None:
         return
     if "gloo" in _backend(group):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT = 300.0  # seconds a collective waits for the other ranks
 
@@ -12,8 +15,6 @@ def resolve_group(process_group: Any) -> Any:
     """None (single process), "default" (the initialised default group) or a ProcessGroup -> group or None."""
     if process_group is None:
         return None
-    import torch.distributed as dist
-
     if isinstance(process_group, str):
         if process_group != "default":
             raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
@@ -32,27 +33,19 @@ def rank_world(group: Any) -> tuple[int, int]:
     """(rank, world size) of this process in `group`; (0, 1) without a group."""
     if group is None:
         return 0, 1
-    import torch.distributed as dist
-
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _backend(group: Any) -> str:
-    import torch.distributed as dist
-
     return str(dist.get_backend(group)).lower()
 
 
 def _comm_device(group: Any, device: Any) -> Any:
     """Where a collective's buffer must live: the current CUDA device for NCCL, the CPU for gloo."""
-    import torch
-
     if "nccl" in _backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _global(group: Any, rank: int) -> int:
-    import torch.distributed as dist
-
     return rank if group is dist.group.WORLD else dist.get_global_rank(group, rank)

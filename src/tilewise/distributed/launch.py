@@ -9,8 +9,14 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from .groups import BACKENDS, DEFAULT_TIMEOUT
 
@@ -34,9 +40,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> tuple[int, int]:
     """init_process_group for a torchrun-launched process (env:// rendezvous); returns (rank, world)."""
-    import torch
-    import torch.distributed as dist
-
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"init_from_env needs torchrun's environment; missing {missing} "
@@ -56,8 +59,6 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) 
 
 
 def _destroy_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -83,8 +84,6 @@ def torchrun_command(argv: Sequence[str], nproc: int, module: str = "tilewise.cl
 
 def _write_failure(results: str, rank: int) -> None:
     """Record when and how this rank failed (read by `_first_failure`)."""
-    import traceback
-
     path = os.path.join(results, f"rank{rank}.failed")
     with open(path + ".tmp", "w") as f:
         f.write(f"{time.time()!r}\n{traceback.format_exc()}")
@@ -104,9 +103,6 @@ def _first_failure(results: str) -> tuple[int, str] | None:
 
 def _worker(rank, fn, world, backend, init_method, timeout, threads, results, args) -> None:
     """One rank of `spawn`: join the group, run fn(rank, world, *args), store its result atomically."""
-    import torch
-    import torch.distributed as dist
-
     if threads is not None:
         torch.set_num_threads(threads)
     if backend == "nccl":
@@ -150,9 +146,6 @@ def spawn(
     (fast in tests); it runs each rank with `threads` (default 1) intra-op threads, since OpenMP thread
     pools do not survive a fork.
     """
-    import torch
-    import torch.multiprocessing as mp
-
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if backend not in BACKENDS:
@@ -177,8 +170,6 @@ def spawn(
 
 def _join(ctx: Any, limit: float | None, results: str) -> None:
     """Join all ranks; the first failure kills the rest and is re-raised with its rank and traceback."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
     deadline = None if limit is None else time.monotonic() + limit
     try:
         while not ctx.join(timeout=0.2, grace_period=1.0):

@@ -4,7 +4,8 @@ encoder, trained on CPU from scikit-image's bundled pictures (see MODEL_CARD.md 
 They run through the same diffusers code paths as Stable Diffusion: `load_default_pipeline` returns a
 real `StableDiffusionPipeline`. Its `text_encoder`/`tokenizer` slots are None (diffusers' prompt path is
 CLIP-specific), so prompts go in as embeddings: `pipe(**default_prompt_embeds(pipe, "grass"), ...)`.
-Weights are read with safetensors (no pickle); torch and diffusers are imported only when called.
+Weights are read with safetensors (no pickle); torch, diffusers and `.words` (torch) are imported only when
+called, so that `import tilewise.models` imports neither torch nor diffusers (tests/test_models.py checks it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Will a recipe fit? Its outputs checked and its memory estimated before the denoiser or the VAE runs."""
+"""Will a recipe fit? Its outputs checked and its memory estimated before the denoiser or the VAE runs.
+
+`sinks` (numpy) is imported inside the check that uses it, so that `import tilewise.pipelines` imports no
+torch, diffusers or numpy: the CLI's commands import it before they check their arguments, and a bad argument
+fails before ~4 s of torch and diffusers imports.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@
 
 uint8 / uint16 pixels map to [-1, 1]; float pixels are taken as they are, in [-1, 1] (what the float32
 sinks write of a decode).
+
+numpy, tifffile, PIL and torch are imported inside the functions that use them, so that `import
+tilewise.pipelines` imports no torch, diffusers or numpy: the CLI's commands import it before they check their
+arguments, and a bad argument fails before ~4 s of torch and diffusers imports.
 """
 
 from __future__ import annotations

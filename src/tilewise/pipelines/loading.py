@@ -1,4 +1,9 @@
-"""Loading a pipeline: the embedded default, a local diffusers folder, or one checkpoint file; `Loaded`."""
+"""Loading a pipeline: the embedded default, a local diffusers folder, or one checkpoint file; `Loaded`.
+
+diffusers (~4 s) and torch are imported inside the loaders, so that `import tilewise.pipelines` imports no
+torch, diffusers or numpy: the CLI's commands import it before they check their arguments, and a bad argument
+fails before ~4 s of torch and diffusers imports.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Any
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
 from ..locality.lowering3d import VIDEO_VAES
+from ..models import SCHEDULERS, default_prompt_embeds, load_default_pipeline
+from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -35,34 +42,24 @@ class Loaded:
         """{prompt_embeds, negative_prompt_embeds[, pooled_prompt_embeds, negative_pooled_prompt_embeds]}
         (`tilewise.pipelines.prompts`: per family; other pipelines get the text)."""
         if self.embedded:
-            from ..models import default_prompt_embeds
-
             return default_prompt_embeds(self.pipe, prompt, negative)
-        from .prompts import encode
-
         return encode(self.pipe, prompt, negative)
 
     def region_embeds(self, prompt: str, negative: str = "") -> dict[str, Any]:
         """A regional prompt's embeddings (refused in one line where tilewise does not encode prompts)."""
         if self.embedded:
             return self.encode(prompt, negative)
-        from .prompts import embeds_for_regions
-
         return embeds_for_regions(self.pipe, prompt, negative)
 
 
 def _saved_as_none(path: Path) -> dict[str, None]:
     """Components model_index.json lists as null (e.g. SD3 without T5): stock loading wants them as None."""
-    import json
-
     index = json.loads((path / "model_index.json").read_text())
     return {k: None for k, v in index.items() if isinstance(v, list) and v and v[0] is None}
 
 
 def load_controlnet(folder: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
     """A ControlNet saved with save_pretrained (config.json naming its class, e.g. ControlNetModel)."""
-    import json
-
     import diffusers
 
     path = Path(folder)
@@ -103,15 +100,27 @@ def load_pipeline(
     A single file takes its architecture from `config`, a local diffusers pipeline folder of the same
     model family (diffusers' from_single_file(config=...)); offline, a single file needs one.
     """
-
     torch_dtype = _torch_dtype(dtype)
+    # 1. the embedded default
     if model is None:
         if config is not None:
             raise ValueError(f"--config {str(config)!r} needs a single-file --model checkpoint to apply to")
-        from ..models import load_default_pipeline
-
         pipe = load_default_pipeline(scheduler=scheduler, device=device, dtype=torch_dtype)
         return Loaded(pipe, "embedded default (tilewise/models)", embedded=True, sdxl=False)
+    # 2. a local pipeline folder or one checkpoint file
+    path = Path(model)
+    pipe = _load_local(model, config, local_files_only)
+    # 3. what tilewise needs of it: a denoiser beside a VAE, and the scheduler asked for
+    _check_parts(pipe, path, scheduler)
+    if scheduler != "ddim":
+        _set_scheduler(pipe, scheduler)
+    pipe.to(device, torch_dtype)
+    sdxl = "XL" in type(pipe).__name__
+    return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+
+
+def _load_local(model: str | os.PathLike, config: str | os.PathLike | None, local_files_only: bool) -> Any:
+    """A diffusers pipeline folder (from_pretrained) or a .safetensors/.ckpt file (`load_single_file`)."""
     path = Path(model)
     if not path.exists():
         raise BadRequest(
@@ -135,6 +144,11 @@ def load_pipeline(
             pipe = load_single_file(path, config, local_files_only)
     else:
         raise BadRequest(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
+    return pipe
+
+
+def _check_parts(pipe: Any, path: Path, scheduler: str) -> None:
+    """Refuse a pipeline without a UNet or transformer beside a VAE, or --scheduler for a transformer."""
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     if denoiser is None or getattr(pipe, "vae", None) is None:
         raise ModelProblem(
@@ -146,17 +160,15 @@ def load_pipeline(
             f"--scheduler {scheduler} applies to UNet pipelines; {type(pipe).__name__} keeps its own "
             f"{type(pipe.scheduler).__name__}"
         )
-    if scheduler != "ddim":
-        import diffusers
 
-        from ..models import SCHEDULERS
 
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
-        pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
-    pipe.to(device, torch_dtype)
-    sdxl = "XL" in type(pipe).__name__
-    return Loaded(pipe, str(path), embedded=False, sdxl=sdxl)
+def _set_scheduler(pipe: Any, scheduler: str) -> None:
+    """The pipeline's scheduler replaced by the named one (`SCHEDULERS`), from the pipeline's config."""
+    import diffusers
+
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
+    pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
 
 
 def read_model_index(folder: Path, what: str) -> dict:

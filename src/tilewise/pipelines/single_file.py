@@ -1,9 +1,18 @@
-"""A single checkpoint file (.safetensors, .ckpt) via diffusers' from_single_file; no weight left out."""
+"""A single checkpoint file (.safetensors, .ckpt) via diffusers' from_single_file; no weight left out.
+
+diffusers (~4 s) and torch are imported inside the functions that use them, so that `import
+tilewise.pipelines` imports no torch, diffusers or numpy: the CLI's commands import it before they check their
+arguments, and a bad argument fails before ~4 s of torch and diffusers imports.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import zipfile
 from pathlib import Path
+
+from safetensors import safe_open
 
 from ..errors import BadRequest, ModelProblem
 
@@ -46,12 +55,8 @@ def _checkpoint_shapes(path: Path) -> dict:
     import torch
 
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    import zipfile
-
     state = torch.load(path, map_location="meta", weights_only=True, mmap=zipfile.is_zipfile(path))
     while "state_dict" in state:
         state = state["state_dict"]
@@ -90,8 +95,6 @@ def _check_complete(pipe, path: Path, folder: Path) -> None:
 
 def _pipeline_class(folder: Path):
     """The pipeline class a diffusers folder names in model_index.json ('_class_name')."""
-    import json
-
     import diffusers
 
     index = folder / "model_index.json"

@@ -7,6 +7,10 @@ pipeline's denoiser sees them: z = (raw - latents_mean) * scaling_factor / laten
 latents_std buffers and config.scaling_factor). Videos are read by `frames` (a frame pattern, a .npy
 or a multi-page TIFF stack, an image as one frame); a decode of one frame writes an image (PNG, TIFF,
 .npy), a decode of several frames a video sink (`tilewise.sinks.video`), frame blocks streamed.
+
+torch, safetensors.torch, and sinks, sources and vae (numpy, torch) are imported inside the functions that use
+them, so that `import tilewise.pipelines` imports no torch, diffusers or numpy: the CLI's commands import it
+before they check their arguments, and a bad argument fails before ~4 s of torch and diffusers imports.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from ..atomic import atomic_path, check_target
 from ..errors import BadRequest
+from .frames import load_video
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +109,6 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
     .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it)."""
     import torch
     from safetensors.torch import save_file
-
-    from .frames import load_video
 
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
     x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)

@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadRequest
+from ..geometry import Box
 from .arrays import MemmapSink, TensorSink
 from .base import Sink
-from .coverage import Box, first_gap
+from .coverage import first_gap
 from .pixels import FLOAT_DTYPES, INT_BITS, to_hwc_uint
 from .png import PNG_FILTERS, PNGSink, png_chunk
 from .tiff import TIFFSink

@@ -1,4 +1,8 @@
-"""Sinks that take blocks in any order: `TensorSink` (a torch tensor in memory), `MemmapSink` (.npy)."""
+"""Sinks that take blocks in any order: `TensorSink` (a torch tensor in memory), `MemmapSink` (.npy).
+
+torch is imported inside the methods that make tensors: `import tilewise.sinks` imports no torch (~2 s;
+tests/test_sinks.py checks it).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..atomic import name_target, temporary_path
+from ..geometry import Box
 from .base import Sink
-from .coverage import Box, first_gap
+from .coverage import first_gap
 from .pixels import is_torch
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import name_target, publish
-from .coverage import Box
+from ..geometry import Box
 from .pixels import FLOAT_DTYPES, INT_BITS, channels_first_3d, check_range, is_torch, quantize_torch
 
 logger = logging.getLogger(__name__)

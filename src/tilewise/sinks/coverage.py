@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-Box = tuple[int, int, int, int]
+from ..geometry import Box
 
 
 def first_gap(height: int, width: int, boxes: list[Box]) -> Box | None:

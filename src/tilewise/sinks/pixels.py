@@ -1,4 +1,8 @@
-"""Pixel conversion: numpy (h, w, C) pixels and torch (C, h, w) images, float ranges to uint8/uint16."""
+"""Pixel conversion: numpy (h, w, C) pixels and torch (C, h, w) images, float ranges to uint8/uint16.
+
+torch is imported inside `quantize_torch`: `import tilewise.sinks` imports no torch (~2 s; tests/test_sinks.py
+checks it).
+"""
 
 from __future__ import annotations
 

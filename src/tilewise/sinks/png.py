@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from ..atomic import temporary_path
+from ..geometry import Box
 from .base import Sink
-from .coverage import Box, RowBuffer
+from .coverage import RowBuffer
 from .pixels import INT_BITS
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -20,6 +20,8 @@ image sinks (`tilewise.sinks`) with a time axis:
 ``random_access`` says whether blocks may come in any order of frames (a tile-major run), or should
 come frame after frame (`tilewise.vae` then runs its causal steps outermost). ``open_video_sink`` picks
 the sink by the path (also `tw.open_video_sink`).
+
+tifffile (~30 ms after numpy) is imported by the sink that writes TIFF stacks, so that only those pay for it.
 """
 
 from __future__ import annotations

@@ -14,12 +14,17 @@ scales, guess mode and the like pass unchanged.
   `positions="global"` each tile's crop of the ControlNet's own position table, as the transformer gets.
 - Flux (`FluxControlNetModel`, `FluxMultiControlNetModel`): packed latent control tokens (or pixel images
   for ControlNets with an input hint block); each tile's rows of `img_ids`.
+
+diffusers' output classes are imported inside the methods that build them, so that importing
+tilewise.diffusion does not import diffusers (~3 s).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+import torch
 
 from ...geometry import box_slices
 from ..residuals import ControlCall, Deferred, Tiles, crop_map
@@ -65,8 +70,6 @@ class ControlFamily:
 
     def _rows(self, args: dict, rows: list[int], tiles: Tiles, skip: tuple[str, ...]) -> dict[str, Any]:
         """Every argument but `skip` for the tiles: control images cropped, per-row values by rows."""
-        import torch
-
         B, n, idx = self.batch(args), len(tiles.boxes), torch.tensor(rows)
         kw = {}
         for name, v in args.items():
@@ -78,8 +81,6 @@ class ControlFamily:
 
     def _crop_images(self, v, idx, B: int, tiles: Tiles, name: str):
         """A control image (or a list of them, MultiControlNet) cut to every tile, rows `idx`."""
-        import torch
-
         if isinstance(v, (list, tuple)):
             return type(v)(self._crop_images(c, idx, B, tiles, name) for c in v)
         if not isinstance(v, torch.Tensor) or v.ndim != 4:
@@ -107,8 +108,6 @@ class UNetControl(ControlFamily):
         return down, mid
 
     def run(self, module, args, tiles, rows):
-        import torch
-
         sample = _checked_grid(args[self.sample_arg], tiles, type(module).__name__)
         part = sample.index_select(0, torch.tensor(rows, device=sample.device))
         x = torch.cat([part[(..., *box_slices(b))] for b in tiles.boxes])
@@ -133,8 +132,6 @@ class SD3Control(ControlFamily):
         return (blocks,)
 
     def run(self, module, args, tiles, rows):
-        import torch
-
         name = type(module).__name__
         sample = args[self.sample_arg]
         if sample.ndim != 4 or _first_net(module).pos_embed is None:
@@ -178,8 +175,6 @@ class FluxControl(ControlFamily):
         return blocks, single
 
     def run(self, module, args, tiles, rows):
-        import torch
-
         name = type(module).__name__
         ids = args.get("img_ids")
         x = args[self.sample_arg]
@@ -208,8 +203,6 @@ class FluxControl(ControlFamily):
         return module(hidden_states=tokens, img_ids=ids, return_dict=False, **kw)
 
     def _tokens_or_images(self, v, idx, tiles: Tiles, lay: IdsLayout, name: str):
-        import torch
-
         if isinstance(v, (list, tuple)):
             return type(v)(self._tokens_or_images(c, idx, tiles, lay, name) for c in v)
         if v.ndim == 4:  # pixel control image (ControlNets with an input hint block)

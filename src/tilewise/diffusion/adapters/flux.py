@@ -12,12 +12,17 @@ channels are part of each token and are cropped with it.
 `positions="tile"`: the ids restart at the tile's origin, as in ComfyUI's tiled nodes and Ultimate SD
 Upscale. The forward takes one set of ids for the whole batch, so with global positions every tile is
 its own model call.
+
+diffusers' output classes are imported inside the methods that build them, so that importing
+tilewise.diffusion does not import diffusers (~3 s).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .base import Call
 from .transformer import TransformerAdapter, pack_groups, tile_tokens, unpack_groups
@@ -37,8 +42,6 @@ class IdsLayout:
 
     def tile_ids(self, box, positions: str):
         """The img_ids of a box's tokens, group after group: the untiled call's rows, or restarted at 0."""
-        import torch
-
         idx = tile_tokens(box, self.h, self.w)
         parts = [self.ids[g * self.h * self.w + idx.to(self.ids.device)] for g in range(self.groups)]
         ids = torch.cat(parts)
@@ -51,8 +54,6 @@ class IdsLayout:
 
 def raster_groups(ids, name: str) -> tuple[int, int, int]:
     """(groups, h, w) of Flux img_ids: consecutive raster grids of one size (ValueError otherwise)."""
-    import torch
-
     first = ids[:, 0]
     starts = [0, *(torch.nonzero(first[1:] != first[:-1]).flatten() + 1).tolist(), len(ids)]
     sizes = []
@@ -138,8 +139,6 @@ class Flux2Adapter(FluxAdapter):
 
     def text_ids(self, txt_ids, n: int):
         """Flux.2's text ids: (0, 0, 0, l) for token l."""
-        import torch
-
         ids = txt_ids.new_zeros((n, txt_ids.shape[-1]))
         ids[:, -1] = torch.arange(n, device=ids.device).to(ids.dtype)
         return ids

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
+
 from .base import Call
 from .transformer import TransformerAdapter, hooked, pack_groups, tile_tokens, unpack_groups
 
@@ -38,8 +40,6 @@ class ShapesLayout:
 
     def tile_tokens(self, box):
         """Indices of a box's tokens in the untiled call's sequence, group after group."""
-        import torch
-
         idx = tile_tokens(box, self.h, self.w)
         return torch.cat([g * self.h * self.w + idx for g in range(self.groups)])
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .base import Call
 from .transformer import TransformerAdapter, hooked
 
 
 def global_pos_embed(patch_embed, hw: tuple[int, int], boxes, rows: int):
     """(tiles x rows, tokens, D): the embedding each tile's tokens have in the whole H x W latent's crop."""
-    import torch
-
     M, p = patch_embed.pos_embed_max_size, patch_embed.patch_size
     top, left = (M - hw[0] // p) // 2, (M - hw[1] // p) // 2
     table = patch_embed.pos_embed.reshape(M, M, -1)

@@ -10,6 +10,9 @@ Families whose forward takes one positional input for the whole batch (rotary po
 batch dimension: Flux, Flux.2, Qwen-Image) set `shares_positions`: with `positions="global"` tiles at
 different places cannot share a call, so each tile is its own model call (its rows batched); with
 `positions="tile"` every tile of one size has the same positions and the tiles are batched.
+
+diffusers' output classes are imported inside the methods that build them, so that importing
+tilewise.diffusion does not import diffusers (~3 s).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from typing import Any
+
+import torch
 
 from ..residuals import Selected, Tiles, evaluate, residual_args
 from .base import Adapter, Call, expand_rows
@@ -35,8 +40,6 @@ def bind_call(model, args: tuple, kwargs: dict, who: str = "TiledDenoiser") -> d
 
 def rows_of(value: Any, i: int, rows: int, n: int) -> Any:
     """Tile i's rows of a per-row value (tensors whose leading dim is n = tiles x rows), recursively."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value[i * rows : (i + 1) * rows] if value.ndim >= 1 and value.shape[0] == n else value
     if isinstance(value, Selected):
@@ -64,22 +67,16 @@ def pack(grid, p: int = 2):
 
 def unpack_groups(tokens, groups: int, h: int, w: int, p: int = 2):
     """A sequence of `groups` same-size token grids (latent, then conditioning images) as channel blocks."""
-    import torch
-
     return torch.cat([unpack(g, h, w, p) for g in tokens.split(h * w, dim=1)[:groups]], dim=1)
 
 
 def pack_groups(grid, groups: int, p: int = 2):
     """The inverse of `unpack_groups`: channel blocks back to one token sequence, group after group."""
-    import torch
-
     return torch.cat([pack(g, p) for g in grid.chunk(groups, dim=1)], dim=1)
 
 
 def tile_tokens(box, h: int, w: int, p: int = 2):
     """Raster indices, in an h x w token grid, of the tokens of a latent-pixel box aligned to p."""
-    import torch
-
     y0, y1, x0, x1 = (c // p for c in box)
     return (torch.arange(y0, y1)[:, None] * w + torch.arange(x0, x1)[None, :]).flatten()
 
@@ -146,8 +143,6 @@ class TransformerAdapter(Adapter):
             cond[self.pooled_arg] = expand_rows(pooled, n, "pooled_prompt_embeds")
 
     def predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
-        import torch
-
         n = len(boxes)
         if not (self.shares_positions and self.positions == "global" and n > 1):
             return self._predict(model, call, x, t, cond, boxes, rows)

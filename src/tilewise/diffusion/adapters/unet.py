@@ -6,11 +6,16 @@ tile's crop top-left (`micro_conditioning="tile"`), the pipeline's (`"pipeline"`
 ControlNet and T2I-Adapter residuals (`down_block_additional_residuals`, `mid_block_additional_residual`,
 `down_intrablock_additional_residuals`) are per tile: tensors are cropped at their own resolution,
 TiledControlNet outputs computed by running the ControlNet on the tile (`tilewise.diffusion.residuals`).
+
+diffusers' output classes are imported inside the methods that build them, so that importing
+tilewise.diffusion does not import diffusers (~3 s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import torch
 
 from ..residuals import Tiles, crop_map, evaluate, residual_args
 from .base import Adapter, Call, expand_rows
@@ -115,8 +120,6 @@ class UNetAdapter(Adapter):
 
     def _micro_conditioning(self, cond: dict, boxes, n_rows: int, hw) -> None:
         """SDXL: per-tile `time_ids` (original size, crop top-left, target size) for what the tile is."""
-        import torch
-
         added = cond.get("added_cond_kwargs")
         if not added or "time_ids" not in added or self.micro_conditioning == "pipeline":
             return

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
 from .base import Call
 from .transformer import TransformerAdapter, hooked
 
 
 def global_hw_freqs(model, boxes, rows: int, p: int):
     """(tiles x rows, tokens, row/col columns): the rotary table part of each tile's true rows and columns."""
-    import torch
-
     parts = []
     for y0, y1, x0, x1 in boxes:
         r, c = torch.meshgrid(torch.arange(y0 // p, y1 // p), torch.arange(x0 // p, x1 // p), indexing="ij")
@@ -38,8 +39,6 @@ def global_hw_freqs(model, boxes, rows: int, p: int):
 
 def swap_halves(v):
     """[first half, second half] -> [second half, first half] along the batch (tensors with >= 2 rows)."""
-    import torch
-
     if not isinstance(v, torch.Tensor) or v.ndim == 0 or v.shape[0] % 2:
         return v
     return torch.cat([v[v.shape[0] // 2 :], v[: v.shape[0] // 2]])
@@ -59,9 +58,6 @@ class ZImageAdapter(TransformerAdapter):
                                "untiled")}
 
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
-        import torch
-        from torch.nn.utils.rnn import pad_sequence
-
         call = super().parse(model, args, kwargs)
         if "cap_feats" not in call.cond:
             raise TypeError(f"TiledDenoiser.forward() for {type(model).__name__} needs cap_feats")
@@ -76,8 +72,6 @@ class ZImageAdapter(TransformerAdapter):
         return call
 
     def to_grid(self, model, given: dict):
-        import torch
-
         name, x = type(model).__name__, given[self.sample_arg]
         if not isinstance(x, (list, tuple)) or not x or isinstance(x[0], (list, tuple)):
             raise NotImplementedError(f"{name}: x must be a list of (C, 1, H, W) latents; Z-Image omni mode "
@@ -92,13 +86,9 @@ class ZImageAdapter(TransformerAdapter):
 
     def apply_region(self, cond: dict, region, n: int) -> None:
         super().apply_region(cond, region, n)
-        import torch
-
         cond["cap_lens"] = torch.full((n,), cond["cap_feats"].shape[1], dtype=torch.long)
 
     def _predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
-        import torch
-
         caps = [c[:n] for c, n in zip(cond["cap_feats"], cond["cap_lens"].tolist(), strict=True)]
         with self._positions(model, call, boxes, rows):
             out = model(list(x.unsqueeze(2).unbind(0)), t, caps, **self.shared_kwargs(call),
