@@ -1,4 +1,4 @@
-"""The package's import graph: no circle, and nothing imports upward across the layers of DESIGN.md.
+"""The package's import graph: no circle, and nothing imports upward across the layers of docs/design.md.
 
 Read statically from the source (every import, module-level or inside a function, since a lazy import
 that closes a circle still breaks at run time for whoever calls it first).
@@ -11,7 +11,7 @@ import tilewise
 
 ROOT = Path(tilewise.__file__).parent
 
-# DESIGN.md's layers, top (high) to bottom (low): a module may import its own layer or lower ones
+# docs/design.md's layers, top (high) to bottom (low): a module may import its own layer or lower ones
 LAYERS = {
     "cli": 4, "report": 4,
     "pipelines": 3,
@@ -72,7 +72,7 @@ def _layer(name: str) -> int | None:
 def test_every_module_has_a_layer():
     graph = _graph()
     missing = sorted(n for n in graph if n != "tilewise" and _layer(n) is None)
-    assert not missing, f"modules without a layer in DESIGN.md's table (add them to LAYERS): {missing}"
+    assert not missing, f"modules without a layer in docs/design.md's table (add them to LAYERS): {missing}"
 
 
 def test_nothing_imports_upward():

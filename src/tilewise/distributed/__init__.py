@@ -17,7 +17,7 @@ Each rank calls `init_from_env()` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/POR
 when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its denoiser and VAE with
 `TiledDenoiser(..., process_group="default")` and `TiledVAE(..., process_group="default")`; every rank
 then holds the same latents and image, and rank 0 alone writes the output (`TiledVAE.decode_to` streams
-the other ranks' rows through rank 0; `tilewise.vae.sharding` has the VAE's row-band plan). `tilewise
+the other ranks' rows through rank 0; `tilewise.vae.run.sharding` has the VAE's row-band plan). `tilewise
 generate|decode ... --nproc N` is that line made for you: the CLI re-executes itself as
 `torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
 --nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed, so one machine needs no launcher of its
@@ -36,7 +36,7 @@ One file per job: `groups` (resolving a process group, rank and world, the colle
 from __future__ import annotations
 
 # `X as X`: private names other modules use through this package, re-exported on purpose:
-# tilewise.vae.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union, _first_failure)
+# tilewise.vae.run.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union, _first_failure)
 from ..geometry import Box
 from .boxes import _disjoint_union as _disjoint_union
 from .boxes import exchange_boxes, exchange_plan
