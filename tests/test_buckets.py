@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -262,13 +262,15 @@ def test_auto_picks_cheapest_admissible_policy():
 
 
 @given(w=SIDES, h=SIDES, max_pf=st.sampled_from([0.1, 0.3, 0.6]), max_ae=st.sampled_from([0.05, 0.3, 2.0]))
+@example(w=128, h=84, max_pf=0.3, max_ae=0.05)  # (padded to 160x96: exactly 0.3 padded, admitted)
 def test_auto_equals_enumeration(w, h, max_pf, max_ae):
     """auto's cost equals the minimum over every admissible (policy, bucket) option, enumerated here."""
     g = torch.Generator().manual_seed(w * 1000 + h)
     costs = {b: float(torch.rand((), generator=g)) for b in BUCKETS}
     p = BucketPlanner(buckets=BUCKETS, step=32, max_aspect=3, costs=costs)
-    options = [
-        (costs[b], 0) for b in BUCKETS if b[0] >= w and b[1] >= h and 1 - w * h / (b[0] * b[1]) <= max_pf
+    options = [  # (the padded fraction as the planner defines it: padded / bucket positions)
+        (costs[b], 0) for b in BUCKETS
+        if b[0] >= w and b[1] >= h and (b[0] * b[1] - w * h) / (b[0] * b[1]) <= max_pf
     ]
     ar = w / h
     nearest = min(
