@@ -30,10 +30,16 @@ def test_lowered_tiny_equals_forward():
         assert (lower(vae.encoder).run(x) - vae.encoder(x)).abs().max() <= 1e-6
 
 
-def test_unknown_module_names_type_and_points_to_probe():
-    m = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1))
-    with pytest.raises(LoweringError, match="Sequential.*probe_receptive_field"):
-        lower(m)
+def test_any_module_of_placed_operators_lowers_and_others_are_refused_by_call_and_path():
+    # what a module computes decides, not its class: a Sequential of a convolution lowers, exactly
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.SiLU()).eval()
+    x = torch.randn(1, 3, 9, 7)
+    with torch.no_grad():
+        assert torch.equal(lower(m, x).run(x), m(x))
+    # a call that reads the whole image (global pooling) is refused, naming it, its module and the probe
+    pooled = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1))
+    with pytest.raises(LoweringError, match="Sequential.*adaptive_avg_pool2d at '1'.*probe_receptive_field"):
+        lower(pooled, x)
 
 
 def test_tiny_decoder_static_halo_equals_probe():

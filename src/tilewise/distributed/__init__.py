@@ -36,7 +36,8 @@ One file per job: `groups` (resolving a process group, rank and world, the colle
 from __future__ import annotations
 
 # `X as X`: private names other modules use through this package, re-exported on purpose:
-# tilewise.vae.run.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union, _first_failure)
+# tilewise.vae.run.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union,
+# _first_failure)
 from ..geometry import Box
 from .boxes import _disjoint_union as _disjoint_union
 from .boxes import exchange_boxes, exchange_plan

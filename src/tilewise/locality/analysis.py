@@ -103,7 +103,8 @@ def cumulative_stride(program: Program) -> int:
 
 def _blockers(sync: list[tuple[str, str]]) -> list[str]:
     names = {OpKind.GROUP_NORM: "GroupNorm (needs global statistics)",
-             OpKind.ATTENTION: "attention (needs all tokens)"}
+             OpKind.ATTENTION: "attention (needs all tokens)",
+             OpKind.WHOLE: "a module run whole (reads every position)"}
     out = []
     for kind in dict.fromkeys(k for _, k in sync):
         where = [n for n, k in sync if k == kind]
@@ -115,7 +116,7 @@ def _blockers(sync: list[tuple[str, str]]) -> list[str]:
 def _segment_report(i: int, seg: Segment, shapes) -> SegmentReport:
     dst = seg.outputs[-1] if seg.outputs else seg.ops[-1].dst
     srcs = seg.inputs or [seg.ops[0].src[0]]
-    halo = 0 if seg.kind is SegmentKind.ATTENTION else max(radius(seg.ops, s, dst, shapes) for s in srcs)
+    halo = 0 if seg.kind is not SegmentKind.LOCAL else max(radius(seg.ops, s, dst, shapes) for s in srcs)
     scale = shapes[dst][0] / shapes[srcs[0]][0]
     return SegmentReport(i, seg.kind, seg.ops[0].name, seg.ops[-1].name, len(seg.ops), halo, scale)
 
@@ -135,11 +136,18 @@ def analyze_program(program: Program, hw: tuple[int, int] = (64, 64)) -> Report:
 def analyze(module, example_input=None) -> Report:
     """Lower `module` and report halos, sync points and the exact-tileability verdict (a static analysis)."""
 
-    program = module if isinstance(module, Program) else lower(module)
+    program = module if isinstance(module, Program) else lower(module, _example(module, example_input))
     hw = (64, 64) if example_input is None else tuple(int(s) for s in example_input.shape[-2:])
     grow = cumulative_stride(program)  # make the analysis image large enough that the halo is not clipped
     hw = (max(hw[0], 64 * grow), max(hw[1], 64 * grow))
     return analyze_program(program, hw)
+
+
+def _example(module, example):
+    """The example the lowering traces: the one given (a 2-D module's), or its own (None)."""
+    if example is None or example.ndim != 4:
+        return None
+    return example
 
 
 @dataclass

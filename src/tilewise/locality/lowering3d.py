@@ -101,7 +101,6 @@ def _attention(b: Builder, a, x: str, where: str) -> str:
 
 
 def _frame_conv(b: Builder, conv, x: str, where: str, padding=None) -> str:
-
     if (type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or tuple(conv.dilation) != (1, 1)
             or conv.groups != 1):
         raise unsupported(conv, where)

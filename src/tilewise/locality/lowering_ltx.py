@@ -108,7 +108,6 @@ def _downsampler(b: Builder, d, x: str, where: str) -> str:
 
 
 def _cat_front(t, n: int):
-
     return torch.cat([t[:, :, :n], t], dim=2) if n else t
 
 

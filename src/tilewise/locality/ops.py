@@ -40,6 +40,11 @@ class OpKind(Vocabulary):
     TIME_UP = "time_up"
     TIME_DOWN = "time_down"
     REARRANGE = "rearrange"
+    COMBINE = "combine"
+    CAT = "cat"
+    SLICE = "slice"
+    WHOLE = "whole"
+    MODULE = "module"
 
 
 def clip_box(box: Box, shape: tuple[int, int]) -> Box:
@@ -104,7 +109,6 @@ class Upsampled:
     scale: int
 
     def crop(self, have: Box, want: Box):
-
         s = self.scale
         need = (want[0] // s, (want[1] - 1) // s + 1, want[2] // s, (want[3] - 1) // s + 1)
         x = sub_tensor(self.source, self.src_box, need)
@@ -159,6 +163,7 @@ class Conv(Op):
     dilation: tuple[int, int] = (1, 1)
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
     groups: int = 1
+    padding_mode: str = "zeros"  # what the border pads with: zeros, "replicate" or "reflect" (F.pad's modes)
     kind = OpKind.CONV
 
     @property
@@ -212,21 +217,29 @@ class Conv(Op):
         """A 1x1 convolution with stride 1 and no padding (a per-pixel channel projection)."""
         return self.kernel == (1, 1) and self.stride == (1, 1) and not any(self.padding)
 
-    def _run_box(self, x, have, box, shape):
+    def pads_itself(self, need: Box, inner: Box) -> bool:
+        """Whether the convolution reading `need` (of which `inner` is in the image) pads itself: zeros,
+        the same on both sides of each axis (else a padded copy is made first)."""
+        return self.padding_mode == "zeros" and zero_pad(need, inner)[1]
 
+    def _run_box(self, x, have, box, shape):
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shape)
         x = sub_tensor(x, have, inner)
-        pad, native = zero_pad(need, inner)
-        if native:
+        pad, _ = zero_pad(need, inner)
+        if self.pads_itself(need, inner):
             return F.conv2d(x, self.weight, self.bias, self.stride, (pad[2], pad[0]), self.dilation,
                             self.groups)
-        x = F.pad(x, pad)  # (upsampled rows made by sub_tensor die here, before the conv's output is made)
+        # (a box leaves the image only where its crop reaches the border: replicating or reflecting the
+        # crop there is the image's own padding; upsampled rows made by sub_tensor die here)
+        if any(pad):
+            x = F.pad(x, pad) if self.padding_mode == "zeros" else F.pad(x, pad, mode=self.padding_mode)
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
     def describe(self):
         (kh, kw), t = self.kernel, self.padding
-        return f"conv {kh}x{kw} s{self.stride[0]} d{self.dilation[0]} pad{t}"
+        mode = "" if self.padding_mode == "zeros" else f" {self.padding_mode}"
+        return f"conv {kh}x{kw} s{self.stride[0]} d{self.dilation[0]} pad{t}{mode}"
 
 
 @dataclass
@@ -366,7 +379,6 @@ class AttentionCore(Op):
         return self.to_k(t), self.to_v(t)
 
     def _heads(self, t):
-
         return heads_view(t, self.heads)
 
     def attend(self, n, k, v, chunk: int = 4096, kv_chunk: int = 0):

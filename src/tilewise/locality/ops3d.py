@@ -116,7 +116,6 @@ class CausalConv3d(Op):
         return self.pad_t * channels * box_area(clip_box(self.input_boxes(box)[0], shapes[0]))
 
     def run(self, ctx, inputs, have, box, shapes):
-
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shapes[0])
         x = sub_tensor(inputs[0], have[0], inner)
@@ -160,7 +159,6 @@ class FrameConv(Op):
     input_boxes = CausalConv3d.input_boxes
 
     def run(self, ctx, inputs, have, box, shapes):
-
         need = self.input_boxes(box)[0]
         inner = clip_box(need, shapes[0])
         x = sub_tensor(inputs[0], have[0], inner)
@@ -217,7 +215,6 @@ class TimeUp(Op):
         return 2 * channels * box_area(box) if step >= 1 else 0
 
     def run(self, ctx, inputs, have, box, shapes):
-
         x = sub_tensor(inputs[0], have[0], box)
         if ctx.step == 0:
             return x
@@ -249,7 +246,6 @@ class TimeDown(Op):
         return channels * box_area(box)
 
     def run(self, ctx, inputs, have, box, shapes):
-
         x = sub_tensor(inputs[0], have[0], box)
         prev = ctx.cached(self, box, x.device)
         ctx.keep(self, box, x[:, :, -1:])

@@ -107,6 +107,7 @@ class SegmentKind(Vocabulary):
 
     LOCAL = "local"
     ATTENTION = "attention"
+    WHOLE = "whole"  # one op run on the whole of its inputs (`ops_traced.Whole`)
 
 
 @dataclass
@@ -139,9 +140,10 @@ def split_segments(program: Program, is_global: Callable[[Op], bool] | None = No
     for op in program.ops:
         if not is_global(op):
             cur.append(op)
-        elif op.kind is OpKind.ATTENTION:
+        elif op.kind in (OpKind.ATTENTION, OpKind.WHOLE):
             close()
-            segments.append(Segment(ops=[op], kind=SegmentKind.ATTENTION))
+            kind = SegmentKind.ATTENTION if op.kind is OpKind.ATTENTION else SegmentKind.WHOLE
+            segments.append(Segment(ops=[op], kind=kind))
         else:
             if any(s in made for s in op.src):
                 close()

@@ -54,7 +54,7 @@ def fast_split(p: Program, kind: Kind, mode: Mode, fast: FastSettings) -> int | 
         return None
     part = p.ops[k:] if kind is Kind.DECODE else p.ops[:k]
     kinds = {op.kind for op in part}
-    if OpKind.ATTENTION in kinds or OpKind.GROUP_NORM not in kinds:
+    if OpKind.ATTENTION in kinds or OpKind.WHOLE in kinds or OpKind.GROUP_NORM not in kinds:
         return None
     return k
 

@@ -257,7 +257,8 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
         for y in range(box[0], box[1], step):
             part = (y, min(y + step, box[1]), box[2], box[3])
             want = op.input_boxes(part)[0]
-            padded = not zero_pad(want, clip_box(want, shape))[1]
+            inner = clip_box(want, shape)
+            padded = not op.pads_itself(want, inner) and any(zero_pad(want, inner)[0])
             cost.launches += 1 + padded + lazy  # conv, pad (unless the conv pads), the upsampled band
         if step < rows:
             cost.launches += -(-rows // step)  # every band copied into the one output
@@ -272,6 +273,10 @@ def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixe
         cost.launches = 1  # GroupNorm's affine in one kernel (statistics known: executor)
     elif op.kind is OpKind.ATTENTION:
         cost.add(_attention_tile(op, box, need, shapes, chans, s))
+    elif op.kind is OpKind.MODULE:  # (a module placed by its measured locality: the calls it makes;
+        cost.launches = op.calls  # its FLOPs are not counted)
+    elif op.kind is OpKind.WHOLE:  # (a box of the output made once: `_segment_once`)
+        cost.launches = 0
     else:
         cost.launches = 1
     return cost
@@ -359,6 +364,8 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
                 cost.d2h += 2 * h * w * c * unit
         if op.kind is OpKind.GROUP_NORM:
             cost.launches += AFFINE
+        if op.kind is OpKind.WHOLE:  # (the module run once on the whole; its FLOPs are not counted)
+            cost.launches += op.calls
     sums = any(v not in tracked for v in seg.outputs)
     merge = merge_launches(parts, s)
     for v in seg.outputs:

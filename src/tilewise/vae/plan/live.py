@@ -98,7 +98,8 @@ def _op_bytes(ops, i: int, need, sizes: Sizes, last, keep, norms_in_place: bool,
     elif op.kind is OpKind.CONV:
         want = op.input_boxes(need[d])[0]
         inner = clip_box(want, sizes.shapes[src])
-        padded = 0 if zero_pad(want, inner)[1] else sizes.of(src, want)  # the zero-padded copy
+        copied = not op.pads_itself(want, inner) and any(zero_pad(want, inner)[0])
+        padded = sizes.of(src, want) if copied else 0  # the padded copy
         if lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
             ups = sizes.of(src, inner)
             temp = padded + max(0, ups - (out if padded else 0)) if padded else ups

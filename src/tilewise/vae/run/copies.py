@@ -57,7 +57,6 @@ class CudaLane:
     prefetch = True
 
     def __init__(self, device):
-
         self.torch = torch
         self.compute = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)

@@ -181,6 +181,8 @@ class _TileRun:
         self._exchange(i, seg, stage)
         if seg.kind is SegmentKind.ATTENTION:
             self._prepare_attention(seg, stage)
+        elif seg.kind is SegmentKind.WHOLE:
+            self._prepare_whole(seg, stage)
         self.checks = FiniteChecks(self.o.check_finite)
         self._run_segment(seg, stage, bar)
         for v in seg.outputs:
@@ -280,6 +282,14 @@ class _TileRun:
         chunk = self.o.kv_chunk or self.o.query_chunk  # (streamed: made a key chunk at a time)
         self.ctx.kv[id(op)] = keys_values(op, lambda box: stage.read(n_name, box), h, w, rows, chunk,
                                           self.ex.device, self.o.kv_chunk > 0, self.ex.group)
+
+    def _prepare_whole(self, seg: Segment, stage: Staging) -> None:
+        """A module run whole (`ops_traced.Whole`): its output from its whole inputs, once."""
+        op = seg.ops[0]
+        if self.bands is not None:
+            raise ValueError(f"{op.name} ({op.label}) runs on the whole image: not with a process group")
+        inputs = [stage.read(v, (0, self.shapes[v][0], 0, self.shapes[v][1])) for v in op.src]
+        self.ctx.kv[id(op)] = op.prepare(inputs)
 
     def _run_segment(self, seg: Segment, stage: Staging, bar) -> None:
         """Every tile of the grid: read the needed regions, run the ops, write the cores."""

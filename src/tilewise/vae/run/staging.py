@@ -84,7 +84,6 @@ class DiskValue:
     _CHUNK = 8 << 20  # bytes of a write's channels-last copy at a time
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype):
-
         self.path, self.shape, self.dtype = path, tuple(shape), dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

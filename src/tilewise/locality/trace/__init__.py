@@ -1,0 +1,37 @@
+"""Lower a module into a tile program from what it computes: its captured torch calls (`capture`).
+
+Each recorded call on spatial values ((B, C, H, W) tensors the program carries, starting with the input)
+becomes a primitive op by what the call is, not by the module class it ran in:
+
+- `conv2d`: `Conv` (its zero padding, merged with an `F.pad` of zeros before it); `group_norm`:
+  `GroupNorm` (the sync op); `interpolate(mode="nearest")` by an integer factor: `Resample`;
+  `pixel_shuffle` / `pixel_unshuffle`: a block rearrangement (`ops3d.Rearrange`);
+- elementwise functions of one spatial value (activations, casts, arithmetic with numbers or per-channel
+  constants): `Pointwise` (chains of them fused into one, their kernels summed); of two: `Add`
+  (`(a + b) / s` fused) or `Combine`; `cat` along channels: `Cat`; channel slices (`chunk`, `split`,
+  `x[:, a:b]`): `Slice`; calls that return their input (`contiguous`, `dropout` in eval, a cast to the
+  same dtype) nothing;
+- diffusers' `Attention` (a unit of the capture): a `GroupNorm` and an `AttentionCore` (`units.attention`:
+  queries tiled, keys and values global);
+- a call that leaves the spatial layout (`permute`, `view`, ...) inside a module whose inputs and
+  output are spatial: that module as one op, if it computes position by position (checked on the
+  example: perturbing one position changes only that position of its output, and its output on a crop
+  is the crop of its output): `Pointwise` running the module on the op's box (channel norms over a
+  permuted tensor, quantisers, ...).
+
+Anything else is refused with the call, the module path it ran in and why (`LoweringError`). Python
+control flow follows the example, so the example must take the branches the real inputs take (a
+decoder's example is a latent of the right channels; sizes are free). The result is scheduled so that a
+value's last reader comes first where it can (a resnet's shortcut projection before its GroupNorm: the
+block input then dies sooner, as the hand lowering orders it).
+
+The package: `capture` records the calls; `rules` places each call by what it is; `measured` places what
+no rule does by measuring it (a run of calls back to the spatial layout, or the module around a call);
+`schedule` orders and fuses the ops; `lower` drives them (`lower_traced`); `state` is what they share.
+"""
+
+from .capture import capture
+from .lower import lower_traced
+from .measured import measure
+
+__all__ = ["capture", "lower_traced", "measure"]

@@ -1,0 +1,342 @@
+"""The rules: each recorded call placed as a primitive op by what the call is (the package docstring
+lists them); a call no rule places is refused here and handed to `measured` by the driver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..build import LoweringError
+from ..ops import Add, Conv, GroupNorm, OpKind, Pointwise, Resample
+from ..ops3d import Rearrange
+from ..ops_traced import Cat, Combine, Slice
+from ..units import attention
+from .capture import Call, Ref, capture, needed
+from .state import Lowering, arg_of, const_value, is_attention, op_name, refused
+
+ALIASES = {"contiguous", "clone", "detach", "dropout", "float", "to", "type_as", "half", "bfloat16", "double"}
+
+
+UNARY = {"silu", "relu", "gelu", "mish", "sigmoid", "tanh", "clamp", "clip", "neg", "exp", "log", "abs",
+         "sqrt", "rsqrt", "square", "pow", "hardtanh", "leaky_relu", "softplus", "elu", "selu", "erf",
+         "silu_", "relu_", "clamp_", "tanh_", "sigmoid_", "neg_", "nan_to_num", "reciprocal"}
+
+
+ARITHMETIC = {"add", "sub", "mul", "div", "true_divide", "__rsub__", "__rdiv__", "__rtruediv__", "rsub",
+              "add_", "sub_", "mul_", "div_", "__radd__", "__rmul__"}
+
+
+IN_PLACE_FORM = {"silu": "silu_", "relu": "relu_", "mish": "mish_"}  # (activations: F.x(t, inplace=True))
+
+
+def lower_call(low: Lowering, i: int, call: Call) -> None:
+    """Place one recorded call (module docstring); LoweringError for one no rule places."""
+    spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
+    if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
+        return
+    rule = RULES.get(call.name) or (_unit if call.module is not None else None)
+    if rule is None:
+        rule = _arithmetic if call.name in ARITHMETIC else _unary if call.name in UNARY else None
+    placed = rule is not None and rule(low, i, call)
+    if placed is not True:
+        raise refused(low, call, placed or "no rule places it as an op of a tile program")
+
+
+def _conv(low: Lowering, i: int, call: Call) -> bool:
+    x, w = arg_of(call, 0, "input"), arg_of(call, 1, "weight")
+    if not isinstance(x, Ref) or not isinstance(w, Ref) or low.spatial(w.node) is not None:
+        return False
+    bias = arg_of(call, 2, "bias")
+    stride = _pair(arg_of(call, 3, "stride", 1))
+    padding = arg_of(call, 4, "padding", 0)
+    dilation = _pair(arg_of(call, 5, "dilation", 1))
+    groups = int(arg_of(call, 6, "groups", 1))
+    weight = const_value(low, w)
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = (0, 0)
+        else:  # "same": stride 1, the total padding split as torch does (the extra on the bottom / right)
+            total = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:], strict=True)]
+            pad = (total[0] // 2, total[0] - total[0] // 2, total[1] // 2, total[1] - total[1] // 2)
+            padding = None
+    if padding is not None:
+        ph, pw = _pair(padding)
+        pad = (ph, ph, pw, pw)
+    src, mode = x.node, "zeros"
+    if src in low.pads:  # an F.pad right before: the conv pads (asymmetrically, maybe not zeros) itself
+        src, (left, right, top, bottom), mode = low.pads.pop(src)
+        if mode != "zeros" and any(pad):
+            return "an F.pad of another mode before a zero-padded convolution"
+        pad = (pad[0] + top, pad[1] + bottom, pad[2] + left, pad[3] + right)
+    name = low.spatial(src)
+    if name is None:
+        return False
+    out = low.b.emit(Conv, (name,), call.where, weight=weight, bias=const_value(low, bias), stride=stride,
+                     dilation=dilation, padding=pad, groups=groups, padding_mode=mode)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _pad(low: Lowering, i: int, call: Call) -> bool | str:
+    """F.pad of zeros, or replicate / reflect (a Conv2d's padding_mode): merged into the conv reading it."""
+    x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
+    mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
+    if low.spatial(x.node) is None or len(pad) != 4 or any(p < 0 for p in pad):
+        return False
+    if mode == "constant" and (value or 0) != 0:
+        return f"F.pad with the value {value} (only zeros, replicate or reflect pad like a convolution)"
+    if mode not in ("constant", "zeros", "replicate", "reflect"):
+        return f"F.pad mode {mode!r} reads the opposite border (not a local padding)"
+    low.pads[call.outs[0]] = (x.node, pad, "zeros" if mode in ("constant", "zeros") else mode)
+    return True
+
+
+def _group_norm(low: Lowering, i: int, call: Call) -> bool:
+    x = arg_of(call, 0, "input")
+    name = low.spatial(x.node) if isinstance(x, Ref) else None
+    if name is None:
+        return False
+    weight, bias = const_value(low, arg_of(call, 2, "weight")), const_value(low, arg_of(call, 3, "bias"))
+    out = low.b.emit(GroupNorm, (name,), call.where, groups=int(arg_of(call, 1, "num_groups")),
+                     eps=float(arg_of(call, 4, "eps", 1e-5)), weight=weight, bias=bias)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _interpolate(low: Lowering, i: int, call: Call) -> bool:
+    x = arg_of(call, 0, "input")
+    name = low.spatial(x.node) if isinstance(x, Ref) else None
+    mode = arg_of(call, 3, "mode", "nearest")
+    if name is None or mode != "nearest" or arg_of(call, 7, "antialias", False):
+        return False
+    src, dst = low.cap.values[x.node].shape[-2:], low.cap.values[call.outs[0]].shape[-2:]
+    if dst[0] % src[0] or dst[1] % src[1] or dst[0] // src[0] != dst[1] // src[1]:
+        return False
+    scale = dst[0] // src[0]
+    factor = arg_of(call, 2, "scale_factor")
+    if factor is not None and float(_pair(factor)[0]) != scale:
+        return False
+    # (a `size`, e.g. SpatialNorm's f.shape[-2:], is taken as the integer ratio it has to the input on the
+    # example, whose sides are uncommon: a size fixed whatever the input would not come out an exact ratio)
+    out = low.b.emit(Resample, (name,), call.where, scale=scale)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _shuffle(low: Lowering, i: int, call: Call) -> bool:
+    x = arg_of(call, 0, "input")
+    name = low.spatial(x.node) if isinstance(x, Ref) else None
+    if name is None:
+        return False
+    r = int(arg_of(call, 1, "upscale_factor" if call.name == "pixel_shuffle" else "downscale_factor"))
+    up = call.name == "pixel_shuffle"
+    fn = torch.nn.functional.pixel_shuffle if up else torch.nn.functional.pixel_unshuffle
+    out = low.b.emit(Rearrange, (name,), op_name(call, call.name), fn=lambda t, ctx, fn=fn, r=r: fn(t, r),
+                     down=1 if up else r, up=r if up else 1,
+                     channels=int(low.cap.values[call.outs[0]].shape[1]), label=f"{call.name} {r}")
+    low.set(call.outs[0], out)
+    return True
+
+
+def _alias(low: Lowering, i: int, call: Call) -> bool:
+    x = arg_of(call, 0, "input")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    t_in, t_out = low.cap.values[x.node], low.cap.values[call.outs[0]]
+    drawn = call.name == "dropout" and bool(arg_of(call, 2, "training", True))
+    if drawn and float(arg_of(call, 1, "p", 0.5)) > 0:
+        raise refused(low, call, "dropout in training mode draws random masks (no tile program reproduces "
+                      "them): call .eval() on the wrapped module", final=True)
+    if t_out.dtype != t_in.dtype or t_out.shape != t_in.shape:
+        return _unary(low, i, call)  # (a cast: an elementwise function)
+    low.set(call.outs[0], low.spatial(x.node))
+    return True
+
+
+def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
+    """An elementwise function of one spatial value, the call replayed with the box in its place; a
+    division by a number of an Add's output that only it reads is that Add's scale ((a + b) / s: the
+    resnets' output_scale_factor)."""
+    if _scaled_add(low, call):
+        return True
+    refs = call.refs()
+    spatial = [n for n in refs if low.spatial(n) is not None]
+    if len(set(spatial)) != 1 or len(call.outs) != 1:
+        return False
+    x = spatial[0]
+    if low.cap.values[call.outs[0]].shape[-2:] != low.cap.values[x].shape[-2:]:
+        return False
+    fn = _replay(low, call, x)
+    in_place = IN_PLACE_FORM.get(call.name)
+    fn_ = None
+    if in_place:
+        f = getattr(torch.nn.functional, call.name)
+        fn_ = lambda t: f(t, inplace=True)  # noqa: E731
+    out = low.b.emit(Pointwise, (low.spatial(x),), op_name(call, call.name), fn=fn, label=call.name,
+                     channels=int(low.cap.values[call.outs[0]].shape[1]), kernels=kernels, fn_=fn_)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _scaled_add(low: Lowering, call: Call) -> bool:
+    """(a + b) / s folded into the Add (module docstring of `_unary`)."""
+    x, s = arg_of(call, 0, "input"), arg_of(call, 1, "other")
+    if call.name not in ("div", "true_divide") or not isinstance(x, Ref) or not isinstance(s, int | float):
+        return False
+    last = low.b.ops[-1] if low.b.ops else None
+    if last is None or last.kind is not OpKind.ADD or last.scale != 1.0 or last.dst != low.spatial(x.node):
+        return False
+    if low.readers.get(x.node, 0) != 1:
+        return False
+    last.scale = float(s)
+    low.set(call.outs[0], last.dst)
+    return True
+
+
+def _arithmetic(low: Lowering, i: int, call: Call) -> bool:
+    """x op y: of two spatial values of one shape, an Add (x + y, alpha 1) or a Combine; else unary."""
+    a, b = arg_of(call, 0, "input"), arg_of(call, 1, "other")
+    na = low.spatial(a.node) if isinstance(a, Ref) else None
+    nb = low.spatial(b.node) if isinstance(b, Ref) else None
+    if na is None or nb is None:
+        return _unary(low, i, call)
+    if low.cap.values[a.node].shape != low.cap.values[b.node].shape or "alpha" in call.kwargs:
+        return False
+    op = call.name.strip("_")
+    if op == "add":
+        out = low.b.emit(Add, (na, nb), op_name(call, "add"))
+    else:
+        fns = {"sub": torch.sub, "mul": torch.mul, "div": torch.div, "true_divide": torch.div,
+               "rsub": lambda x, y: torch.sub(y, x), "rdiv": lambda x, y: torch.div(y, x)}
+        if op not in fns:
+            return False
+        out = low.b.emit(Combine, (na, nb), op_name(call, op), fn=fns[op], label=op)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _channel_repeat(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.repeat_interleave(r, dim=1): every channel r times, position by position."""
+    if arg_of(call, 2, "dim") not in (1, -3) or not isinstance(arg_of(call, 1, "repeats"), int):
+        return "repeat_interleave along another dim than the channels"
+    return _unary(low, i, call)
+
+
+def _cat(low: Lowering, i: int, call: Call) -> bool:
+    tensors, dim = arg_of(call, 0, "tensors"), arg_of(call, 1, "dim", 0)
+    if dim not in (1, -3) or not all(isinstance(t, Ref) and low.spatial(t.node) for t in tensors):
+        return False
+    out = low.b.emit(Cat, tuple(low.spatial(t.node) for t in tensors), op_name(call, "cat"))
+    low.set(call.outs[0], out)
+    return True
+
+
+def _slices(low: Lowering, i: int, call: Call) -> bool:
+    """chunk / split / __getitem__ along channels: one Slice op per output."""
+    x = arg_of(call, 0, "input")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    src = low.cap.values[x.node]
+    if call.name == "__getitem__":
+        starts = _channel_item(arg_of(call, 1, "indices"), src.shape[1])
+        if starts is None:
+            return False
+        bounds = [starts]
+    else:
+        dim = arg_of(call, 2, "dim", 0)
+        if dim not in (1, -3):
+            return False
+        sizes = [int(low.cap.values[n].shape[1]) for n in call.outs]
+        edges = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        bounds = list(zip(edges[:-1], edges[1:], strict=True))
+    for n, (a, z) in zip(call.outs, bounds, strict=True):
+        out = low.b.emit(Slice, (low.spatial(x.node),), op_name(call, f"channels {a}:{z}"), start=a, stop=z)
+        low.set(n, out)
+    return True
+
+
+def _channel_item(idx, channels: int) -> tuple[int, int] | None:
+    """(start, stop) of x[idx] when idx slices channels only (x[:, a:b]), else None."""
+    if not isinstance(idx, tuple) or len(idx) < 2 or idx[0] != slice(None):
+        return None
+    if any(s != slice(None) for s in idx[2:]) or not isinstance(idx[1], slice):
+        return None
+    if idx[1].step not in (None, 1):
+        return None
+    start, stop, _ = idx[1].indices(channels)
+    return start, stop
+
+
+def _unit(low: Lowering, i: int, call: Call) -> bool:
+    """A unit module's call: diffusers' Attention (`units.attention`), its spatial norm (MoVQ's: the
+    latent conditions the norm) lowered in line first."""
+    x = arg_of(call, 0, "hidden_states")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    temb, a, n = arg_of(call, 2, "temb"), call.module, None
+    if getattr(a, "spatial_norm", None) is not None:
+        if not isinstance(temb, Ref) or low.spatial(temb.node) is None:
+            return "its spatial norm has no spatial latent to condition on"
+        n = _inline(low, a.spatial_norm, [x.node, temb.node])
+    elif len(call.refs()) != 1:
+        return "an Attention call with other tensor inputs than its hidden states"
+    out = attention(low.b, a, low.spatial(x.node), call.where, normed=n)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _inline(low: Lowering, module: torch.nn.Module, nodes: list[int]) -> str:
+    """module(*values of nodes) lowered into the same program (its calls captured on their meta values
+    and placed as the outer lowering's are): the name of its output value."""
+    cap = capture(module, module, tuple(low.cap.values[n] for n in nodes), is_attention)
+    inner = Lowering(cap, module, low.b)
+    for n, outer in zip(cap.inputs, nodes, strict=True):
+        inner.set(n, low.spatial(outer))
+    live = needed(cap)
+    for k, c in enumerate(cap.calls):
+        if k in live:
+            for r in c.refs():
+                inner.readers[r] = inner.readers.get(r, 0) + 1
+    for k, c in enumerate(cap.calls):
+        if k in live:
+            lower_call(inner, k, _prefixed(c, module, low, nodes))
+    out = inner.spatial(cap.output)
+    if out is None:
+        raise LoweringError(f"cannot lower {type(module).__name__}: its output is not spatial")
+    return out
+
+
+def _prefixed(c: Call, module, low: Lowering, nodes) -> Call:
+    """A call of an in-line module named under the path it has in the outer module."""
+    path = next((p for p, m in low.root.named_modules() if m is module), type(module).__name__)
+    c.where = f"{path}.{c.where}" if c.where else path
+    return c
+
+
+RULES: dict[str, Callable] = {
+    "conv2d": _conv, "pad": _pad, "group_norm": _group_norm, "interpolate": _interpolate,
+    "pixel_shuffle": _shuffle, "pixel_unshuffle": _shuffle, "cat": _cat, "chunk": _slices, "split": _slices,
+    "__getitem__": _slices, "repeat_interleave": _channel_repeat, **{a: _alias for a in ALIASES},
+}
+
+
+def _replay(low: Lowering, call: Call, x: int) -> Callable:
+    """call's function of the tensor in place of node x (the other arguments as they were)."""
+    values = low.cap.values
+
+    def bind(obj, t):
+        if isinstance(obj, Ref):
+            return t if obj.node == x else values[obj.node]
+        if isinstance(obj, dict):
+            return {k: bind(v, t) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(bind(v, t) for v in obj)
+        return obj
+
+    func, args, kwargs = call.func, call.args, call.kwargs
+    return lambda t: func(*bind(args, t), **bind(kwargs, t))
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))

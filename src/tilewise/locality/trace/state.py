@@ -1,0 +1,79 @@
+"""The state one traced lowering shares between its rules and its measured fallback, and the small
+helpers they read calls with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..build import Builder, LoweringError
+from .capture import Call, Capture, Ref
+
+
+@dataclass
+class Value:
+    """What the lowering knows of a captured node: its value name in the program, if spatial."""
+
+    name: str | None = None
+    channels: int = 0
+
+
+@dataclass
+class Lowering:
+    """The state of one traced lowering."""
+
+    cap: Capture
+    root: torch.nn.Module
+    b: Builder = field(default_factory=Builder)
+    values: dict[int, Value] = field(default_factory=dict)  # node -> what it is
+    pads: dict[int, tuple] = field(default_factory=dict)  # F.pad's output -> (input, pad, mode)
+    tainted: set[int] = field(default_factory=set)  # nodes that depend on the input
+    readers: dict[int, int] = field(default_factory=dict)  # node -> calls reading it
+
+    def spatial(self, node: int) -> str | None:
+        v = self.values.get(node)
+        return v.name if v is not None else None
+
+    def set(self, node: int, name: str) -> None:
+        self.values[node] = Value(name, int(self.cap.values[node].shape[1]))
+
+
+def tainted(cap: Capture) -> set[int]:
+    """The nodes that depend on the capture's inputs (the others are constants of the computation)."""
+    out = set(cap.inputs)
+    for call in cap.calls:
+        if out.intersection(call.refs()):
+            out.update(call.outs)
+    return out
+
+
+def refused(low: Lowering, call: Call, why: str, final: bool = False) -> LoweringError:
+    """The error refusing a call, naming it, its module path and why; `final`: no measurement of the
+    module around it may place it either (a random draw), the driver raises it as it is."""
+    where = call.where or "(its forward)"
+    e = LoweringError(f"cannot lower {type(low.root).__name__}: the call {call.name} at {where!r}: {why}. "
+                      "Use tilewise.probe_receptive_field(module, example) to measure its locality "
+                      "empirically.")
+    e.final = final
+    return e
+
+
+def op_name(call: Call, what: str) -> str:
+    return f"{call.where}.{what}" if call.where else what
+
+
+def arg_of(call: Call, i: int, name: str, default=None):
+    """Argument i (or keyword `name`) of a call."""
+    if len(call.args) > i:
+        return call.args[i]
+    return call.kwargs.get(name, default)
+
+
+def const_value(low: Lowering, a):
+    """A non-spatial argument's value: a constant's tensor, or the plain value."""
+    return low.cap.values[a.node] if isinstance(a, Ref) else a
+
+
+def is_attention(m) -> bool:
+    return type(m).__name__ == "Attention" and type(m).__module__.startswith("diffusers")
