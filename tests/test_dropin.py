@@ -248,5 +248,5 @@ def test_a_size_the_stock_vae_cannot_encode_is_refused_by_name():
     x = torch.zeros(1, 3, 5, 120)
     with pytest.raises(RuntimeError):
         vae.encode(x)
-    with pytest.raises(ValueError, match=r"5x120 is too small for the VAE encoder: down_blocks\.\d"):
+    with pytest.raises(ValueError, match=r"5x120 is too small for the VAE encoder: encoder\.down_blocks\.\d"):
         tw.TiledVAE(vae, tile_size=3).encode(x)

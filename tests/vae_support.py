@@ -60,3 +60,41 @@ def structured_latent(b: int, c: int, h: int, w: int, seed: int = 0):
     coarse = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
     ramp = torch.linspace(-2, 2, w).view(1, 1, 1, w)
     return 0.5 * torch.randn(b, c, h, w, generator=g) + 2 * coarse + ramp
+
+
+def family_vae(name: str, seed: int = 0):
+    """A narrow seeded VAE of one of the 2-D families the traced lowering covers beyond AutoencoderKL:
+    "vq" (VQModel, GroupNorm), "movq" (VQModel with MoVQ's spatial norm), "asym" (AsymmetricAutoencoderKL),
+    "flux2" (AutoencoderKLFlux2), "kvae" (AutoencoderKLKVAE), "hunyuan" (AutoencoderKLHunyuanImage),
+    "dc" (AutoencoderDC, its linear attention at the latent's resolution only)."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(seed)
+    two = dict(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+    build = {
+        "vq": lambda: d.VQModel(block_out_channels=(16, 32), layers_per_block=1, latent_channels=4,
+                                norm_num_groups=8, num_vq_embeddings=32, vq_embed_dim=4, **two),
+        "movq": lambda: d.VQModel(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4,
+                                  norm_num_groups=32, num_vq_embeddings=32, vq_embed_dim=4,
+                                  norm_type="spatial", **two),
+        "asym": lambda: d.AsymmetricAutoencoderKL(
+            down_block_out_channels=(16, 32), up_block_out_channels=(16, 32), layers_per_down_block=1,
+            layers_per_up_block=1, latent_channels=4, norm_num_groups=8, **two),
+        "flux2": lambda: d.AutoencoderKLFlux2(block_out_channels=(16, 32), layers_per_block=1,
+                                              latent_channels=8, norm_num_groups=8, **two),
+        "kvae": lambda: d.AutoencoderKLKVAE(channels=32, num_enc_blocks=1, num_dec_blocks=1, z_channels=4,
+                                            ch_mult=(1, 2)),
+        "hunyuan": lambda: d.AutoencoderKLHunyuanImage(
+            in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(32, 64), layers_per_block=1,
+            spatial_compression_ratio=4, sample_size=64),
+        "dc": lambda: d.AutoencoderDC(
+            latent_channels=8, attention_head_dim=8, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+            decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(16, 32),
+            decoder_block_out_channels=(16, 32), encoder_layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), (5,)),
+            decoder_qkv_multiscales=((), (5,))),
+    }
+    vae = build[name]().eval()
+    _randomize_norms(vae)
+    return vae

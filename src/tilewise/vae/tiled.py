@@ -18,18 +18,15 @@ import logging
 from typing import Any
 
 import torch
-from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
-from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
-from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
+from diffusers.models.autoencoders.vae import DecoderOutput
 
 from ..distributed import rank_world, resolve_group
-from ..locality.lowering import chain, lower, lower_conv
-from ..locality.lowering3d import is_video_vae, lower_video_vae
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import runner
 from .checks import check_fits, check_input
 from .devices import DeviceProfile, profile, vae_device
+from .families import bind, encode_output, family_of, lower_family
 from .plan.make import make_plan, request
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
@@ -77,7 +74,6 @@ class TiledVAE(ModelWrapper):
     """
 
     wrapped = "vae"
-    _transient = ("_programs",)  # lowered programs hold lambdas: rebuilt on first use after a copy
 
     # the settings, as attributes (each reads `settings`, and writes a new record, checked again)
     tile_size = _Setting("tile_size")
@@ -109,6 +105,8 @@ class TiledVAE(ModelWrapper):
         fast = FastSettings(fast_estimator, fast_sample, fast_low, fast_crop, color_fix)
         settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
                             query_chunk, stage_dir, fast, process_group, device_kind)
+        for kind in Kind:  # (refused here, not at the first call; the programs are cached by `families`)
+            lower_family(vae, family_of(vae), kind)
         super().__init__()
         self.settings = settings
         self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
@@ -134,35 +132,38 @@ class TiledVAE(ModelWrapper):
     def disable_slicing(self) -> None:
         logger.info("TiledVAE: disable_slicing() ignored (tilewise's tiling is active)")
 
-    def forward(self, sample, sample_posterior: bool = False, return_dict: bool = True, generator=None):
-        """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths."""
-        if self.is_tiny:  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
-            enc = self.encode(sample).latents
-            z = self.vae.unscale_latents(self.vae.scale_latents(enc).mul_(255).round_().byte() / 255.0)
-        else:
-            posterior = self.encode(sample).latent_dist
-            z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
+    def forward(self, sample, *args, **kwargs):
+        """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths, with
+        the wrapped class's arguments."""
+        call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
+                    {"sample_posterior": False, "return_dict": True, "generator": None})
+        family = family_of(self.vae)
+        z = self.encode(sample, return_dict=False)[0]
+        if family.quantize:  # VQModel.forward: encode, decode (quantised)
+            dec = self.decode(z)
+            return dec if call["return_dict"] else (dec.sample, dec.commit_loss)
+        if family.encoded == "tiny":  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
+            z = self.vae.unscale_latents(self.vae.scale_latents(z).mul_(255).round_().byte() / 255.0)
+        elif family.encoded == "posterior":  # (the others decode what encode returns: AutoencoderDC)
+            z = z.sample(generator=call["generator"]) if call["sample_posterior"] else z.mode()
         dec = self.decode(z).sample
-        return DecoderOutput(sample=dec) if return_dict else (dec,)
+        return DecoderOutput(sample=dec) if call["return_dict"] else (dec,)
 
     # -- programs and jobs --------------------------------------------------------------------------
 
     @property
     def is_tiny(self) -> bool:
-        return type(self.vae).__name__ == "AutoencoderTiny"
+        return family_of(self.vae).encoded == "tiny"
 
     @property
     def is_video(self) -> bool:
         """A 3-D causal VAE (Qwen-Image, Wan, LTX-Video): (B, C, T, H, W) values, run by `video.face`."""
-        return is_video_vae(self.vae)
+        return family_of(self.vae).video
 
     def program(self, kind: str) -> Program:
-        """The lowered decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
-        kind = _kind(kind)
-        programs = self.__dict__.setdefault("_programs", {})
-        if kind not in programs:
-            programs[kind] = _lower(self.vae, kind, self.is_video)
-        return programs[kind]
+        """The lowered decode (e.g. post_quant_conv + decoder) or encode (encoder + quant_conv) of the
+        VAE's family (`families`): lowered again when its layers or their training modes changed."""
+        return lower_family(self.vae, family_of(self.vae), _kind(kind))
 
     def factor(self, kind: str) -> int:
         """Image pixels per latent pixel."""
@@ -181,20 +182,29 @@ class TiledVAE(ModelWrapper):
 
     # -- public API ---------------------------------------------------------------------------------
 
-    def decode(self, z, return_dict: bool = True, generator=None):
-        """Decode latents tile by tile; returns DecoderOutput(sample=...) like AutoencoderKL.decode."""
-        job = self.job("decode")
+    def decode(self, z, *args, **kwargs):
+        """Decode latents tile by tile, with the arguments and return type of the wrapped VAE's decode
+        (AutoencoderKL: DecoderOutput(sample=...); VQModel: quantised first unless force_not_quantize,
+        DecoderOutput(sample=..., commit_loss=...))."""
+        family, job = family_of(self.vae), self.job("decode")
+        call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
+                    {"return_dict": True, "force_not_quantize": False})
         if self.is_video:
             video.check(self.settings, job, z)
             sample = self._ran(video.run(self.settings, job, z))
-        else:
-            check_input(job, z)
-            sample = self._ran(runner.run(self.settings, job, z, None, self.vae))
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
+            return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
+        check_input(job, z)
+        z, loss = self._quantized(z, family, call["force_not_quantize"])
+        sample = self._ran(runner.run(self.settings, job, z, None, self.vae))
+        if not family.quantize:
+            return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
+        return DecoderOutput(sample=sample, commit_loss=loss) if call["return_dict"] else (sample, loss)
 
-    def encode(self, x, return_dict: bool = True):
-        """Encode images tile by tile; returns AutoencoderKLOutput(latent_dist=...) (or the Tiny output)."""
-        job = self.job("encode")
+    def encode(self, x, *args, **kwargs):
+        """Encode images tile by tile; returns what the wrapped VAE's encode does (AutoencoderKLOutput
+        (latent_dist=...), AutoencoderTinyOutput(latents=...), VQEncoderOutput(latents=...))."""
+        family, job = family_of(self.vae), self.job("encode")
+        call = bind(type(self.vae).encode, self.vae, (x, *args), kwargs, {"return_dict": True})
         if self.is_video:
             video.check(self.settings, job, x)
             video.dropped_frames(job, x)
@@ -202,10 +212,22 @@ class TiledVAE(ModelWrapper):
         else:
             check_input(job, x)
             h = self._ran(runner.run(self.settings, job, x, None, self.vae))
-        if self.is_tiny:
-            return AutoencoderTinyOutput(latents=h) if return_dict else (h,)
-        posterior = DiagonalGaussianDistribution(h)
-        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+        return encode_output(family, h, call["return_dict"])
+
+    def _quantized(self, z, family, force_not_quantize: bool):
+        """A VQ family's latent as its decode quantises it (the nearest codebook entry at each position:
+        run untiled, the latent is small) and the commitment loss; other families' as given."""
+        if not family.quantize:
+            return z, None
+        if force_not_quantize:
+            if getattr(self.vae.config, "lookup_from_codebook", False):
+                raise ValueError(f"{type(self.vae).__name__}.decode(force_not_quantize=True) with "
+                                 "lookup_from_codebook reads codebook indices, not latents: use the wrapped "
+                                 "VAE")
+            return z, torch.zeros((z.shape[0],), dtype=z.dtype, device=z.device)
+        with torch.no_grad():
+            quant, loss, _ = self.vae.quantize(z)
+        return quant, loss
 
     def decode_to(self, z, sink) -> None:
         """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
@@ -221,6 +243,7 @@ class TiledVAE(ModelWrapper):
         check_input(job, z)
         if z.shape[0] != 1:
             raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
+        z = self._quantized(z, family_of(self.vae), False)[0]
         rank = rank_world(resolve_group(self.process_group))[0]
         if (sink is None) != (rank != 0):
             raise ValueError(f"rank {rank}: " + ("only rank 0 writes the image: pass sink=None here" if rank
@@ -290,16 +313,3 @@ def _kind(kind) -> Kind:
     if kind not in Kind.words():
         raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
     return Kind(kind)
-
-
-def _lower(vae, kind: Kind, is_video: bool) -> Program:
-    """The program of a VAE's decoder (post_quant_conv + decoder) or encoder (encoder + quant_conv)."""
-    if is_video:
-        return lower_video_vae(vae, kind.value)
-    if kind is Kind.DECODE:
-        p = lower(vae.decoder)
-        pq = getattr(vae, "post_quant_conv", None)
-        return chain(lower_conv(pq, "post_quant_conv"), p) if pq is not None else p
-    p = lower(vae.encoder)
-    q = getattr(vae, "quant_conv", None)
-    return chain(p, lower_conv(q, "quant_conv")) if q is not None else p

@@ -1,0 +1,177 @@
+"""VAE families as table entries: the computation a decode and an encode trace (the wrapped class's own
+calls), what decode does before its program and what encode returns; and the families no tile program
+can reproduce, refused by name with the reason.
+
+A family's programs are its decode and encode traced (`locality.trace`: what they compute, whatever the
+classes of their blocks); a call the lowering cannot place is refused when the TiledVAE is built
+(`lower_family`), never at the first call. A class not in the table is traced as an AutoencoderKL.
+Calls are bound against the wrapped class's own `decode` / `encode` (`bind`), so positional and keyword
+arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an argument the tiled path
+does not follow is refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution, EncoderOutput
+from diffusers.models.autoencoders.vq_model import VQEncoderOutput
+
+from ..locality.build import LoweringError
+from ..locality.lowering import EXAMPLE_HW
+from ..locality.lowering3d import VIDEO_VAES, lower_video_vae
+from ..locality.program import Program
+from ..locality.trace import lower_traced
+from .settings import Kind
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one VAE class runs through tile programs (module docstring). `decode(vae, z)` / `encode(vae, x)`
+    are the computations traced into its programs (the wrapped class's own calls)."""
+
+    decode: Callable | None = None
+    encode: Callable | None = None
+    encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent"
+    quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
+    video: bool = False  # a 3-D causal VAE (`locality.lowering3d`)
+    refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
+
+
+def _kl_decode(vae, z):
+    return vae.decode(z, return_dict=False)[0]
+
+
+def _kl_encode(vae, x):
+    return vae.encode(x).latent_dist.parameters  # (the moments; the posterior's own are dead code)
+
+
+KL = Family(decode=_kl_decode, encode=_kl_encode)
+FAMILIES: dict[str, Family] = {
+    "AutoencoderKL": KL,
+    "AutoencoderTiny": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latents, encoded="tiny"),
+    "VQModel": Family(decode=lambda vae, z: vae.decode(z, force_not_quantize=True, return_dict=False)[0],
+                      encode=lambda vae, x: vae.encode(x).latents, encoded="latents", quantize=True),
+    "AsymmetricAutoencoderKL": KL,  # (image and mask: refused by `bind`, the rest is a KL decode)
+    "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
+    **{name: Family(video=True) for name in VIDEO_VAES},
+    "ConsistencyDecoderVAE": Family(refused=(
+        "its decoder is a diffusion model (a UNet run for num_inference_steps steps from noise), not one "
+        "pass of local operators: no tile program reproduces it; decode with the wrapped VAE")),
+    "AutoencoderKLTemporalDecoder": Family(refused=(
+        "its decoder mixes the frames of num_frames (temporal convolutions and blending across the batch), "
+        "which the tile programs do not lower yet; use the wrapped VAE")),
+}
+
+
+# what an encode returns, by Family.encoded: (output class, its field, what wraps the program's output)
+ENCODED = {
+    "posterior": (AutoencoderKLOutput, "latent_dist", DiagonalGaussianDistribution),
+    "latents": (VQEncoderOutput, "latents", None),
+    "tiny": (AutoencoderTinyOutput, "latents", None),
+    "latent": (EncoderOutput, "latent", None),
+}
+
+
+def encode_output(family: Family, h, return_dict: bool):
+    """An encode's result as the wrapped class returns it, from its program's output h."""
+    cls, field, wrap = ENCODED[family.encoded]
+    value = h if wrap is None else wrap(h)
+    return cls(**{field: value}) if return_dict else (value,)
+
+
+def family_of(vae) -> Family:
+    """The family of a VAE (by class; a class not in the table is tried as an AutoencoderKL-shaped one:
+    its decode and encode are traced, or refused by name)."""
+    return FAMILIES.get(type(vae).__name__, KL)
+
+
+def lower_family(vae, family: Family, kind: Kind) -> Program:
+    """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`;
+    the 3-D causal VAEs by their known structure). LoweringError naming the VAE, the call and
+    its module path, for one the lowering cannot place."""
+    name = type(vae).__name__
+    if family.refused:
+        raise LoweringError(f"TiledVAE cannot tile {name}: {family.refused}")
+    state = _state(vae)
+    cached = _CACHE.get(vae, {}).get(kind)
+    if cached is not None and _same_state(cached[0], state):
+        return cached[1]
+    what = f"TiledVAE cannot tile {name} ({kind.value})"
+    try:
+        if family.video:
+            program = lower_video_vae(vae, kind.value)
+        else:
+            run = family.decode if kind is Kind.DECODE else family.encode
+            program = lower_traced(vae, lambda t: run(vae, t), _example(vae, kind),
+                                   name=f"{name}.{kind.value}")
+    except LoweringError as e:
+        raise LoweringError(f"{what}: {e}") from None
+    _CACHE.setdefault(vae, {})[kind] = (state, program)
+    return program
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vae -> kind -> (state, program)
+
+
+def _state(vae) -> tuple[tuple, tuple[bool, ...]]:
+    """What a program was lowered from: the VAE's parameters (moves and casts keep them; replacing a
+    layer does not) and its modules' training modes (dropout, ...)."""
+    return tuple(vae.parameters()), tuple(m.training for m in vae.modules())
+
+
+def _same_state(a, b) -> bool:
+    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0], strict=True))
+
+
+def _example(vae, kind: Kind):
+    """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
+    EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it)."""
+    cfg = vae.config
+    h, w = EXAMPLE_HW
+    dtype = next((p.dtype for p in vae.parameters()), torch.float32)
+    if kind is Kind.DECODE:
+        c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim") if k in cfg), None)
+        if c is None:
+            raise LoweringError(f"TiledVAE cannot tile {type(vae).__name__}: its config names no latent "
+                                "channels (latent_channels, z_channels)")
+        return torch.empty(1, int(c), h, w, device="meta", dtype=dtype)
+    return torch.empty(1, int(cfg.in_channels), h * 64, w * 64, device="meta", dtype=dtype)
+
+
+def bind(method, vae, args: tuple, kwargs: dict, follows: dict) -> dict:
+    """The call's arguments by the names of the wrapped class's `method` (its defaults filled in): those
+    in `follows` (name -> default) are returned; any other given with a value other than its default is
+    refused by name (the tiled path would ignore it)."""
+    try:
+        bound = inspect.signature(method).bind(vae, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"TiledVAE.{method.__name__}() for {type(vae).__name__}: {e}") from None
+    bound.apply_defaults()
+    params = inspect.signature(method).parameters
+    out = {}
+    for arg, value in list(bound.arguments.items())[2:]:  # (after self and the input)
+        if arg in follows:
+            out[arg] = value
+        elif arg != "generator" and not _same(value, params[arg].default):
+            where = f"TiledVAE.{method.__name__}() for {type(vae).__name__}"
+            raise ValueError(f"{where}: {arg}={_short(value)} is not followed by the tiled path (it takes "
+                             f"{sorted(follows)}); use the wrapped VAE")
+    return {k: out.get(k, d) for k, d in follows.items()}
+
+
+def _same(a, b) -> bool:
+    """Whether a given argument is its default (plain values compared, objects by identity)."""
+    return a is b or (isinstance(a, int | float | str | bool) and type(a) is type(b) and a == b)
+
+
+def _short(value) -> str:
+    """A value as a message shows it (a tensor by its shape)."""
+    shape = getattr(value, "shape", None)
+    return f"<tensor {tuple(shape)}>" if shape is not None else repr(value)
