@@ -80,8 +80,9 @@ def record(den, log: list) -> list:
     handles = []
     for src in spec.sources:
         module = src.find(model)
-        handles.append(module.register_forward_hook(
-            lambda m, a, out, key=src.module: log.append({key: out})))
+        if module is not None:
+            handles.append(module.register_forward_hook(
+                lambda m, a, out, key=src.module: log.append({key: out})))
     if spec.tokens:
         def args(m, a, kwargs):
             log.append({k: kwargs[k] for k in spec.tokens if k in kwargs and k != spec.timestep})
@@ -114,18 +115,22 @@ def tile_indices(box, sides, patch) -> torch.Tensor:
     return grid[sl].flatten()
 
 
-def same_at(whole, tile, idx, n_whole):
-    """Every tensor of `tile` equals `whole`'s at tokens `idx` along the axis holding n_whole tokens."""
+def same_at(whole, tile, idx, n_whole, where="after"):
+    """Every tensor of `tile` equals `whole`'s at tokens `idx` along the axis holding n_whole tokens (and
+    the e other tokens, text, both have `where` the declaration says: before or after the image's)."""
     if isinstance(whole, (tuple, list)):
         for w, t in zip(whole, tile, strict=True):
-            same_at(w, t, idx, n_whole)
+            same_at(w, t, idx, n_whole, where)
         return
     if not isinstance(whole, torch.Tensor) or whole.shape == tile.shape and n_whole not in whole.shape:
         return
     d = next(i for i, n in enumerate(whole.shape) if n >= n_whole and tile.shape[i] < n)
-    lo = 0 if whole.shape[d] == n_whole else None
-    assert lo == 0, f"positions with {whole.shape[d] - n_whole} other tokens: compare them by hand"
-    torch.testing.assert_close(tile, whole.index_select(d, idx), atol=1e-6, rtol=0)
+    e = whole.shape[d] - n_whole
+    lo = e if where == "before" else 0
+    want = whole.narrow(d, lo, n_whole).index_select(d, idx)
+    others = whole.narrow(d, 0 if where == "before" else n_whole, e)
+    want = torch.cat([others, want] if where == "before" else [want, others], dim=d)
+    torch.testing.assert_close(tile, want, atol=1e-5, rtol=0)
 
 
 GRID_CASES = [n for n in CASES if CASES[n].positions]
@@ -150,5 +155,6 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
     for j, untiled in enumerate(whole):
         for piece, call in zip(pieces, calls[j * len(pieces):(j + 1) * len(pieces)], strict=True):
             idx = tile_indices(piece.read, sample, patch)
+            where = {src.module: src.others for src in den.adapter.spec.sources}
             for key, value in untiled.items():
-                same_at(value, call[key], idx, n_whole)
+                same_at(value, call[key], idx, n_whole, where.get(key, "after"))

@@ -74,6 +74,167 @@ def wan():
                       guidance_scale=2.0, height=48, width=80, num_frames=9)
 
 
+def neg(**kw):
+    """The call kwargs with negative prompt embeddings of the same shapes (real CFG)."""
+    out = dict(kw)
+    for k, v in kw.items():
+        if k.startswith("prompt_embeds") and isinstance(v, torch.Tensor) and v.is_floating_point():
+            out["negative_" + k] = rand(*v.shape, seed=8)
+        elif "mask" in k and k.startswith("prompt"):
+            out["negative_" + k] = v
+    return out
+
+
+def wan_vace():
+    from diffusers import WanVACEPipeline
+
+    tr = wan_transformer("WanVACETransformer3DModel", vace_layers=[0], vace_in_channels=72)
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=wan_vae(), transformer=tr, scheduler=flow())
+    video = [image(48, 80, seed=i) for i in range(9)]
+    return pipe, dict(prompt_embeds=rand(1, 5, D), guidance_scale=1.0, height=48, width=80, num_frames=9,
+                      video=video)
+
+
+def skyreels():
+    from diffusers import SkyReelsV2Pipeline
+
+    pipe = SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, vae=wan_vae(),
+                              transformer=wan_transformer("SkyReelsV2Transformer3DModel"), scheduler=flow())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=48, width=80, num_frames=9)
+
+
+def hunyuan_video():
+    from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
+
+    tr = seeded(HunyuanVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
+                patch_size_t=1, text_embed_dim=D, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
+    vae = seeded(AutoencoderKLHunyuanVideo, in_channels=3, out_channels=3, latent_channels=4,
+                 block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=4,
+                 down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+                 spatial_compression_ratio=4, temporal_compression_ratio=4)
+    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae, scheduler=flow(),
+                                text_encoder_2=None, tokenizer_2=None)
+    return pipe, dict(prompt_embeds=rand(1, 5, D), pooled_prompt_embeds=rand(1, 8),
+                      prompt_attention_mask=torch.ones(1, 5, dtype=torch.long), height=32, width=48, num_frames=9)
+
+
+def hunyuan_video15():
+    from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    tr = seeded(HunyuanVideo15Transformer3DModel, in_channels=9, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, num_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
+                text_embed_dim=D, text_embed_2_dim=8, image_embed_dim=8, rope_axes_dim=(2, 2, 4),
+                task_type="t2v")
+    pipe = HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=hunyuan15_vae(),
+                                  scheduler=flow(), text_encoder_2=None, tokenizer_2=None,
+                                  guider=ClassifierFreeGuidance(guidance_scale=2.0))
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
+                     prompt_embeds_2=rand(1, 3, 8), prompt_embeds_mask_2=torch.ones(1, 3, dtype=torch.long),
+                     height=48, width=80, num_frames=9)
+
+
+def hunyuan15_vae():
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    return seeded(AutoencoderKLHunyuanVideo15, in_channels=3, out_channels=3, latent_channels=4,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, spatial_compression_ratio=8,
+                  temporal_compression_ratio=4)
+
+
+def sana_video():
+    from diffusers import AutoencoderKLWan, SanaVideoPipeline, SanaVideoTransformer3DModel
+
+    tr = seeded(SanaVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                cross_attention_dim=16, caption_channels=D, sample_size=8, rope_max_seq_len=32)
+    del AutoencoderKLWan
+    pipe = SanaVideoPipeline(tokenizer=None, text_encoder=None, vae=wan_vae(), transformer=tr, scheduler=flow())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=64, width=96, frames=9, use_resolution_binning=False,
+                     complex_human_instruction=None, negative_prompt=None)
+
+
+def mochi():
+    from diffusers import AutoencoderKLMochi, MochiPipeline, MochiTransformer3DModel
+
+    tr = seeded(MochiTransformer3DModel, patch_size=2, num_attention_heads=2, attention_head_dim=8,
+                num_layers=1, pooled_projection_dim=16, in_channels=4, text_embed_dim=D, time_embed_dim=4,
+                max_sequence_length=16)
+    vae = seeded(AutoencoderKLMochi, latent_channels=4, out_channels=3, encoder_block_out_channels=(32,) * 4,
+                 decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5)
+    pipe = MochiPipeline(scheduler=flow(), vae=vae, text_encoder=None, tokenizer=None, transformer=tr)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=48, width=80, num_frames=13)
+
+
+def cosmos():
+    """Cosmos Predict 2 video-to-world as its pipeline calls the transformer (its pipelines refuse to run
+    without the cosmos_guardrail safety checker): the first latent frame is the condition. No padding-mask
+    channel (resizing it needs torchvision)."""
+    from diffusers import CosmosTransformer3DModel
+
+    tr = seeded(CosmosTransformer3DModel, in_channels=5, out_channels=4, num_attention_heads=2,
+                attention_head_dim=12, num_layers=1, text_embed_dim=D, adaln_lora_dim=4, max_size=(8, 16, 16),
+                patch_size=(1, 2, 2), rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=False,
+                extra_pos_embed_type="learnable")
+    T, H, W = 3, 6, 10
+    cond = torch.zeros(1, 1, T, 1, 1)
+    cond[:, :, :1] = 1
+    inputs = dict(hidden_states=rand(1, 4, T, H, W), timestep=0.2 * cond + 0.7 * (1 - cond),
+                  encoder_hidden_states=rand(1, 5, D), fps=16, condition_mask=cond.expand(1, 1, T, H, W),
+                  padding_mask=torch.zeros(1, 1, H * 8, W * 8))
+    return tr, inputs
+
+
+def cogvideox(rope: bool = True):
+    """CogVideoX 5B-like (the pipeline's rotary table) or 2B-like (the patch embedding's sinusoidal one)."""
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXPipeline, CogVideoXTransformer3DModel
+    from diffusers.schedulers import CogVideoXDDIMScheduler
+
+    tr = seeded(CogVideoXTransformer3DModel, num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                out_channels=4, time_embed_dim=4, text_embed_dim=D, num_layers=1, sample_width=10,
+                sample_height=6, sample_frames=9, patch_size=2, max_text_seq_length=5,
+                use_rotary_positional_embeddings=rope)
+    vae = seeded(AutoencoderKLCogVideoX, latent_channels=4, block_out_channels=(8,) * 4, layers_per_block=1,
+                 norm_num_groups=2, temporal_compression_ratio=4)
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=tr,
+                             scheduler=CogVideoXDDIMScheduler())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=48, width=80, num_frames=9,
+                     max_sequence_length=5)
+
+
+def ltx():
+    from diffusers import LTXPipeline, LTXVideoTransformer3DModel
+    from video_vae_support import video_vae
+
+    tr = seeded(LTXVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=D)
+    pipe = LTXPipeline(scheduler=flow(), vae=video_vae("ltx0.9.0"), text_encoder=None, tokenizer=None,
+                       transformer=tr)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=64, width=96, num_frames=9)
+
+
+def image(h: int = 32, w: int = 32, seed: int = 0):
+    """A seeded random RGB picture, h x w."""
+    import numpy as np
+    import PIL.Image
+
+    return PIL.Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+
+
 CASES: dict[str, Case] = {
     "wan": Case(wan),
+    "wan-vace": Case(wan_vace),
+    "skyreels-v2": Case(skyreels),
+    "hunyuan-video": Case(hunyuan_video),
+    "hunyuan-video-1.5": Case(hunyuan_video15),
+    "sana-video": Case(sana_video),
+    "mochi": Case(mochi, steps=2),
+    "cosmos": Case(cosmos, direct=True),
+    "cogvideox": Case(cogvideox),
+    "cogvideox-2b": Case(lambda: cogvideox(rope=False)),
+    "ltx-video": Case(ltx),  # Mochi's sigma schedule needs two steps
 }

@@ -47,6 +47,9 @@ def adapter_for(model, **options) -> Adapter:
     names = {c.__name__ for c in type(model).__mro__}
     for spec in SPECS:
         if names & set(spec.classes):
+            why = spec.refuse_config(model.config) if spec.refuse_config else None
+            if why:
+                raise ValueError(f"TiledDenoiser cannot wrap this {type(model).__name__}: {why}")
             return GridAdapter(spec, **options)
     for cls in FAMILIES:
         if cls.accepts(model):

@@ -11,7 +11,8 @@ from __future__ import annotations
 from .grid import Spec
 from .positions import ModuleSource
 
-ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
+ROPE = (ModuleSource("rope"),)
+CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"  # a rotary table computed from the latent's shape by `model.rope`
 
 
 def _wan_patch(c):
@@ -21,6 +22,36 @@ def _wan_patch(c):
 SPECS: tuple[Spec, ...] = (
     # Wan 2.1 / 2.2 (T2V, I2V: condition channels in the sample, image embeddings per row; TI2V: one
     # timestep per token), SkyReels-V2, ChronoEdit: (B, C, T, H, W), 3-D rotary table from `rope`
-    Spec("wan", ("WanTransformer3DModel",), _wan_patch, tokens={"timestep": 1},
-         batched_tokens=("timestep",), sources=ROPE),
+    Spec("wan", ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel", "ChronoEditTransformer3DModel"),
+         _wan_patch, tokens={"timestep": 1}, batched_tokens=("timestep",), sources=ROPE),
+    # Wan VACE: the control video's latents (and masks) on the latent's grid
+    Spec("wan-vace", ("WanVACETransformer3DModel",), _wan_patch, spatial=("control_hidden_states",),
+         sources=ROPE),
+    # HunyuanVideo (1.0) and 1.5, Sana-Video: (B, C, T, H, W), a 3-D rotary table from `rope`
+    Spec("hunyuan-video", ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel"),
+         lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE),
+    Spec("sana-video", ("SanaVideoTransformer3DModel",), _wan_patch, sources=ROPE),
+    # Mochi: a rotary table `rope(pos_frequencies, frames, rows, columns)`, centred and scaled by the size
+    # Cosmos (1.0, Predict 2 / 2.5): the conditioning frames' mask on the latent's grid, the padding mask at
+    # pixel size, one timestep per latent frame; rotary table and learned position embedding by shape
+    Spec("cosmos", ("CosmosTransformer3DModel",), _wan_patch, spatial=("condition_mask", "padding_mask"),
+         frames={"timestep": 2}, sources=(ModuleSource("rope"), ModuleSource("learnable_pos_embed", optional=True)),
+         refused={"block_controlnet_hidden_states": CONTROL}, one_call_per_tile=True),
+    # CogVideoX 1.0 / 1.5 (and their I2V: the image latents are channels of the sample): (B, T, C, H, W);
+    # the pipeline's rotary table (`image_rotary_emb`, 5B and 1.5) or the patch embedding's sinusoidal one
+    # (2B), added to the text-then-image tokens
+    Spec("cogvideox", ("CogVideoXTransformer3DModel",), lambda c: (c.patch_size_t or 1, c.patch_size, c.patch_size),
+         layout="btchw", tokens={"image_rotary_emb": 0},
+         sources=(ModuleSource("patch_embed", kind="additive", arg="image_embeds", others="before"),),
+         refuse_config=lambda c: "its learned position embedding exists for one size only "
+                                 "(use_learned_positional_embeddings: CogVideoX-5b-I2V); no tile has that size"
+                                 if c.use_learned_positional_embeddings else None),
+    # LTX-Video: the packed tokens with their grid sizes; the rotary table from those sizes (or the tile's
+    # rows of `video_coords`, when the pipeline passes them); per-token timesteps (image / condition frames)
+    Spec("ltx-video", ("LTXVideoTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
+         layout="tokens", sizes=("num_frames", "height", "width"), tokens={"video_coords": 2, "timestep": 1},
+         batched_tokens=("video_coords", "timestep"),
+         sources=(ModuleSource("rope", sizes=("num_frames", "height", "width"), unless="video_coords"),)),
+    Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
+         sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )

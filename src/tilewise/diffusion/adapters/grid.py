@@ -48,10 +48,13 @@ class Spec:
     pooled: str | None = None
     spatial: tuple[str, ...] = ()
     tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
+    frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
     batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
     sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
     sources: tuple[ModuleSource, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
+    one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
+    refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
 
 
 class PerTile:
@@ -64,11 +67,12 @@ class PerTile:
     def take_rows(self, rows, n_rows: int, repeats: int) -> PerTile:
         return type(self)(self.value, self.name, (rows, n_rows), repeats)
 
-    def _selected(self, value):
+    def _selected(self, value, repeats: int = 1):
+        """The value at the call's rows (a tensor whose leading dim is the batch), `repeats` times."""
         if self.rows is None or not isinstance(value, torch.Tensor):
             return value
         rows, n_rows = self.rows
-        return take_rows(value, rows, n_rows, 1)
+        return take_rows(value, rows, n_rows, repeats)
 
 
 class Spatial(PerTile):
@@ -105,6 +109,25 @@ class Tokens(PerTile):
         return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
 
 
+class Frames(PerTile):
+    """An input with one entry per latent frame along `axis` (per-frame timesteps): the frame window's."""
+
+    def __init__(self, value, name, rows=None, repeats=1, axis: int = 1):
+        super().__init__(value, name, rows, repeats)
+        self.axis = axis
+
+    def take_rows(self, rows, n_rows, repeats):
+        return Frames(self.value, self.name, (rows, n_rows), repeats, self.axis)
+
+    def for_tiles(self, lay: GridLayout, boxes) -> Any:
+        v = self.value
+        if not isinstance(v, torch.Tensor) or v.ndim <= self.axis or len(lay.sides) != 3 \
+                or v.shape[self.axis] != lay.sides[0]:
+            return self._selected(v, len(boxes))  # not per frame here: as any per-row value
+        v = self._selected(v)
+        return torch.cat([v.narrow(self.axis, b[0], b[1] - b[0]) for b in boxes])
+
+
 @dataclass
 class GridLayout:
     """How one call's sample maps to the (B, C, [T,] H, W) grid and back, and what its tiles need."""
@@ -129,17 +152,18 @@ class GridLayout:
     def tile_tokens(self, box) -> torch.Tensor:
         return token_index(box, self.sides, self.patch)
 
-    def canonical(self, v, name: str):
-        """A tensor in the model's layout as a (B, C, [T,] H, W) grid."""
+    def canonical(self, v, name: str, sides: tuple[int, ...] | None = None):
+        """A tensor in the model's layout as a (B, C, [T,] H, W) grid (tokens: of `sides`, by default the
+        whole latent's)."""
         layout = self.spec.layout
         if layout == "btchw":
             return v.transpose(1, 2)
         if layout == "tokens":
             B, S, D = v.shape
-            if S != self.n_tokens:
-                raise ValueError(f"{name}: {S} tokens, but the sizes given make {self.post}")
             pt, p, q = self.patch
-            t, h, w = self.post
+            t, h, w = (-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
+            if S != t * h * w:
+                raise ValueError(f"{name}: {S} tokens, but the sizes given make {(t, h, w)}")
             g = v.reshape(B, t, h, w, D // (pt * p * q), pt, p, q).permute(0, 4, 1, 5, 2, 6, 3, 7)
             return g.reshape(B, D // (pt * p * q), t * pt, h * p, w * q)
         return v
@@ -173,13 +197,13 @@ class GridAdapter(TransformerAdapter):
     """A transformer family declared by a `Spec` (see the module docstring)."""
 
     def __init__(self, spec: Spec, positions: str = "global", **options: Any) -> None:
-        super().__init__(positions)
+        super().__init__(positions)  # micro_conditioning, vae_scale_factor: other families' options
         self.spec, self.family, self.classes = spec, spec.family, spec.classes
         self.sample_arg, self.timestep_arg, self.prompt_arg = spec.sample, spec.timestep, spec.prompt
         self.pooled_arg, self.refused = spec.pooled, spec.refused
         unbatched = set(spec.tokens) - set(spec.batched_tokens)
         # one set of positions per model call: tiles at different places each get their own call
-        self.shares_positions = positions == "global" and bool(spec.sources or unbatched)
+        self.shares_positions = spec.one_call_per_tile or (positions == "global" and bool(spec.sources or unbatched))
 
     def align(self, model) -> int:
         return int(self.spec.patch(model.config)[-1])
@@ -209,6 +233,8 @@ class GridAdapter(TransformerAdapter):
                 v = Spatial(v, k)
             elif k in spec.tokens:
                 v = Tokens(v, k, axis=spec.tokens[k], batched=k in spec.batched_tokens)
+            elif k in spec.frames:
+                v = Frames(v, k, axis=spec.frames[k])
             cond[k] = v
         return Call(grid, given[spec.timestep], cond, return_dict=given.get("return_dict", True), layout=lay)
 
@@ -243,10 +269,10 @@ class GridAdapter(TransformerAdapter):
                 v = v.for_tiles(lay, boxes)
             elif isinstance(v, Tokens):
                 v = v.for_tiles(lay, boxes, self.positions)
+            elif isinstance(v, Frames):
+                v = v.for_tiles(lay, boxes)
             kw[k] = v
-        if spec.timestep in spec.tokens and isinstance(t, torch.Tensor) and t.ndim > spec.tokens[spec.timestep]:
-            t = Tokens(t, spec.timestep, axis=spec.tokens[spec.timestep], batched=True).for_tiles(
-                lay, boxes, self.positions)
+        t = self._tile_timestep(lay, t, boxes)
         if spec.layout == "tokens":
             kw.update(zip(spec.sizes, (-(-s // p) for s, p in zip(x.shape[2:], lay.patch, strict=True)),
                           strict=True))
@@ -255,7 +281,24 @@ class GridAdapter(TransformerAdapter):
                         return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
-        return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction")
+        return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction", x.shape[2:])
+
+    def _tile_timestep(self, lay: GridLayout, t, boxes):
+        """Per-token timesteps at the tiles' tokens, per-frame ones for their frame window."""
+        spec = self.spec
+        if not isinstance(t, torch.Tensor) or t.ndim < 2:
+            return t
+        n = len(boxes)
+        parts = t.chunk(n)  # the fusion core repeated the call's rows for every tile
+        if spec.timestep in spec.tokens and t.shape[spec.tokens[spec.timestep]] == lay.n_tokens:
+            a = spec.tokens[spec.timestep]
+            return torch.cat([take_tokens(p, lay.tile_tokens(b), a, lay.n_tokens, spec.timestep)
+                              for p, b in zip(parts, boxes, strict=True)])
+        if spec.timestep in spec.frames and len(lay.sides) == 3:
+            a = spec.frames[spec.timestep]
+            if t.shape[a] == lay.sides[0]:
+                return torch.cat([p.narrow(a, b[0], b[1] - b[0]) for p, b in zip(parts, boxes, strict=True)])
+        return t
 
     def _positions(self, model, lay: GridLayout, x, boxes):
         """positions='global' with positions computed inside the model: the sources' hooks for one tile."""

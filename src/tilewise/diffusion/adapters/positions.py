@@ -106,21 +106,26 @@ class ModuleSource:
 
     `module`: its attribute path on the model; `kind`: "table" or "additive"; `arg`: which of its call's
     arguments is the latent (in the model's sample layout, or its tokens for a token layout), by index or
-    name; `sizes`: its arguments that are the post-patch (frames, height, width) or (height, width) sizes,
+    name (None: none is); `sizes`: its arguments that are the post-patch (frames, height, width) or (height, width) sizes,
     by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before")."""
 
     module: str
     kind: str = "table"
-    arg: int | str = 0
+    arg: int | str | None = 0
     sizes: tuple[str, ...] = ()
     others: str = "after"
+    optional: bool = False  # a model of the family may have none (Cosmos without its learned embedding)
+    unless: str | None = None  # its argument that, when given, carries the positions already (then no hook)
 
-    def find(self, model) -> torch.nn.Module:
-        """The submodule; a ValueError naming the path when the model has none."""
+    def find(self, model) -> torch.nn.Module | None:
+        """The submodule (None for an optional one the model lacks); a ValueError naming the path when a
+        required one is missing."""
         m = model
         for part in self.module.split("."):
             m = getattr(m, part, None)
             if m is None:
+                if self.optional:
+                    return None
                 raise ValueError(f"positions='global': {type(model).__name__} has no {self.module} module; "
                                  "use positions='tile'")
         return m
@@ -143,15 +148,20 @@ def _bound(module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     return sig.bind(*args, **kwargs)
 
 
-def _with(module, args: tuple, kwargs: dict, src: ModuleSource, value_of) -> tuple[tuple, dict]:
-    """The module call's arguments with the latent argument (and the sizes) replaced by `value_of`."""
+def _with(module, args: tuple, kwargs: dict, src: ModuleSource, value_of, zero_others: bool = False):
+    """The module call's arguments with the latent argument (and the sizes) replaced by `value_of`; with
+    `zero_others`, every other tensor argument by zeros of batch 1 (an additive source's `module(0)`)."""
     bound = _bound(module, args, kwargs)
     names = list(bound.arguments)
     key = names[src.arg] if isinstance(src.arg, int) else src.arg
-    for name in (key, *src.sizes):
+    for name in ((key,) if key is not None else ()) + src.sizes:
         if name not in bound.arguments:
             raise RuntimeError(f"positions='global': {type(module).__name__} was called without {name}")
         bound.arguments[name] = value_of(name, bound.arguments[name])
+    if zero_others:
+        for name, v in bound.arguments.items():
+            if name != key and isinstance(v, torch.Tensor):
+                bound.arguments[name] = v.new_zeros((1, *v.shape[1:]))
     return bound.args, bound.kwargs
 
 
@@ -178,9 +188,11 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
                 return sizes[name]
             return _stand_in(geo, v, zeros)
 
-        return _with(module, args, kwargs, src, value)
+        return _with(module, args, kwargs, src, value, zero_others=zeros)
 
     def hook(mod, args, kwargs, output):
+        if src.unless is not None and _bound(mod, args, kwargs).arguments.get(src.unless) is not None:
+            return output  # positions passed explicitly (the adapter gave the tile's)
         a, k = whole_args(args, kwargs, zeros=src.kind == "additive")
         key = (src.module, *(tuple(v.shape) for v in (*a, *k.values()) if isinstance(v, torch.Tensor)))
         if key not in cache:
@@ -189,7 +201,7 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
         if src.kind == "table":
             return select(full, output, geo.idx, geo.n_whole, src.others)
         a, k = _with(module, args, kwargs, src,
-                     lambda name, v: v if name in src.sizes else v.new_zeros((1, *v.shape[1:])))
+                     lambda name, v: v if name in src.sizes else v.new_zeros((1, *v.shape[1:])), zero_others=True)
         local0 = mod.forward(*a, **k)
         return output - local0 + select(full, local0, geo.idx, geo.n_whole, src.others)
 
@@ -200,5 +212,6 @@ def module_hooks(model, sources: tuple[ModuleSource, ...], geo: Geometry, cache:
     """Every source's hook for one tile call (see `module_hook`)."""
     stack = contextlib.ExitStack()
     for src in sources:
-        stack.enter_context(module_hook(model, src, geo, cache))
+        if src.find(model) is not None:
+            stack.enter_context(module_hook(model, src, geo, cache))
     return stack
