@@ -83,9 +83,10 @@ def record(den, log: list) -> list:
         if module is not None:
             handles.append(module.register_forward_hook(
                 lambda m, a, out, key=src.module: log.append({key: out})))
-    if spec.tokens:
+    names = [k for k in (*spec.tokens, spec.axis_positions) if k and k != spec.timestep]
+    if names:
         def args(m, a, kwargs):
-            log.append({k: kwargs[k] for k in spec.tokens if k in kwargs and k != spec.timestep})
+            log.append({k: kwargs.get(k) for k in names})
         handles.append(model.register_forward_pre_hook(args, with_kwargs=True))
     return handles
 
@@ -155,6 +156,13 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
     for j, untiled in enumerate(whole):
         for piece, call in zip(pieces, calls[j * len(pieces):(j + 1) * len(pieces)], strict=True):
             idx = tile_indices(piece.read, sample, patch)
-            where = {src.module: src.others for src in den.adapter.spec.sources}
+            spec = den.adapter.spec
+            where = {src.module: src.others for src in spec.sources}
             for key, value in untiled.items():
+                if key == spec.axis_positions:  # per-axis positions: the tile's ranges of the untiled's
+                    value = value or [torch.arange(-(-s // p)) for s, p in zip(sample, patch)]
+                    box = piece.read
+                    for i, (v, p) in enumerate(zip(value, patch)):
+                        assert torch.equal(call[key][i], v[box[2 * i] // p:-(-box[2 * i + 1] // p)])
+                    continue
                 same_at(value, call[key], idx, n_whole, where.get(key, "after"))

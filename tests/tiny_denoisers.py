@@ -40,8 +40,15 @@ class Case:
 
 
 def seeded(cls, seed: int = 0, **config):
+    """cls(**config) with seeded weights; parameters initialised to zero (output layers, adaLN gates of
+    some families) get seeded noise too, so a prediction cannot be constant and a test cannot pass blind."""
     torch.manual_seed(seed)
-    return cls(**config).eval()
+    model = cls(**config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g(seed + 1)) * 0.1)
+    return model
 
 
 def flow():
@@ -78,7 +85,8 @@ def neg(**kw):
     """The call kwargs with negative prompt embeddings of the same shapes (real CFG)."""
     out = dict(kw)
     for k, v in kw.items():
-        if k.startswith("prompt_embeds") and isinstance(v, torch.Tensor) and v.is_floating_point():
+        if (k.startswith("prompt_embeds") or k.startswith("pooled_prompt_embeds")) and \
+                isinstance(v, torch.Tensor) and v.is_floating_point():
             out["negative_" + k] = rand(*v.shape, seed=8)
         elif "mask" in k and k.startswith("prompt"):
             out["negative_" + k] = v
@@ -217,6 +225,33 @@ def ltx():
                      guidance_scale=2.0, height=64, width=96, num_frames=9)
 
 
+def kandinsky5():
+    from diffusers import Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
+
+    tr = seeded(Kandinsky5Transformer3DModel, in_visual_dim=4, in_text_dim=D, in_text_dim2=8, time_dim=16,
+                out_visual_dim=4, patch_size=(1, 2, 2), model_dim=16, ff_dim=32, num_text_blocks=1,
+                num_visual_blocks=1, axes_dims=(4, 2, 2))
+    pipe = Kandinsky5T2VPipeline(transformer=tr, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                 tokenizer_2=None, scheduler=flow())
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    return pipe, dict(prompt_embeds_qwen=rand(5, D), prompt_embeds_clip=rand(1, 8), prompt_cu_seqlens=cu,
+                      negative_prompt_embeds_qwen=rand(5, D, seed=8), negative_prompt_embeds_clip=rand(1, 8),
+                      negative_prompt_cu_seqlens=cu, guidance_scale=2.0, height=48, width=80, num_frames=9)
+
+
+def kandinsky6():
+    from diffusers import Kandinsky6TI2VAPipeline, Kandinsky6Transformer3DModel
+
+    tr = seeded(Kandinsky6Transformer3DModel, in_visual_dim=4, out_visual_dim=4, in_text_dim=D, in_text_dim2=8,
+                time_dim=16, model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1, axes_dims=(4, 2, 2),
+                visual_cond=False, in_audio_dim=4, out_audio_dim=4)
+    pipe = Kandinsky6TI2VAPipeline(transformer=tr, vae=None, text_encoder=None, tokenizer=None,
+                                   text_encoder_2=None, tokenizer_2=None, scheduler=flow(), audio_vae=None,
+                                   vocoder=None)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), pooled_prompt_embeds=rand(1, 8), sample_audio=False,
+                     guidance_scale=2.0, height=48, width=80, num_frames=9)
+
+
 def image(h: int = 32, w: int = 32, seed: int = 0):
     """A seeded random RGB picture, h x w."""
     import numpy as np
@@ -236,5 +271,7 @@ CASES: dict[str, Case] = {
     "cosmos": Case(cosmos, direct=True),
     "cogvideox": Case(cogvideox),
     "cogvideox-2b": Case(lambda: cogvideox(rope=False)),
-    "ltx-video": Case(ltx),  # Mochi's sigma schedule needs two steps
+    "ltx-video": Case(ltx),
+    "kandinsky5": Case(kandinsky5),
+    "kandinsky6": Case(kandinsky6),  # Mochi's sigma schedule needs two steps
 }

@@ -52,6 +52,16 @@ SPECS: tuple[Spec, ...] = (
          layout="tokens", sizes=("num_frames", "height", "width"), tokens={"video_coords": 2, "timestep": 1},
          batched_tokens=("video_coords", "timestep"),
          sources=(ModuleSource("rope", sizes=("num_frames", "height", "width"), unless="video_coords"),)),
+    # Kandinsky 5 (video and image) and 6: channels-last (B, T, H, W, C); positions the pipeline passes
+    # per axis (`visual_rope_pos`, Kandinsky 6: made for the whole latent when not passed)
+    Spec("kandinsky5", ("Kandinsky5Transformer3DModel",), _wan_patch, layout="bthwc",
+         axis_positions="visual_rope_pos",
+         refused={"sparse_params": "(NABLA sparse attention) builds its mask for the whole latent's grid; "
+                                   "use attention_type='regular' or run the pipeline untiled"}),
+    Spec("kandinsky6", ("Kandinsky6Transformer3DModel",), _wan_patch, layout="bthwc",
+         axis_positions="visual_rope_pos", frames={"visual_token_type_ids": 1},
+         refused={"audio_hidden_states": "(the audio stream attends every video token) is not tiled; "
+                                         "sample without audio (sample_audio=False) or run untiled"}),
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )

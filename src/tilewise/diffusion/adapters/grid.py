@@ -31,7 +31,7 @@ from .base import Call
 from .positions import Geometry, ModuleSource, module_hooks, origin_box, take_tokens, token_index
 from .transformer import TransformerAdapter, bind_call
 
-LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "tokens": (1,)}
+LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Spec:
     spatial: tuple[str, ...] = ()
     tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
     frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
+    axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
     batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
     sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
     sources: tuple[ModuleSource, ...] = ()
@@ -109,6 +110,21 @@ class Tokens(PerTile):
         return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
 
 
+class AxisPositions(PerTile):
+    """Per-axis positions (one 1-D tensor per grid axis, in patches): a tile's are its ranges of them."""
+
+    def take_rows(self, rows, n_rows, repeats):
+        return self
+
+    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
+        picks = {origin_box(b) if positions == "tile" else tuple(b) for b in boxes}
+        if len(picks) > 1:
+            raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
+        box = picks.pop()[-2 * len(self.value):]
+        return type(self.value)(p[box[2 * i] // a : -(-box[2 * i + 1] // a)]
+                                for i, (p, a) in enumerate(zip(self.value, lay.patch, strict=True)))
+
+
 class Frames(PerTile):
     """An input with one entry per latent frame along `axis` (per-frame timesteps): the frame window's."""
 
@@ -158,6 +174,8 @@ class GridLayout:
         layout = self.spec.layout
         if layout == "btchw":
             return v.transpose(1, 2)
+        if layout == "bthwc":
+            return v.permute(0, 4, 1, 2, 3)
         if layout == "tokens":
             B, S, D = v.shape
             pt, p, q = self.patch
@@ -173,6 +191,8 @@ class GridLayout:
         layout = self.spec.layout
         if layout == "btchw":
             return grid.transpose(1, 2)
+        if layout == "bthwc":
+            return grid.permute(0, 2, 3, 4, 1)
         if layout == "tokens":
             B, C, T, H, W = grid.shape
             pt, p, q = self.patch
@@ -201,7 +221,7 @@ class GridAdapter(TransformerAdapter):
         self.spec, self.family, self.classes = spec, spec.family, spec.classes
         self.sample_arg, self.timestep_arg, self.prompt_arg = spec.sample, spec.timestep, spec.prompt
         self.pooled_arg, self.refused = spec.pooled, spec.refused
-        unbatched = set(spec.tokens) - set(spec.batched_tokens)
+        unbatched = (set(spec.tokens) - set(spec.batched_tokens)) | ({spec.axis_positions} - {None})
         # one set of positions per model call: tiles at different places each get their own call
         self.shares_positions = spec.one_call_per_tile or (positions == "global" and bool(spec.sources or unbatched))
 
@@ -236,6 +256,11 @@ class GridAdapter(TransformerAdapter):
             elif k in spec.frames:
                 v = Frames(v, k, axis=spec.frames[k])
             cond[k] = v
+        if spec.axis_positions:  # the pipeline's, or those the model makes for the whole latent
+            pos = given.get(spec.axis_positions)
+            if pos is None:
+                pos = tuple(torch.arange(n, device=x.device) for n in lay.post)
+            cond[spec.axis_positions] = AxisPositions(pos, spec.axis_positions)
         return Call(grid, given[spec.timestep], cond, return_dict=given.get("return_dict", True), layout=lay)
 
     def refuse(self, name: str, given: dict) -> None:
@@ -271,6 +296,8 @@ class GridAdapter(TransformerAdapter):
                 v = v.for_tiles(lay, boxes, self.positions)
             elif isinstance(v, Frames):
                 v = v.for_tiles(lay, boxes)
+            elif isinstance(v, AxisPositions):
+                v = v.for_tiles(lay, boxes, self.positions)
             kw[k] = v
         t = self._tile_timestep(lay, t, boxes)
         if spec.layout == "tokens":
@@ -281,6 +308,8 @@ class GridAdapter(TransformerAdapter):
                         return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
+        if isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
+            return lay.canonical(out, "the prediction", x.shape[2:])
         return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction", x.shape[2:])
 
     def _tile_timestep(self, lay: GridLayout, t, boxes):
@@ -310,6 +339,8 @@ class GridAdapter(TransformerAdapter):
     def output(self, call: Call, fused):
         lay = call.layout
         value = lay.to_model(fused)
+        if issubclass(lay.out_type, torch.Tensor):
+            return value
         if not call.return_dict:
             return (value,)
         return lay.out_type(sample=value)
