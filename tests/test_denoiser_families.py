@@ -35,8 +35,8 @@ def run(case, pipe, kw) -> torch.Tensor:
         out = pipe(**kw, num_inference_steps=case.steps, generator=g(0), output_type="latent", **case.extra)
     for name in ("frames", "images", "latents"):
         v = getattr(out, name, None)
-        if isinstance(v, torch.Tensor):
-            return v
+        if v is not None:
+            return torch.as_tensor(v)  # DiT's pipeline decodes whatever output_type says
     return out[0]
 
 

@@ -252,6 +252,134 @@ def kandinsky6():
                      guidance_scale=2.0, height=48, width=80, num_frames=9)
 
 
+# ---- image transformers --------------------------------------------------------------------------------------
+def kl_vae(latent: int = 4, levels: int = 2):
+    """AutoencoderKL of `levels` levels: the pipelines read their VAE factor 2^(levels - 1) from it."""
+    from tiny_transformers import kl_vae as build
+
+    return build(latent, levels=levels)
+
+
+def dit_like(cls_name: str, **config):
+    import diffusers
+
+    return seeded(getattr(diffusers, cls_name), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                  num_layers=1, patch_size=2, **config)
+
+
+def pixart():
+    from diffusers import PixArtSigmaPipeline
+
+    tr = dit_like("PixArtTransformer2DModel", out_channels=8, sample_size=8, cross_attention_dim=16,
+                  caption_channels=D, norm_num_groups=2)
+    pipe = PixArtSigmaPipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr,
+                               scheduler=ddim())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=24, width=40, use_resolution_binning=False, negative_prompt=None)
+
+
+def dit():
+    from diffusers import DiTPipeline
+
+    tr = dit_like("DiTTransformer2DModel", out_channels=8, sample_size=8, norm_num_groups=2,
+                  num_embeds_ada_norm=1000)  # the pipeline's unconditional class is 1000
+    pipe = DiTPipeline(transformer=tr, vae=kl_vae(), scheduler=ddim())
+    return pipe, dict(class_labels=[1], guidance_scale=2.0)
+
+
+def ddim():
+    from diffusers import DDIMScheduler
+
+    return DDIMScheduler()
+
+
+def auraflow():
+    from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
+
+    tr = seeded(AuraFlowTransformer2DModel, sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
+                num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
+                caption_projection_dim=16, out_channels=4, pos_embed_max_size=256)
+    pipe = AuraFlowPipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr, scheduler=flow())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=24, width=40)
+
+
+def sana(interpolation_scale=1.0):
+    from diffusers import SanaPipeline, SanaTransformer2DModel
+
+    tr = seeded(SanaTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+                caption_channels=D, sample_size=8, patch_size=2, interpolation_scale=interpolation_scale)
+    pipe = SanaPipeline(tokenizer=None, text_encoder=None, vae=dc_vae(), transformer=tr, scheduler=flow())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                     guidance_scale=2.0, height=32, width=64, use_resolution_binning=False,
+                     complex_human_instruction=None, negative_prompt=None)
+
+
+def dc_vae():
+    """AutoencoderDC of two levels (factor 2), as Sana's pipelines read their VAE factor from it."""
+    from diffusers import AutoencoderDC
+
+    return seeded(AutoencoderDC, latent_channels=4, attention_head_dim=4, encoder_block_types="ResBlock",
+                  decoder_block_types="ResBlock", encoder_block_out_channels=(8, 8),
+                  decoder_block_out_channels=(8, 8), encoder_layers_per_block=(1, 1),
+                  decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), ()),
+                  decoder_qkv_multiscales=((), ()), decoder_norm_types="rms_norm")
+
+
+def cogview3plus():
+    from diffusers import CogView3PlusPipeline, CogView3PlusTransformer2DModel
+
+    tr = seeded(CogView3PlusTransformer2DModel, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                num_attention_heads=2, out_channels=4, text_embed_dim=D, time_embed_dim=8, condition_dim=2,
+                pos_embed_max_size=16, sample_size=8)
+    pipe = CogView3PlusPipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr,
+                                scheduler=ddim())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40)
+
+
+def cogview4():
+    from diffusers import CogView4Pipeline, CogView4Transformer2DModel
+
+    tr = seeded(CogView4Transformer2DModel, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                attention_head_dim=8, num_attention_heads=2, text_embed_dim=D, time_embed_dim=8, condition_dim=2,
+                pos_embed_max_size=16, sample_size=8, rope_axes_dim=(16, 16))
+    pipe = CogView4Pipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr, scheduler=flow())
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=32, width=48)
+
+
+def hunyuan_image():
+    from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
+    tr = seeded(HunyuanImageTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(2, 2),
+                text_embed_dim=D, text_embed_2_dim=8, rope_axes_dim=(4, 4))
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers import AutoencoderKLHunyuanImage
+
+    vae = seeded(AutoencoderKLHunyuanImage, in_channels=3, out_channels=3, latent_channels=4,
+                 block_out_channels=(32, 32), layers_per_block=1, spatial_compression_ratio=2, sample_size=32)
+    pipe = HunyuanImagePipeline(scheduler=flow(), vae=vae, text_encoder=None, tokenizer=None,
+                                text_encoder_2=None, tokenizer_2=None, transformer=tr,
+                                guider=ClassifierFreeGuidance(guidance_scale=2.0), ocr_guider=None)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_embeds_mask=torch.ones(1, 5, dtype=torch.long),
+                     prompt_embeds_2=rand(1, 3, 8), prompt_embeds_mask_2=torch.ones(1, 3, dtype=torch.long),
+                     height=24, width=40)
+
+
+def lumina2():
+    from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
+
+    tr = seeded(Lumina2Transformer2DModel, sample_size=8, patch_size=2, in_channels=4, hidden_size=16,
+                num_layers=1, num_refiner_layers=1, num_attention_heads=2, num_kv_heads=2, multiple_of=4,
+                axes_dim_rope=(4, 2, 2), axes_lens=(32, 32, 32), cap_feat_dim=D)
+    pipe = Lumina2Pipeline(transformer=tr, scheduler=flow(), vae=kl_vae(), text_encoder=None, tokenizer=None)
+    mask = torch.ones(1, 5, dtype=torch.long)
+    return pipe, dict(prompt_embeds=rand(1, 5, D), prompt_attention_mask=mask,
+                      negative_prompt_embeds=rand(1, 5, D, seed=8), negative_prompt_attention_mask=mask.clone(),
+                      guidance_scale=2.0, height=32, width=48, system_prompt="")
+
+
 def image(h: int = 32, w: int = 32, seed: int = 0):
     """A seeded random RGB picture, h x w."""
     import numpy as np
@@ -273,5 +401,13 @@ CASES: dict[str, Case] = {
     "cogvideox-2b": Case(lambda: cogvideox(rope=False)),
     "ltx-video": Case(ltx),
     "kandinsky5": Case(kandinsky5),
-    "kandinsky6": Case(kandinsky6),  # Mochi's sigma schedule needs two steps
+    "kandinsky6": Case(kandinsky6),
+    "pixart-sigma": Case(pixart, video=False),
+    "dit": Case(dit, video=False),
+    "auraflow": Case(auraflow, video=False),
+    "sana": Case(sana, video=False),
+    "cogview3plus": Case(cogview3plus, video=False),
+    "cogview4": Case(cogview4, video=False),
+    "hunyuan-image-2.1": Case(hunyuan_image, video=False),
+    "lumina2": Case(lumina2, video=False),  # Mochi's sigma schedule needs two steps
 }

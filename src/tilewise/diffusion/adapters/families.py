@@ -19,6 +19,24 @@ def _wan_patch(c):
     return tuple(c.patch_size)
 
 
+def _square(c):
+    p = c.patch_size
+    return (p, p) if isinstance(p, int) else tuple(p)
+
+
+def _lumina2(full, local, idx):
+    """Lumina 2's `rope_embedder` output for a tile: its own patch tokens and caption table; the untiled
+    image table at the tile's tokens, and the joint table (caption, then image, per row) rebuilt from them."""
+    img = full[2].index_select(1, idx.to(full[2].device))
+    joint = local[3].clone()
+    for i, n_cap in enumerate(local[4]):
+        joint[i, n_cap : n_cap + len(idx)] = img[i]
+    return local[0], local[1], img, joint, local[4], local[5]
+
+
+ADDITIVE = (ModuleSource("pos_embed", kind="additive"),)  # a patch embedding that adds a position table
+
+
 SPECS: tuple[Spec, ...] = (
     # Wan 2.1 / 2.2 (T2V, I2V: condition channels in the sample, image embeddings per row; TI2V: one
     # timestep per token), SkyReels-V2, ChronoEdit: (B, C, T, H, W), 3-D rotary table from `rope`
@@ -62,6 +80,27 @@ SPECS: tuple[Spec, ...] = (
          axis_positions="visual_rope_pos", frames={"visual_token_type_ids": 1},
          refused={"audio_hidden_states": "(the audio stream attends every video token) is not tiled; "
                                          "sample without audio (sample_audio=False) or run untiled"}),
+    # images: PixArt-alpha / Sigma, DiT, Transformer2DModel (patched), AuraFlow, Sana: a patch embedding
+    # adding a sinusoidal (interpolated to the size), cropped or learned table
+    Spec("pixart", ("PixArtTransformer2DModel", "DiTTransformer2DModel"), _square, layout="bchw",
+         sources=ADDITIVE),
+    Spec("transformer-2d", ("Transformer2DModel",), _square, layout="bchw", sources=ADDITIVE,
+         refuse_config=lambda c: None if c.patch_size else "only its patched form (patch_size) is a denoiser "
+                                                           "TiledDenoiser tiles"),
+    Spec("auraflow", ("AuraFlowTransformer2DModel",), _square, layout="bchw", sources=ADDITIVE),
+    Spec("sana", ("SanaTransformer2DModel",), _square, layout="bchw",
+         sources=(ModuleSource("patch_embed", kind="additive"),), refused={"controlnet_block_samples": CONTROL}),
+    # CogView3-Plus: text then image tokens from one patch embedding, a sinusoidal table on the image's
+    Spec("cogview3plus", ("CogView3PlusTransformer2DModel",), _square, layout="bchw",
+         sources=(ModuleSource("patch_embed", kind="additive", others="before"),)),
+    # CogView4, HunyuanImage 2.1: a rotary table from `rope` (CogView4 scales it to the image's size)
+    Spec("cogview4", ("CogView4Transformer2DModel",), _square, layout="bchw", tokens={"image_rotary_emb": 0},
+         sources=ROPE),
+    Spec("hunyuan-image", ("HunyuanImageTransformer2DModel",), _square, layout="bchw", sources=ROPE,
+         refuse_config=lambda c: "its 3-D (refiner) form is not tiled yet" if len(c.patch_size) == 3 else None),
+    # Lumina 2: caption positions, then the image's (row, column) from the caption's length
+    Spec("lumina2", ("Lumina2Transformer2DModel",), _square, layout="bchw",
+         sources=(ModuleSource("rope_embedder", take=_lumina2, others="before"),)),
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )

@@ -116,6 +116,7 @@ class ModuleSource:
     others: str = "after"
     optional: bool = False  # a model of the family may have none (Cosmos without its learned embedding)
     unless: str | None = None  # its argument that, when given, carries the positions already (then no hook)
+    take: Any = None  # (full, local, idx) -> the tile's output, where `select` cannot read it (Lumina 2)
 
     def find(self, model) -> torch.nn.Module | None:
         """The submodule (None for an optional one the model lacks); a ValueError naming the path when a
@@ -198,6 +199,8 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
         if key not in cache:
             cache[key] = mod.forward(*a, **k)  # its own forward: no hook re-entry
         full = cache[key]
+        if src.take is not None:
+            return src.take(full, output, geo.idx)
         if src.kind == "table":
             return select(full, output, geo.idx, geo.n_whole, src.others)
         a, k = _with(module, args, kwargs, src,
