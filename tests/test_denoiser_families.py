@@ -17,6 +17,7 @@ diffusers = pytest.importorskip("diffusers")
 from tiny_denoisers import CASES, g  # noqa: E402
 
 from tilewise.diffusion import TiledDenoiser  # noqa: E402
+from tilewise.diffusion.adapters.flux import FluxAdapter  # noqa: E402
 from tilewise.diffusion.adapters.grid import GridAdapter  # noqa: E402
 
 torch.set_num_threads(1)
@@ -73,17 +74,29 @@ def test_one_tile_equals_stock_and_several_tiles_keep_its_shape(name):
 
 
 # ---- positions: what each tile's call receives, against the untiled call at the same tokens --------------
+def declared(den):
+    """(position modules, positional forward arguments, per-axis argument, patch) of the wrapped family."""
+    a = den.adapter
+    if isinstance(a, GridAdapter):
+        spec = a.spec
+        names = [k for k in (*spec.tokens, spec.axis_positions) if k and k != spec.timestep]
+        return spec.sources, names, spec.axis_positions, tuple(spec.patch(den.unet.config))
+    if isinstance(a, FluxAdapter):  # Flux's token layout: positions in img_ids, one row per 2x2 token
+        return (), ["img_ids"], None, (2, 2)
+    raise KeyError(type(a).__name__)
+
+
 def record(den, log: list) -> list:
     """Hooks appending, per model call, the positional values it receives: each position module's output
     (run after TiledDenoiser's hook) and the per-token positional arguments of forward."""
-    model, spec = den.unet, den.adapter.spec
+    model = den.unet
+    sources, names, _, _ = declared(den)
     handles = []
-    for src in spec.sources:
+    for src in sources:
         module = src.find(model)
         if module is not None:
             handles.append(module.register_forward_hook(
                 lambda m, a, out, key=src.module: log.append({key: out})))
-    names = [k for k in (*spec.tokens, spec.axis_positions) if k and k != spec.timestep]
     if names:
         def args(m, a, kwargs):
             log.append({k: kwargs.get(k) for k in names})
@@ -141,7 +154,6 @@ GRID_CASES = [n for n in CASES if CASES[n].positions]
 def test_each_tile_gets_the_positions_of_its_tokens(name):
     case, pipe, kw = built(name)
     den = wrap(case, pipe, tile_size=256)
-    assert isinstance(den.adapter, GridAdapter)
     whole = recorded(case, pipe, kw, den)
     den = wrap(case, pipe, **SMALL, tile_frames=case.tile_frames, frame_overlap=1 if case.tile_frames else 0)
     seen = []
@@ -150,16 +162,15 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
     sample = tuple(den.adapter.parse(den.unet, *seen[0]).sample.shape[2:])  # the latent's ([T,] H, W)
     pieces = den.plan(*sample[-2:], frames=sample[0] if len(sample) == 3 else None)
     assert len(calls) == len(whole) * len(pieces) and len(pieces) > 1
-    patch = den.adapter.spec.patch(den.unet.config)
-    patch = tuple(patch)[-len(sample):]
+    sources, _, axis_positions, patch = declared(den)
+    patch = patch[-len(sample):]
     n_whole = int(tile_indices(tuple(c for s in sample for c in (0, s)), sample, patch).numel())
     for j, untiled in enumerate(whole):
         for piece, call in zip(pieces, calls[j * len(pieces):(j + 1) * len(pieces)], strict=True):
             idx = tile_indices(piece.read, sample, patch)
-            spec = den.adapter.spec
-            where = {src.module: src.others for src in spec.sources}
+            where = {src.module: src.others for src in sources}
             for key, value in untiled.items():
-                if key == spec.axis_positions:  # per-axis positions: the tile's ranges of the untiled's
+                if key == axis_positions:  # per-axis positions: the tile's ranges of the untiled's
                     value = value or [torch.arange(-(-s // p)) for s, p in zip(sample, patch)]
                     box = piece.read
                     for i, (v, p) in enumerate(zip(value, patch)):

@@ -380,6 +380,55 @@ def lumina2():
                       guidance_scale=2.0, height=32, width=48, system_prompt="")
 
 
+# ---- Flux-like token layouts (img_ids) -------------------------------------------------------------------------
+def flux_like(cls_name: str, **config):
+    import diffusers
+
+    return seeded(getattr(diffusers, cls_name), patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=D, axes_dims_rope=(4, 6, 6),
+                  **config)
+
+
+def chroma():
+    from diffusers import ChromaPipeline
+
+    tr = flux_like("ChromaTransformer2DModel", approximator_num_channels=8, approximator_hidden_dim=16,
+                   approximator_layers=1)
+    pipe = ChromaPipeline(scheduler=flow(), vae=kl_vae(), text_encoder=None, tokenizer=None, transformer=tr)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.bool),
+                     guidance_scale=2.0, height=24, width=40)
+
+
+def bria():
+    from diffusers import BriaPipeline
+
+    pipe = BriaPipeline(transformer=flux_like("BriaTransformer2DModel"), scheduler=flow(), vae=kl_vae(),
+                        text_encoder=None, tokenizer=None)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40)
+
+
+def longcat():
+    """LongCat-Image as its pipeline calls the transformer (its encode_prompt needs a prompt string even
+    with prompt_embeds): text ids numbered from 0, image ids from the tokenizer's length on."""
+    from diffusers.pipelines.longcat_image.pipeline_longcat_image import prepare_pos_ids
+
+    tr = flux_like("LongCatImageTransformer2DModel", pooled_projection_dim=D)
+    h, w = 5, 9  # tokens (a 10 x 18 latent)
+    inputs = dict(hidden_states=rand(1, h * w, 16), timestep=torch.tensor([0.7]),
+                  guidance=None, encoder_hidden_states=rand(1, 5, D),
+                  txt_ids=prepare_pos_ids(modality_id=0, type="text", start=(0, 0), num_token=5),
+                  img_ids=prepare_pos_ids(modality_id=1, type="image", start=(512, 512), height=h, width=w))
+    return tr, inputs
+
+
+def ovis():
+    from diffusers import OvisImagePipeline
+
+    pipe = OvisImagePipeline(scheduler=flow(), vae=kl_vae(), text_encoder=None, tokenizer=None,
+                             transformer=flux_like("OvisImageTransformer2DModel", out_channels=16))
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40, negative_prompt=None)
+
+
 def image(h: int = 32, w: int = 32, seed: int = 0):
     """A seeded random RGB picture, h x w."""
     import numpy as np
@@ -409,5 +458,9 @@ CASES: dict[str, Case] = {
     "cogview3plus": Case(cogview3plus, video=False),
     "cogview4": Case(cogview4, video=False),
     "hunyuan-image-2.1": Case(hunyuan_image, video=False),
-    "lumina2": Case(lumina2, video=False),  # Mochi's sigma schedule needs two steps
+    "lumina2": Case(lumina2, video=False),
+    "chroma": Case(chroma, video=False),
+    "bria": Case(bria, video=False),
+    "longcat-image": Case(longcat, video=False, direct=True),
+    "ovis-image": Case(ovis, video=False),  # Mochi's sigma schedule needs two steps
 }

@@ -26,19 +26,20 @@ from __future__ import annotations
 
 from .base import POSITIONS, Adapter, Call
 from .families import SPECS
-from .flux import Flux2Adapter, FluxAdapter
+from .flux import ChromaAdapter, Flux2Adapter, FluxAdapter, FluxLikeAdapter
 from .grid import GridAdapter, Spec
 from .qwen import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .unet import UNetAdapter
 from .zimage import ZImageAdapter
 
-__all__ = ["POSITIONS", "SPECS", "Adapter", "Call", "FAMILIES", "Flux2Adapter", "FluxAdapter", "GridAdapter",
+__all__ = ["POSITIONS", "SPECS", "Adapter", "Call", "ChromaAdapter", "FAMILIES", "Flux2Adapter", "FluxAdapter",
+           "FluxLikeAdapter", "GridAdapter",
            "QwenImageAdapter", "SD3Adapter", "Spec", "UNetAdapter", "ZImageAdapter", "adapter_for"]
 
 # tried in order: the UNet adapter, the fallback, last
-FAMILIES: list[type[Adapter]] = [SD3Adapter, FluxAdapter, Flux2Adapter, QwenImageAdapter, ZImageAdapter,
-                                 UNetAdapter]
+FAMILIES: list[type[Adapter]] = [SD3Adapter, FluxAdapter, FluxLikeAdapter, ChromaAdapter, Flux2Adapter,
+                                 QwenImageAdapter, ZImageAdapter, UNetAdapter]
 
 
 def adapter_for(model, **options) -> Adapter:
