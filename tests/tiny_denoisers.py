@@ -429,6 +429,136 @@ def ovis():
     return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40, negative_prompt=None)
 
 
+# ---- UNets ----------------------------------------------------------------------------------------------------
+UD = 32  # UNet cross-attention width
+
+
+def sd_vae():
+    return kl_vae(4, levels=2)
+
+
+def ddpm():
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    unet = seeded(UNet2DModel, sample_size=12, in_channels=3, out_channels=3, block_out_channels=(32, 32),
+                  layers_per_block=1, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                  up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8)
+    return DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10)), {}
+
+
+def animatediff():
+    from diffusers import AnimateDiffPipeline, MotionAdapter, UNet2DConditionModel
+
+    unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=1, sample_size=8,
+                  in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD, norm_num_groups=8)
+    motion = seeded(MotionAdapter, block_out_channels=(32, 32), motion_layers_per_block=1,
+                    motion_num_attention_heads=2, motion_norm_num_groups=8, motion_max_seq_length=16)
+    pipe = AnimateDiffPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet, motion_adapter=motion,
+                               scheduler=ddim())
+    return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40, num_frames=5)
+
+
+def text_to_video():
+    from diffusers import TextToVideoSDPipeline, UNet3DConditionModel
+
+    unet = seeded(UNet3DConditionModel, block_out_channels=(32, 32), layers_per_block=1, in_channels=4,
+                  out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+                  up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=UD, norm_num_groups=8,
+                  attention_head_dim=8)
+    pipe = TextToVideoSDPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet, scheduler=ddim())
+    return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40, num_frames=5)
+
+
+def svd():
+    """Stable Video Diffusion as its pipeline calls the UNet (its image encoder is a CLIP vision model):
+    the image latents concatenated along channels, image embeddings and added_time_ids per row, CFG."""
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    unet = seeded(UNetSpatioTemporalConditionModel, in_channels=8, out_channels=4, block_out_channels=(32, 32),
+                  down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+                  up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+                  addition_time_embed_dim=4, projection_class_embeddings_input_dim=12, layers_per_block=1,
+                  cross_attention_dim=UD, num_attention_heads=(2, 2), num_frames=5)
+    T, H, W = 5, 10, 14
+    image = rand(1, 1, 4, H, W).expand(1, T, 4, H, W)
+    x = torch.cat([rand(1, T, 4, H, W, seed=3), image], dim=2)
+    emb = rand(1, 1, UD, seed=4)
+    return unet, dict(sample=torch.cat([x, x]), timestep=torch.tensor(0.6),
+                      encoder_hidden_states=torch.cat([torch.zeros_like(emb), emb]),
+                      added_time_ids=torch.tensor([[6.0, 127.0, 0.02]] * 2))
+
+
+def i2vgen_xl():
+    """I2VGen-XL as its pipeline calls the UNet (image encoder and text encoder are CLIP models): the
+    first frame's latents (zeros after it), image embeddings, fps, CFG."""
+    from diffusers import I2VGenXLUNet
+
+    unet = seeded(I2VGenXLUNet, in_channels=4, out_channels=4, block_out_channels=(32, 32),
+                  down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+                  up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), layers_per_block=1, norm_num_groups=8,
+                  cross_attention_dim=UD, attention_head_dim=8, num_attention_heads=2)
+    T, H, W = 5, 10, 14
+    first = torch.zeros(1, 4, T, H, W)
+    first[:, :, :1] = rand(1, 4, 1, H, W)
+    x = rand(1, 4, T, H, W, seed=3)
+    return unet, dict(sample=torch.cat([x, x]), timestep=torch.tensor(600), fps=torch.tensor([16, 16]),
+                      image_latents=torch.cat([first, first]), image_embeddings=rand(2, UD, seed=4),
+                      encoder_hidden_states=rand(2, 5, UD, seed=5))
+
+
+def stable_cascade():
+    """Stable Cascade's decoder UNet as its pipeline calls it: effnet (the prior's latents, at a smaller
+    size the model resizes), zero pixels, pooled text embeddings; CFG."""
+    from diffusers import StableCascadeUNet
+
+    unet = seeded(StableCascadeUNet, in_channels=4, out_channels=4, timestep_ratio_embedding_dim=8, patch_size=2,
+                  conditioning_dim=16, block_out_channels=(16, 16), num_attention_heads=(2, 2),
+                  down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1),
+                  clip_text_pooled_in_channels=UD, effnet_in_channels=4, pixel_mapper_in_channels=3,
+                  dropout=(0.0, 0.0), self_attn=True, block_types_per_layer=(("SDCascadeResBlock",
+                  "SDCascadeTimestepBlock"), ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock")))
+    x = rand(1, 4, 12, 20, seed=3)
+    effnet = rand(1, 4, 5, 7, seed=4)
+    return unet, dict(sample=torch.cat([x, x]), timestep_ratio=torch.tensor([0.6, 0.6]),
+                      clip_text_pooled=rand(2, 1, UD, seed=5), effnet=torch.cat([effnet, effnet]),
+                      pixels=torch.zeros(2, 3, 8, 8))
+
+
+def kandinsky22():
+    from diffusers import KandinskyV22Pipeline, UNet2DConditionModel, VQModel
+
+    unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=1, sample_size=8,
+                  in_channels=4, out_channels=8, down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+                  up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"), mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+                  encoder_hid_dim=UD, encoder_hid_dim_type="image_proj", addition_embed_type="image",
+                  cross_attention_dim=UD, norm_num_groups=8, attention_head_dim=8, class_embed_type=None)
+    movq = seeded(VQModel, block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                  layers_per_block=1, num_vq_embeddings=8, vq_embed_dim=4)
+    from diffusers import DDPMScheduler
+
+    pipe = KandinskyV22Pipeline(unet=unet, scheduler=DDPMScheduler(), movq=movq)
+    return pipe, dict(image_embeds=rand(1, UD), negative_image_embeds=rand(1, UD, seed=8), guidance_scale=2.0,
+                      height=24, width=40)
+
+
+def controlnet_xs():
+    from diffusers import ControlNetXSAdapter, StableDiffusionControlNetXSPipeline, UNet2DConditionModel
+
+    unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=2, sample_size=8,
+                  in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD, norm_num_groups=8)
+    torch.manual_seed(1)
+    adapter = ControlNetXSAdapter.from_unet(unet, size_ratio=0.5, learn_time_embedding=True,
+                                            conditioning_embedding_out_channels=(4, 8))
+    pipe = StableDiffusionControlNetXSPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet,
+                                               controlnet=adapter, scheduler=ddim(), safety_checker=None,
+                                               feature_extractor=None, requires_safety_checker=False)
+    return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40,
+                     image=image(24, 40))
+
+
 def image(h: int = 32, w: int = 32, seed: int = 0):
     """A seeded random RGB picture, h x w."""
     import numpy as np
@@ -462,5 +592,13 @@ CASES: dict[str, Case] = {
     "chroma": Case(chroma, video=False),
     "bria": Case(bria, video=False),
     "longcat-image": Case(longcat, video=False, direct=True),
-    "ovis-image": Case(ovis, video=False),  # Mochi's sigma schedule needs two steps
+    "ovis-image": Case(ovis, video=False),
+    "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),
+    "animatediff": Case(animatediff, slot="unet", positions=False),
+    "text-to-video-sd": Case(text_to_video, slot="unet", positions=False),
+    "svd": Case(svd, slot="unet", direct=True, positions=False),
+    "i2vgen-xl": Case(i2vgen_xl, slot="unet", direct=True, positions=False),
+    "stable-cascade": Case(stable_cascade, slot="unet", direct=True, video=False, positions=False),
+    "kandinsky-2.2": Case(kandinsky22, slot="unet", video=False, positions=False),
+    "controlnet-xs": Case(controlnet_xs, slot="unet", video=False, positions=False),  # Mochi's sigma schedule needs two steps
 }

@@ -104,3 +104,34 @@ SPECS: tuple[Spec, ...] = (
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )
+
+
+def _one(c):
+    return (1,)
+
+
+VIDEO_RESIDUALS = ("(ControlNet residuals of a video UNet: SparseCtrl) are not tiled yet; run the pipeline "
+                   "untiled")
+
+# UNets (`adapters.unet`): no positional inputs; the table says the sample's layout and the inputs on the
+# latent's grid. Everything else (prompt, added conditioning, Kandinsky 2.2's image embeddings with no
+# prompt) passes per row.
+UNETS: tuple[Spec, ...] = (
+    Spec("unet", ("UNet2DConditionModel", "UNet2DModel", "DreamLiteUNetModel", "Kandinsky3UNet"), _one,
+         layout="bchw", sample="sample"),
+    # AnimateDiff's UNetMotionModel, ModelScope / ZeroScope's UNet3DConditionModel: (B, C, T, H, W)
+    Spec("unet-video", ("UNet3DConditionModel", "UNetMotionModel"), _one, layout="bcthw", sample="sample",
+         refused=dict.fromkeys(("down_block_additional_residuals", "mid_block_additional_residual"),
+                               VIDEO_RESIDUALS)),
+    # Stable Video Diffusion: (B, T, C, H, W); the image latents are channels of the sample, added_time_ids
+    # (fps, motion bucket, noise augmentation) and the image embeddings per row
+    Spec("svd", ("UNetSpatioTemporalConditionModel",), _one, layout="btchw", sample="sample"),
+    # I2VGen-XL: the first frame's latents on the latent's grid, image embeddings and fps per row
+    Spec("i2vgen-xl", ("I2VGenXLUNet",), _one, layout="bcthw", sample="sample", spatial=("image_latents",)),
+    # Stable Cascade (prior and decoder): effnet and pixels, which the model resizes to its grid
+    Spec("stable-cascade", ("StableCascadeUNet",), lambda c: (c.patch_size,), layout="bchw", sample="sample",
+         timestep="timestep_ratio", spatial=("effnet", "pixels"), resampled=("effnet", "pixels")),
+    # ControlNet-XS: the control image (pixels, the VAE's factor times the latent's size)
+    Spec("controlnet-xs", ("UNetControlNetXSModel",), _one, layout="bchw", sample="sample",
+         spatial=("controlnet_cond",)),
+)

@@ -56,6 +56,7 @@ class Spec:
     refused: dict[str, str] = field(default_factory=dict)
     one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
     refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
+    resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
 
 
 class PerTile:
@@ -81,6 +82,10 @@ class Spatial(PerTile):
 
     def for_tiles(self, lay: GridLayout, boxes) -> Any:
         v = self._selected(self.value)
+        if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
+            p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
+            size = tuple(-(-s // p) for s in lay.sides[-2:])
+            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True).to(v)
         grid = lay.canonical(v, self.name)
         parts = []
         for box in boxes:
@@ -153,6 +158,8 @@ class GridLayout:
     sides: tuple[int, ...]  # the grid's ([T,] H, W) in latent pixels
     cache: dict = field(default_factory=dict)  # untiled positions, computed once per call
     out_type: Any = None
+    names: tuple[str, ...] = ()  # the model's sample and timestep arguments (UNets)
+    config: Any = None  # the model's config (a resampled input's patch)
 
     @property
     def post(self) -> tuple[int, ...]:

@@ -29,10 +29,21 @@ from .base import Adapter, Call, expand_rows
 IP_ADAPTER_KEY = "ip_adapter_image_embeds"
 
 
+def accepted_signature(model) -> inspect.Signature:
+    """The signature of what the model accepts: its forward's, or, when the instance's `forward` was replaced
+    by a wrapper taking (*args, **kwargs) (an offloading or profiling hook), the class's own forward's."""
+    sig = inspect.signature(model.forward)
+    kinds = {p.kind for p in sig.parameters.values()}
+    if sig.parameters and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        own = inspect.signature(inspect.unwrap(type(model).forward))
+        return own.replace(parameters=list(own.parameters.values())[1:])  # without self
+    return sig
+
+
 def bind_call(model, args: tuple, kwargs: dict, who: str = "TiledDenoiser") -> dict[str, Any]:
-    """The call's arguments by the names of the model's forward (TypeError naming what is wrong)."""
+    """The call's arguments by the names of what the model accepts (TypeError naming what is wrong)."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = accepted_signature(model).bind(*args, **kwargs)
     except TypeError as e:
         raise TypeError(f"{who}.forward() for {type(model).__name__}: {e}") from None
     return dict(bound.arguments)
