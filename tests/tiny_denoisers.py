@@ -64,12 +64,12 @@ def wan_vae():
     return video_vae("wan2.1")
 
 
-def wan_transformer(cls_name: str = "WanTransformer3DModel", **extra):
+def wan_transformer(cls_name: str = "WanTransformer3DModel", in_channels: int = 4, **extra):
     import diffusers
 
-    return seeded(getattr(diffusers, cls_name), patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
-                  in_channels=4, out_channels=4, text_dim=D, freq_dim=16, ffn_dim=32, num_layers=1,
-                  rope_max_seq_len=32, **extra)
+    return seeded(getattr(diffusers, cls_name), patch_size=(1, 2, 2), num_attention_heads=2,
+                  attention_head_dim=8, in_channels=in_channels, out_channels=4, text_dim=D, freq_dim=16,
+                  ffn_dim=32, num_layers=1, rope_max_seq_len=32, **extra)
 
 
 def wan():
@@ -119,12 +119,14 @@ def hunyuan_video():
                 patch_size_t=1, text_embed_dim=D, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
     vae = seeded(AutoencoderKLHunyuanVideo, in_channels=3, out_channels=3, latent_channels=4,
                  block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=4,
-                 down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-                 spatial_compression_ratio=4, temporal_compression_ratio=4)
+                 down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+                 up_block_types=("HunyuanVideoUpBlock3D",) * 3, spatial_compression_ratio=4,
+                 temporal_compression_ratio=4)
     pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae, scheduler=flow(),
                                 text_encoder_2=None, tokenizer_2=None)
     return pipe, dict(prompt_embeds=rand(1, 5, D), pooled_prompt_embeds=rand(1, 8),
-                      prompt_attention_mask=torch.ones(1, 5, dtype=torch.long), height=32, width=48, num_frames=9)
+                      prompt_attention_mask=torch.ones(1, 5, dtype=torch.long), height=32, width=48,
+                      num_frames=9)
 
 
 def hunyuan_video15():
@@ -158,7 +160,8 @@ def sana_video():
                 attention_head_dim=8, num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
                 cross_attention_dim=16, caption_channels=D, sample_size=8, rope_max_seq_len=32)
     del AutoencoderKLWan
-    pipe = SanaVideoPipeline(tokenizer=None, text_encoder=None, vae=wan_vae(), transformer=tr, scheduler=flow())
+    pipe = SanaVideoPipeline(tokenizer=None, text_encoder=None, vae=wan_vae(), transformer=tr,
+                             scheduler=flow())
     return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
                      guidance_scale=2.0, height=64, width=96, frames=9, use_resolution_binning=False,
                      complex_human_instruction=None, negative_prompt=None)
@@ -231,8 +234,8 @@ def kandinsky5():
     tr = seeded(Kandinsky5Transformer3DModel, in_visual_dim=4, in_text_dim=D, in_text_dim2=8, time_dim=16,
                 out_visual_dim=4, patch_size=(1, 2, 2), model_dim=16, ff_dim=32, num_text_blocks=1,
                 num_visual_blocks=1, axes_dims=(4, 2, 2))
-    pipe = Kandinsky5T2VPipeline(transformer=tr, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
-                                 tokenizer_2=None, scheduler=flow())
+    pipe = Kandinsky5T2VPipeline(transformer=tr, vae=None, text_encoder=None, tokenizer=None,
+                                 text_encoder_2=None, tokenizer_2=None, scheduler=flow())
     cu = torch.tensor([0, 5], dtype=torch.int32)
     return pipe, dict(prompt_embeds_qwen=rand(5, D), prompt_embeds_clip=rand(1, 8), prompt_cu_seqlens=cu,
                       negative_prompt_embeds_qwen=rand(5, D, seed=8), negative_prompt_embeds_clip=rand(1, 8),
@@ -242,9 +245,9 @@ def kandinsky5():
 def kandinsky6():
     from diffusers import Kandinsky6TI2VAPipeline, Kandinsky6Transformer3DModel
 
-    tr = seeded(Kandinsky6Transformer3DModel, in_visual_dim=4, out_visual_dim=4, in_text_dim=D, in_text_dim2=8,
-                time_dim=16, model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1, axes_dims=(4, 2, 2),
-                visual_cond=False, in_audio_dim=4, out_audio_dim=4)
+    tr = seeded(Kandinsky6Transformer3DModel, in_visual_dim=4, out_visual_dim=4, in_text_dim=D,
+                in_text_dim2=8, time_dim=16, model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1,
+                axes_dims=(4, 2, 2), visual_cond=False, in_audio_dim=4, out_audio_dim=4)
     pipe = Kandinsky6TI2VAPipeline(transformer=tr, vae=None, text_encoder=None, tokenizer=None,
                                    text_encoder_2=None, tokenizer_2=None, scheduler=flow(), audio_vae=None,
                                    vocoder=None)
@@ -252,7 +255,7 @@ def kandinsky6():
                      guidance_scale=2.0, height=48, width=80, num_frames=9)
 
 
-# ---- image transformers --------------------------------------------------------------------------------------
+# ---- image transformers ------------------------------------------------------------------------------------
 def kl_vae(latent: int = 4, levels: int = 2):
     """AutoencoderKL of `levels` levels: the pipelines read their VAE factor 2^(levels - 1) from it."""
     from tiny_transformers import kl_vae as build
@@ -275,7 +278,8 @@ def pixart():
     pipe = PixArtSigmaPipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr,
                                scheduler=ddim())
     return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
-                     guidance_scale=2.0, height=24, width=40, use_resolution_binning=False, negative_prompt=None)
+                     guidance_scale=2.0, height=24, width=40, use_resolution_binning=False,
+                     negative_prompt=None)
 
 
 def dit():
@@ -307,9 +311,10 @@ def auraflow():
 def sana(interpolation_scale=1.0):
     from diffusers import SanaPipeline, SanaTransformer2DModel
 
-    tr = seeded(SanaTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
-                caption_channels=D, sample_size=8, patch_size=2, interpolation_scale=interpolation_scale)
+    tr = seeded(SanaTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                attention_head_dim=8, num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                cross_attention_dim=16, caption_channels=D, sample_size=8, patch_size=2,
+                interpolation_scale=interpolation_scale)
     pipe = SanaPipeline(tokenizer=None, text_encoder=None, vae=dc_vae(), transformer=tr, scheduler=flow())
     return pipe, neg(prompt_embeds=rand(1, 5, D), prompt_attention_mask=torch.ones(1, 5, dtype=torch.long),
                      guidance_scale=2.0, height=32, width=64, use_resolution_binning=False,
@@ -330,9 +335,9 @@ def dc_vae():
 def cogview3plus():
     from diffusers import CogView3PlusPipeline, CogView3PlusTransformer2DModel
 
-    tr = seeded(CogView3PlusTransformer2DModel, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
-                num_attention_heads=2, out_channels=4, text_embed_dim=D, time_embed_dim=8, condition_dim=2,
-                pos_embed_max_size=16, sample_size=8)
+    tr = seeded(CogView3PlusTransformer2DModel, patch_size=2, in_channels=4, num_layers=1,
+                attention_head_dim=8, num_attention_heads=2, out_channels=4, text_embed_dim=D,
+                time_embed_dim=8, condition_dim=2, pos_embed_max_size=16, sample_size=8)
     pipe = CogView3PlusPipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr,
                                 scheduler=ddim())
     return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40)
@@ -342,8 +347,8 @@ def cogview4():
     from diffusers import CogView4Pipeline, CogView4Transformer2DModel
 
     tr = seeded(CogView4Transformer2DModel, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
-                attention_head_dim=8, num_attention_heads=2, text_embed_dim=D, time_embed_dim=8, condition_dim=2,
-                pos_embed_max_size=16, sample_size=8, rope_axes_dim=(16, 16))
+                attention_head_dim=8, num_attention_heads=2, text_embed_dim=D, time_embed_dim=8,
+                condition_dim=2, pos_embed_max_size=16, sample_size=8, rope_axes_dim=(16, 16))
     pipe = CogView4Pipeline(tokenizer=None, text_encoder=None, vae=kl_vae(), transformer=tr, scheduler=flow())
     return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=32, width=48)
 
@@ -351,11 +356,10 @@ def cogview4():
 def hunyuan_image():
     from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
     tr = seeded(HunyuanImageTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=2,
-                attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(2, 2),
-                text_embed_dim=D, text_embed_2_dim=8, rope_axes_dim=(4, 4))
-    from diffusers.guiders import ClassifierFreeGuidance
-
+                attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1,
+                patch_size=(2, 2), text_embed_dim=D, text_embed_2_dim=8, rope_axes_dim=(4, 4))
     from diffusers import AutoencoderKLHunyuanImage
+    from diffusers.guiders import ClassifierFreeGuidance
 
     vae = seeded(AutoencoderKLHunyuanImage, in_channels=3, out_channels=3, latent_channels=4,
                  block_out_channels=(32, 32), layers_per_block=1, spatial_compression_ratio=2, sample_size=32)
@@ -376,17 +380,18 @@ def lumina2():
     pipe = Lumina2Pipeline(transformer=tr, scheduler=flow(), vae=kl_vae(), text_encoder=None, tokenizer=None)
     mask = torch.ones(1, 5, dtype=torch.long)
     return pipe, dict(prompt_embeds=rand(1, 5, D), prompt_attention_mask=mask,
-                      negative_prompt_embeds=rand(1, 5, D, seed=8), negative_prompt_attention_mask=mask.clone(),
-                      guidance_scale=2.0, height=32, width=48, system_prompt="")
+                      negative_prompt_embeds=rand(1, 5, D, seed=8),
+                      negative_prompt_attention_mask=mask.clone(), guidance_scale=2.0, height=32, width=48,
+                      system_prompt="")
 
 
-# ---- Flux-like token layouts (img_ids) -------------------------------------------------------------------------
+# ---- Flux-like token layouts (img_ids) ---------------------------------------------------------------------
 def flux_like(cls_name: str, **config):
     import diffusers
 
-    return seeded(getattr(diffusers, cls_name), patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=D, axes_dims_rope=(4, 6, 6),
-                  **config)
+    return seeded(getattr(diffusers, cls_name), patch_size=1, in_channels=16, num_layers=1,
+                  num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=D,
+                  axes_dims_rope=(4, 6, 6), **config)
 
 
 def chroma():
@@ -426,10 +431,11 @@ def ovis():
 
     pipe = OvisImagePipeline(scheduler=flow(), vae=kl_vae(), text_encoder=None, tokenizer=None,
                              transformer=flux_like("OvisImageTransformer2DModel", out_channels=16))
-    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40, negative_prompt=None)
+    return pipe, neg(prompt_embeds=rand(1, 5, D), guidance_scale=2.0, height=24, width=40,
+                     negative_prompt=None)
 
 
-# ---- UNets ----------------------------------------------------------------------------------------------------
+# ---- UNets -------------------------------------------------------------------------------------------------
 UD = 32  # UNet cross-attention width
 
 
@@ -451,11 +457,12 @@ def animatediff():
 
     unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=1, sample_size=8,
                   in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD, norm_num_groups=8)
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD,
+                  norm_num_groups=8)
     motion = seeded(MotionAdapter, block_out_channels=(32, 32), motion_layers_per_block=1,
                     motion_num_attention_heads=2, motion_norm_num_groups=8, motion_max_seq_length=16)
-    pipe = AnimateDiffPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet, motion_adapter=motion,
-                               scheduler=ddim())
+    pipe = AnimateDiffPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet,
+                               motion_adapter=motion, scheduler=ddim())
     return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40, num_frames=5)
 
 
@@ -464,8 +471,8 @@ def text_to_video():
 
     unet = seeded(UNet3DConditionModel, block_out_channels=(32, 32), layers_per_block=1, in_channels=4,
                   out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
-                  up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=UD, norm_num_groups=8,
-                  attention_head_dim=8)
+                  up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=UD,
+                  norm_num_groups=8, attention_head_dim=8)
     pipe = TextToVideoSDPipeline(vae=sd_vae(), text_encoder=None, tokenizer=None, unet=unet, scheduler=ddim())
     return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40, num_frames=5)
 
@@ -475,7 +482,8 @@ def svd():
     the image latents concatenated along channels, image embeddings and added_time_ids per row, CFG."""
     from diffusers import UNetSpatioTemporalConditionModel
 
-    unet = seeded(UNetSpatioTemporalConditionModel, in_channels=8, out_channels=4, block_out_channels=(32, 32),
+    unet = seeded(UNetSpatioTemporalConditionModel, in_channels=8, out_channels=4,
+                  block_out_channels=(32, 32),
                   down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
                   up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
                   addition_time_embed_dim=4, projection_class_embeddings_input_dim=12, layers_per_block=1,
@@ -512,12 +520,13 @@ def stable_cascade():
     size the model resizes), zero pixels, pooled text embeddings; CFG."""
     from diffusers import StableCascadeUNet
 
-    unet = seeded(StableCascadeUNet, in_channels=4, out_channels=4, timestep_ratio_embedding_dim=8, patch_size=2,
-                  conditioning_dim=16, block_out_channels=(16, 16), num_attention_heads=(2, 2),
+    blocks = (("SDCascadeResBlock", "SDCascadeTimestepBlock"),
+              ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"))
+    unet = seeded(StableCascadeUNet, in_channels=4, out_channels=4, timestep_ratio_embedding_dim=8,
+                  patch_size=2, conditioning_dim=16, block_out_channels=(16, 16), num_attention_heads=(2, 2),
                   down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1),
                   clip_text_pooled_in_channels=UD, effnet_in_channels=4, pixel_mapper_in_channels=3,
-                  dropout=(0.0, 0.0), self_attn=True, block_types_per_layer=(("SDCascadeResBlock",
-                  "SDCascadeTimestepBlock"), ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock")))
+                  dropout=(0.0, 0.0), self_attn=True, block_types_per_layer=blocks)
     x = rand(1, 4, 12, 20, seed=3)
     effnet = rand(1, 4, 5, 7, seed=4)
     return unet, dict(sample=torch.cat([x, x]), timestep_ratio=torch.tensor([0.6, 0.6]),
@@ -529,10 +538,12 @@ def kandinsky22():
     from diffusers import KandinskyV22Pipeline, UNet2DConditionModel, VQModel
 
     unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=1, sample_size=8,
-                  in_channels=4, out_channels=8, down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
-                  up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"), mid_block_type="UNetMidBlock2DSimpleCrossAttn",
-                  encoder_hid_dim=UD, encoder_hid_dim_type="image_proj", addition_embed_type="image",
-                  cross_attention_dim=UD, norm_num_groups=8, attention_head_dim=8, class_embed_type=None)
+                  in_channels=4, out_channels=8,
+                  down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+                  up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+                  mid_block_type="UNetMidBlock2DSimpleCrossAttn", encoder_hid_dim=UD,
+                  encoder_hid_dim_type="image_proj", addition_embed_type="image", cross_attention_dim=UD,
+                  norm_num_groups=8, attention_head_dim=8, class_embed_type=None)
     movq = seeded(VQModel, block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
                   up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
                   layers_per_block=1, num_vq_embeddings=8, vq_embed_dim=4)
@@ -548,7 +559,8 @@ def controlnet_xs():
 
     unet = seeded(UNet2DConditionModel, block_out_channels=(32, 32), layers_per_block=2, sample_size=8,
                   in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD, norm_num_groups=8)
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=UD,
+                  norm_num_groups=8)
     torch.manual_seed(1)
     adapter = ControlNetXSAdapter.from_unet(unet, size_ratio=0.5, learn_time_embedding=True,
                                             conditioning_embedding_out_channels=(4, 8))
@@ -557,6 +569,16 @@ def controlnet_xs():
                                                feature_extractor=None, requires_safety_checker=False)
     return pipe, neg(prompt_embeds=rand(1, 5, UD), guidance_scale=2.0, height=24, width=40,
                      image=image(24, 40))
+
+
+def chronoedit():
+    """ChronoEdit as its pipeline calls the transformer (the pipeline needs a CLIP image encoder): the
+    edited image's latents as channels of the sample, image embeddings per row."""
+    tr = wan_transformer("ChronoEditTransformer3DModel", in_channels=8, image_dim=8)
+    T, H, W = 3, 6, 10
+    x = torch.cat([rand(1, 4, T, H, W, seed=3), rand(1, 4, T, H, W, seed=4)], dim=1)
+    return tr, dict(hidden_states=x, timestep=torch.tensor([700]), encoder_hidden_states=rand(1, 5, D),
+                    encoder_hidden_states_image=rand(1, 3, 8, seed=5))
 
 
 def image(h: int = 32, w: int = 32, seed: int = 0):
@@ -574,7 +596,7 @@ CASES: dict[str, Case] = {
     "hunyuan-video": Case(hunyuan_video),
     "hunyuan-video-1.5": Case(hunyuan_video15),
     "sana-video": Case(sana_video),
-    "mochi": Case(mochi, steps=2),
+    "mochi": Case(mochi, steps=2),  # Mochi's sigma schedule needs two steps
     "cosmos": Case(cosmos, direct=True),
     "cogvideox": Case(cogvideox),
     "cogvideox-2b": Case(lambda: cogvideox(rope=False)),
@@ -593,6 +615,7 @@ CASES: dict[str, Case] = {
     "bria": Case(bria, video=False),
     "longcat-image": Case(longcat, video=False, direct=True),
     "ovis-image": Case(ovis, video=False),
+    "chronoedit": Case(chronoedit, direct=True),
     "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),
     "animatediff": Case(animatediff, slot="unet", positions=False),
     "text-to-video-sd": Case(text_to_video, slot="unet", positions=False),
@@ -600,5 +623,5 @@ CASES: dict[str, Case] = {
     "i2vgen-xl": Case(i2vgen_xl, slot="unet", direct=True, positions=False),
     "stable-cascade": Case(stable_cascade, slot="unet", direct=True, video=False, positions=False),
     "kandinsky-2.2": Case(kandinsky22, slot="unet", video=False, positions=False),
-    "controlnet-xs": Case(controlnet_xs, slot="unet", video=False, positions=False),  # Mochi's sigma schedule needs two steps
+    "controlnet-xs": Case(controlnet_xs, slot="unet", video=False, positions=False),
 }

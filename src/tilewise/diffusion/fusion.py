@@ -32,6 +32,7 @@ from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, re
 from ..geometry import TileGrid, as_pair, box_slices
 from ..locality import probe_receptive_field
 from ..wrapper import ModelWrapper
+from . import checks
 from .adapters import Call, adapter_for
 from .pieces import Piece, plan_pieces, video_pieces
 from .regions import Region, region_weights
@@ -39,7 +40,7 @@ from .rows import take_rows
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("multidiffusion", "mixture", "spot", "halo")
+METHODS = checks.METHODS
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -101,6 +102,7 @@ class TiledDenoiser(ModelWrapper):
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
             kind = type(unet).__name__
             raise ValueError(f"unet must be a denoiser nn.Module (not already tiled), got {kind}")
+        checks.check_caches(unet)
         self.method = method
         self.tile_size = as_pair(tile_size, "tile_size")
         self.overlap = as_pair(overlap, "overlap")
@@ -140,70 +142,13 @@ class TiledDenoiser(ModelWrapper):
         self._regions = regions
         self._region_cache.clear()
 
-    # ---- validation ------------------------------------------------------------------------------------
+    # ---- validation (tilewise.diffusion.checks) -----------------------------------------------------------
     def _validate(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        th, tw = self.tile_size
-        if th <= 0 or tw <= 0:
-            raise ValueError(f"tile_size must be positive, got {self.tile_size}")
-        for t, o, axis in ((th, self.overlap[0], "height"), (tw, self.overlap[1], "width")):
-            if self.method in ("multidiffusion", "mixture") and not 0 <= o < t:
-                raise ValueError(f"overlap {o} must satisfy 0 <= overlap < tile_size {t} along {axis}")
-            if t % self.align:
-                lo, hi = t // self.align * self.align, -(-t // self.align) * self.align
-                raise ValueError(f"tile_size {t} along {axis} is not a multiple of {self.adapter.align_name} "
-                                 f"{self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if self.method == "halo" and self.halo is None:
-            raise ValueError("method='halo' needs halo=<latent pixels> (receptive-field radius) or 'probe'")
-        if self.halo not in (None, "probe") and min(self.halo) < 0:
-            raise ValueError(f"halo must be >= 0, got {self.halo}")
-        if self.cfg not in (True, False, "auto"):
-            raise ValueError(f"cfg must be True, False or 'auto', got {self.cfg!r}")
-        if self.method == "mixture" and not self.var > 0:
-            raise ValueError(f"var (Gaussian variance in tile-side units) must be > 0, got {self.var}")
-        self._validate_frames()
-        if isinstance(self.process_group, str) and self.process_group != "default":
-            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
-                             f"got {self.process_group!r}")
-
-    def _validate_frames(self) -> None:
-        """Frame windows (videos): a positive window of latent frames, 0 <= frame_overlap < tile_frames."""
-        if self.tile_frames is None:
-            if self.frame_overlap:
-                raise ValueError(f"frame_overlap={self.frame_overlap} needs tile_frames=<latent frames>")
-            return
-        if isinstance(self.tile_frames, bool) or not isinstance(self.tile_frames, int) or self.tile_frames < 1:
-            raise ValueError(f"tile_frames must be None (the whole clip) or a positive int of latent frames, "
-                             f"got {self.tile_frames!r}")
-        if not isinstance(self.frame_overlap, int) or not 0 <= self.frame_overlap < self.tile_frames:
-            raise ValueError(f"frame_overlap {self.frame_overlap!r} must satisfy 0 <= frame_overlap < "
-                             f"tile_frames {self.tile_frames}")
-        if self.method not in ("multidiffusion", "mixture"):
-            raise ValueError(f"tile_frames (overlapping frame windows) works with method 'multidiffusion' or "
-                             f"'mixture', got {self.method!r}")
-        if self.tile_frames % self.frame_align:
-            raise ValueError(f"tile_frames {self.tile_frames} is not a multiple of the model's temporal patch "
-                             f"{self.frame_align} (latent frames)")
+        checks.check_settings(self)
 
     def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
-        if not isinstance(sample, torch.Tensor):
-            raise ValueError(f"sample must be a (batch, channels, height, width) tensor, got "
-                             f"{type(sample).__name__}")
-        if sample.ndim not in (4, 5):
-            raise ValueError(f"sample must be a (batch, channels, height, width) latent (or a video's "
-                             f"(batch, channels, frames, height, width)), got {tuple(sample.shape)}")
-        if sample.numel() == 0:
-            raise ValueError(f"sample is empty: shape {tuple(sample.shape)}; every side must be >= 1")
-        if not sample.is_floating_point():
-            raise ValueError(f"sample is a {sample.dtype} tensor; latents are floating point (the model's "
-                             f"dtype, e.g. sample.to({getattr(self.unet, 'dtype', torch.float32)}))")
-        H, W = sample.shape[-2:]
-        if H < self.align or W < self.align:
-            raise ValueError(f"latent {H}x{W} is smaller than {self.adapter.align_name} {self.align}; "
-                             f"height and width must be >= {self.align} latent pixels")
+        checks.check_call(self.unet, sample)
+        H, W = checks.check_latent(sample, self.align, self.adapter.align_name, self.unet)
         if (H < self.tile_size[0] or W < self.tile_size[1]) and (H, W) not in self._logged:
             self._logged.add((H, W))
             logger.info("tile %s is larger than the %dx%d latent along some side: that side is one tile",
@@ -224,8 +169,8 @@ class TiledDenoiser(ModelWrapper):
         return video_pieces(pieces, frames, self.tile_frames, self.frame_overlap)
 
     def count(self, height: int, width: int, frames: int | None = None) -> int:
-        """Tiles per call on a height x width latent, of `frames` latent frames for a video (spot: at offset 0;
-        a shifted partition may add one)."""
+        """Tiles per call on a height x width latent, of `frames` latent frames for a video (spot: at
+        offset 0; a shifted partition may add one)."""
         if self.method == "halo" and self.halo == "probe":
             tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
             return len(TileGrid(height, width, tile))
@@ -266,6 +211,7 @@ class TiledDenoiser(ModelWrapper):
     def forward(self, *args: Any, **kwargs: Any):
         """The wrapped model's call: predict on every tile (batched), fuse into one prediction for the whole
         latent, returned as the model returns it."""
+        checks.check_caches(self.unet)  # a cache enabled after wrapping (pipe.transformer.enable_cache(...))
         call = self.adapter.parse(self.unet, args, kwargs)
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
@@ -286,7 +232,8 @@ class TiledDenoiser(ModelWrapper):
         if group is not None:
             pieces = self._shard(pieces, runs, group)
         # one tile covering the latent: the fused prediction is the tile's own (no w * y / w rounding)
-        whole = group is None and len(pieces) == 1 and pieces[0].out == tuple(c for n in sides for c in (0, n))
+        everything = tuple(c for n in sides for c in (0, n))
+        whole = group is None and len(pieces) == 1 and pieces[0].out == everything
         acc: Accumulator | None = None
         dtype = torch.float32 if group is None else torch.float64
         bar = self._bar(len(pieces))

@@ -27,7 +27,7 @@ class Piece:
 
     @property
     def crop(self) -> tuple[slice, ...]:
-        """Slices cutting `out` from a prediction computed on `read` (2 or 3 axes: [frames,] rows, columns)."""
+        """Slices cutting `out` from a prediction computed on `read` (axes: [frames,] rows, columns)."""
         r, o = self.read, self.out
         return tuple(slice(o[i] - r[i], o[i + 1] - r[i]) for i in range(0, len(o), 2))
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from .grid import Spec
 from .positions import ModuleSource
 
-ROPE = (ModuleSource("rope"),)
-CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"  # a rotary table computed from the latent's shape by `model.rope`
+ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
+CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"
 
 
 def _wan_patch(c):
@@ -53,17 +53,18 @@ SPECS: tuple[Spec, ...] = (
     # Cosmos (1.0, Predict 2 / 2.5): the conditioning frames' mask on the latent's grid, the padding mask at
     # pixel size, one timestep per latent frame; rotary table and learned position embedding by shape
     Spec("cosmos", ("CosmosTransformer3DModel",), _wan_patch, spatial=("condition_mask", "padding_mask"),
-         frames={"timestep": 2}, sources=(ModuleSource("rope"), ModuleSource("learnable_pos_embed", optional=True)),
+         frames={"timestep": 2},
+         sources=(ModuleSource("rope"), ModuleSource("learnable_pos_embed", optional=True)),
          refused={"block_controlnet_hidden_states": CONTROL}, one_call_per_tile=True),
     # CogVideoX 1.0 / 1.5 (and their I2V: the image latents are channels of the sample): (B, T, C, H, W);
     # the pipeline's rotary table (`image_rotary_emb`, 5B and 1.5) or the patch embedding's sinusoidal one
     # (2B), added to the text-then-image tokens
-    Spec("cogvideox", ("CogVideoXTransformer3DModel",), lambda c: (c.patch_size_t or 1, c.patch_size, c.patch_size),
+    Spec("cogvideox", ("CogVideoXTransformer3DModel",), lambda c: (c.patch_size_t or 1, *_square(c)),
          layout="btchw", tokens={"image_rotary_emb": 0},
          sources=(ModuleSource("patch_embed", kind="additive", arg="image_embeds", others="before"),),
          refuse_config=lambda c: "its learned position embedding exists for one size only "
-                                 "(use_learned_positional_embeddings: CogVideoX-5b-I2V); no tile has that size"
-                                 if c.use_learned_positional_embeddings else None),
+                                 "(use_learned_positional_embeddings: CogVideoX-5b-I2V); no tile has that "
+                                 "size" if c.use_learned_positional_embeddings else None),
     # LTX-Video: the packed tokens with their grid sizes; the rotary table from those sizes (or the tile's
     # rows of `video_coords`, when the pipeline passes them); per-token timesteps (image / condition frames)
     Spec("ltx-video", ("LTXVideoTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
@@ -80,16 +81,14 @@ SPECS: tuple[Spec, ...] = (
          axis_positions="visual_rope_pos", frames={"visual_token_type_ids": 1},
          refused={"audio_hidden_states": "(the audio stream attends every video token) is not tiled; "
                                          "sample without audio (sample_audio=False) or run untiled"}),
-    # images: PixArt-alpha / Sigma, DiT, Transformer2DModel (patched), AuraFlow, Sana: a patch embedding
+    # images: PixArt-alpha / Sigma, DiT, AuraFlow, Sana: a patch embedding
     # adding a sinusoidal (interpolated to the size), cropped or learned table
     Spec("pixart", ("PixArtTransformer2DModel", "DiTTransformer2DModel"), _square, layout="bchw",
          sources=ADDITIVE),
-    Spec("transformer-2d", ("Transformer2DModel",), _square, layout="bchw", sources=ADDITIVE,
-         refuse_config=lambda c: None if c.patch_size else "only its patched form (patch_size) is a denoiser "
-                                                           "TiledDenoiser tiles"),
     Spec("auraflow", ("AuraFlowTransformer2DModel",), _square, layout="bchw", sources=ADDITIVE),
     Spec("sana", ("SanaTransformer2DModel",), _square, layout="bchw",
-         sources=(ModuleSource("patch_embed", kind="additive"),), refused={"controlnet_block_samples": CONTROL}),
+         sources=(ModuleSource("patch_embed", kind="additive"),),
+         refused={"controlnet_block_samples": CONTROL}),
     # CogView3-Plus: text then image tokens from one patch embedding, a sinusoidal table on the image's
     Spec("cogview3plus", ("CogView3PlusTransformer2DModel",), _square, layout="bchw",
          sources=(ModuleSource("patch_embed", kind="additive", others="before"),)),
@@ -97,7 +96,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("cogview4", ("CogView4Transformer2DModel",), _square, layout="bchw", tokens={"image_rotary_emb": 0},
          sources=ROPE),
     Spec("hunyuan-image", ("HunyuanImageTransformer2DModel",), _square, layout="bchw", sources=ROPE,
-         refuse_config=lambda c: "its 3-D (refiner) form is not tiled yet" if len(c.patch_size) == 3 else None),
+         refuse_config=lambda c: "its 3-D (refiner) form is not tiled yet" if len(c.patch_size) == 3
+                                 else None),
     # Lumina 2: caption positions, then the image's (row, column) from the caption's length
     Spec("lumina2", ("Lumina2Transformer2DModel",), _square, layout="bchw",
          sources=(ModuleSource("rope_embedder", take=_lumina2, others="before"),)),
@@ -117,7 +117,7 @@ VIDEO_RESIDUALS = ("(ControlNet residuals of a video UNet: SparseCtrl) are not t
 # latent's grid. Everything else (prompt, added conditioning, Kandinsky 2.2's image embeddings with no
 # prompt) passes per row.
 UNETS: tuple[Spec, ...] = (
-    Spec("unet", ("UNet2DConditionModel", "UNet2DModel", "DreamLiteUNetModel", "Kandinsky3UNet"), _one,
+    Spec("unet", ("UNet2DConditionModel", "UNet2DModel"), _one,
          layout="bchw", sample="sample"),
     # AnimateDiff's UNetMotionModel, ModelScope / ZeroScope's UNet3DConditionModel: (B, C, T, H, W)
     Spec("unet-video", ("UNet3DConditionModel", "UNetMotionModel"), _one, layout="bcthw", sample="sample",
@@ -135,3 +135,24 @@ UNETS: tuple[Spec, ...] = (
     Spec("controlnet-xs", ("UNetControlNetXSModel",), _one, layout="bchw", sample="sample",
          spatial=("controlnet_cond",)),
 )
+
+
+# Classes refused by name, with the reason (anything else no entry calls is refused naming the supported).
+REFUSED: dict[str, str] = {
+    "UVit2DModel": "aMUSEd's UVit2D predicts logits over discrete VQ tokens (input_ids), not a latent; "
+                   "TiledDenoiser fuses continuous predictions",
+    "Transformer2DModel": "its patched form unpatchifies square token grids only (a tile is rarely square); "
+                          "use PixArtTransformer2DModel / DiTTransformer2DModel",
+    "HunyuanVideoFramepackTransformer3DModel": "its history latents (clean, 2x, 4x) are packed with their "
+                                               "own rotary positions beside the latent's tokens; not tiled "
+                                               "yet",
+    "HiDreamImageTransformer2DModel": "its positions come from a method (patchify), not a module or an "
+                                      "argument, and non-square latents arrive pre-patchified to max_seq; "
+                                      "not tiled yet",
+    "QwenImage21Transformer2DModel": "its target image sits last in a joint sequence of VLM slots "
+                                     "(img_shapes, img_mask); not tiled yet",
+    "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "
+                                   "not tiled yet (LTX-Video 0.9 is)",
+    "MotionAdapter": "it holds AnimateDiff's motion modules; wrap the UNetMotionModel the pipeline builds "
+                     "(pipe.unet)",
+}

@@ -85,7 +85,8 @@ class Spatial(PerTile):
         if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
             p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
             size = tuple(-(-s // p) for s in lay.sides[-2:])
-            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True).to(v)
+            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True)
+            v = v.to(self.value.dtype)
         grid = lay.canonical(v, self.name)
         parts = []
         for box in boxes:
@@ -230,7 +231,8 @@ class GridAdapter(TransformerAdapter):
         self.pooled_arg, self.refused = spec.pooled, spec.refused
         unbatched = (set(spec.tokens) - set(spec.batched_tokens)) | ({spec.axis_positions} - {None})
         # one set of positions per model call: tiles at different places each get their own call
-        self.shares_positions = spec.one_call_per_tile or (positions == "global" and bool(spec.sources or unbatched))
+        inside = positions == "global" and bool(spec.sources or unbatched)
+        self.shares_positions = spec.one_call_per_tile or inside
 
     def align(self, model) -> int:
         return int(self.spec.patch(model.config)[-1])
@@ -284,8 +286,8 @@ class GridAdapter(TransformerAdapter):
         if self.spec.layout == "tokens":
             post = [given.get(s) for s in self.spec.sizes]
             if any(not isinstance(s, int) for s in post):
-                raise ValueError(f"{type(model).__name__}: TiledDenoiser needs {self.spec.sizes} as ints with "
-                                 f"{self.spec.sample} (its pipeline passes them), got {post}")
+                raise ValueError(f"{type(model).__name__}: TiledDenoiser needs {self.spec.sizes} as ints "
+                                 f"with {self.spec.sample} (its pipeline passes them), got {post}")
             sides = tuple(s * p for s, p in zip(post, patch, strict=True))
             return GridLayout(self.spec, patch, sides)
         axes = LAYOUTS[self.spec.layout]

@@ -106,7 +106,7 @@ class ModuleSource:
 
     `module`: its attribute path on the model; `kind`: "table" or "additive"; `arg`: which of its call's
     arguments is the latent (in the model's sample layout, or its tokens for a token layout), by index or
-    name (None: none is); `sizes`: its arguments that are the post-patch (frames, height, width) or (height, width) sizes,
+    name (None: none is); `sizes`: its arguments that are the post-patch ([frames,] height, width) sizes,
     by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before")."""
 
     module: str
@@ -203,8 +203,10 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
             return src.take(full, output, geo.idx)
         if src.kind == "table":
             return select(full, output, geo.idx, geo.n_whole, src.others)
-        a, k = _with(module, args, kwargs, src,
-                     lambda name, v: v if name in src.sizes else v.new_zeros((1, *v.shape[1:])), zero_others=True)
+        def zero(name, v):
+            return v if name in src.sizes else v.new_zeros((1, *v.shape[1:]))
+
+        a, k = _with(module, args, kwargs, src, zero, zero_others=True)
         local0 = mod.forward(*a, **k)
         return output - local0 + select(full, local0, geo.idx, geo.n_whole, src.others)
 

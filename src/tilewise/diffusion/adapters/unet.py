@@ -114,7 +114,8 @@ class UNetAdapter(Adapter):
         x = given[sample]
         ndim = 4 if spec.layout == "bchw" else 5
         if not isinstance(x, torch.Tensor) or x.ndim != ndim:
-            want = {"bchw": "(batch, channels, height, width)", "bcthw": "(batch, channels, frames, height, width)",
+            want = {"bchw": "(batch, channels, height, width)",
+                    "bcthw": "(batch, channels, frames, height, width)",
                     "btchw": "(batch, frames, channels, height, width)"}[spec.layout]
             raise ValueError(f"sample must be a {want} latent for {name}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
