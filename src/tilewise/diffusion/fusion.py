@@ -68,9 +68,12 @@ class TiledDenoiser(ModelWrapper):
     and the weighted value and weight buffers (float64) are summed over the ranks before normalising, so
     every rank returns the same prediction, equal to the single-process one; ranks must get the same
     inputs (same seed: the pipeline draws noise from one global generator).
-    `positions` (transformers: SD3, Flux, Flux.2, Qwen-Image, Z-Image): "global" gives each tile's tokens
-    the positional inputs they have in the untiled call; "tile" those of an image the tile's size, as
-    today's tiled-diffusion tools do (for comparison). A UNet has none: both compute the same.
+    `positions` (transformers): "global" gives each tile's tokens the positional inputs they have in the
+    untiled call; "tile" those of an image the tile's size, as today's tiled-diffusion tools do (for
+    comparison). A UNet has none: both compute the same.
+    Videos ((B, C, T, H, W) latents, `adapters.families`): tiles cover every frame; `tile_frames` (latent
+    frames, a multiple of the model's temporal patch) and `frame_overlap` add overlapping frame windows,
+    fused like tiles ("multidiffusion", "mixture").
     """
 
     wrapped = "unet"
