@@ -36,11 +36,11 @@ from tilewise.diffusion import TiledDenoiser
 
 # transformer/config.json of Wan-AI/Wan2.1-T2V-14B-Diffusers and hunyuanvideo-community/HunyuanVideo-1.5
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-HUNYUAN_15 = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
-                  num_refiner_layers=2, patch_size=1, patch_size_t=1, text_embed_dim=3584, text_embed_2_dim=1472,
-                  image_embed_dim=1152, rope_axes_dim=(16, 56, 56), task_type="t2v")
+               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+               cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+HUNYUAN_15 = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+                  num_layers=54, num_refiner_layers=2, patch_size=1, patch_size_t=1, text_embed_dim=3584,
+                  text_embed_2_dim=1472, image_embed_dim=1152, rope_axes_dim=(16, 56, 56), task_type="t2v")
 SIZES = {"480p": (480, 832), "720p": (720, 1280), "1080p": (1080, 1920)}
 VAE = {"wan": 8, "hunyuan-video-1.5": 16}  # pixels per latent pixel (Wan 2.1 VAE; HunyuanVideo 1.5's 16x VAE)
 FRAMES = 81  # 21 latent frames (4x temporal)
@@ -62,7 +62,8 @@ def inputs(family: str, model, t: int, h: int, w: int) -> dict:
                     timestep=torch.empty(1, device="meta"),
                     encoder_hidden_states=torch.empty(1, 512, cfg.text_dim, **bf), return_dict=False)
     ones = dict(device="meta", dtype=torch.long)
-    return dict(hidden_states=torch.empty(1, cfg.in_channels, t, h, w, **bf), timestep=torch.empty(1, device="meta"),
+    return dict(hidden_states=torch.empty(1, cfg.in_channels, t, h, w, **bf),
+                timestep=torch.empty(1, device="meta"),
                 encoder_hidden_states=torch.empty(1, 1000, cfg.text_embed_dim, **bf),
                 encoder_attention_mask=torch.ones(1, 1000, **ones),
                 encoder_hidden_states_2=torch.empty(1, 256, cfg.text_embed_2_dim, **bf),
@@ -151,8 +152,9 @@ def row(family: str, size: str) -> dict:
     total, attn = flops(step(family, model, call))
     t_total, t_attn = flops(step(family, model, tile))
     acc = 2 * 4 * model.config.out_channels * T * H * W if n > 1 else 0  # fused value + weight, float32
-    return dict(family=family, size=size, latent=(T, H, W), tokens=T * H * W // 4 if family == "wan" else T * H * W,
-                tiles=n, untiled=total, tiled=n * t_total, untiled_attn=attn, tiled_attn=n * t_attn,
+    return dict(family=family, size=size, latent=(T, H, W),
+                tokens=T * H * W // 4 if family == "wan" else T * H * W, tiles=n, untiled=total,
+                tiled=n * t_total, untiled_attn=attn, tiled_attn=n * t_attn,
                 untiled_peak=peak_bytes(step(family, model, call)),
                 tiled_peak=peak_bytes(step(family, model, tile)) + acc)
 
@@ -162,8 +164,8 @@ def gib(b: int) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| family | size | latent (T, H, W) | image tokens | tiles | untiled FLOPs | tiled FLOPs | tiled / "
-           "untiled | untiled attention | tiled attention | untiled peak GiB | tiled peak GiB |",
+    out = ["| family | size | latent (T, H, W) | image tokens | tiles | untiled FLOPs | tiled FLOPs | "
+           "tiled / untiled | untiled attention | tiled attention | untiled peak GiB | tiled peak GiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['family']} | {r['size']} | {r['latent']} | {r['tokens']} | {r['tiles']} | "
