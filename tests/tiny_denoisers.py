@@ -581,6 +581,30 @@ def chronoedit():
                     encoder_hidden_states_image=rand(1, 3, 8, seed=5))
 
 
+def consisid():
+    """ConsisID (CogVideoX with identity conditioning, off here) as its pipeline calls the transformer (its
+    pipeline needs face models): the 2B-like sinusoidal table in the patch embedding."""
+    from diffusers import ConsisIDTransformer3DModel
+
+    tr = seeded(ConsisIDTransformer3DModel, num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                out_channels=4, time_embed_dim=4, text_embed_dim=D, num_layers=1, sample_width=10,
+                sample_height=6, sample_frames=9, patch_size=2, max_text_seq_length=5, is_train_face=False)
+    return tr, dict(hidden_states=rand(1, 3, 4, 6, 10, seed=3), encoder_hidden_states=rand(1, 5, D),
+                    timestep=torch.tensor([700]))
+
+
+def easyanimate():
+    """EasyAnimate (V5.1) as its pipeline calls the transformer (its text encoder is Qwen2-VL): inpaint
+    latents (mask and masked video) on the latent's grid."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    tr = seeded(EasyAnimateTransformer3DModel, num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                out_channels=4, patch_size=2, num_layers=1, mmdit_layers=1, time_embed_dim=8,
+                text_embed_dim=D, sample_width=10, sample_height=6)
+    return tr, dict(hidden_states=rand(1, 4, 3, 6, 10, seed=3), timestep=torch.tensor([700]),
+                    encoder_hidden_states=rand(1, 5, D))
+
+
 def image(h: int = 32, w: int = 32, seed: int = 0):
     """A seeded random RGB picture, h x w."""
     import numpy as np
@@ -616,6 +640,8 @@ CASES: dict[str, Case] = {
     "longcat-image": Case(longcat, video=False, direct=True),
     "ovis-image": Case(ovis, video=False),
     "chronoedit": Case(chronoedit, direct=True),
+    "consisid": Case(consisid, direct=True),
+    "easyanimate": Case(easyanimate, direct=True),
     "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),
     "animatediff": Case(animatediff, slot="unet", positions=False),
     "text-to-video-sd": Case(text_to_video, slot="unet", positions=False),

@@ -56,10 +56,14 @@ SPECS: tuple[Spec, ...] = (
          frames={"timestep": 2},
          sources=(ModuleSource("rope"), ModuleSource("learnable_pos_embed", optional=True)),
          refused={"block_controlnet_hidden_states": CONTROL}, one_call_per_tile=True),
-    # CogVideoX 1.0 / 1.5 (and their I2V: the image latents are channels of the sample): (B, T, C, H, W);
+    # EasyAnimate: a rotary table from `rope_embedding`; inpaint and control latents on the latent's grid
+    Spec("easyanimate", ("EasyAnimateTransformer3DModel",), lambda c: (1, *_square(c)),
+         spatial=("inpaint_latents", "control_latents"), sources=(ModuleSource("rope_embedding"),)),
+    # CogVideoX 1.0 / 1.5 (and their I2V, and ConsisID's identity-preserving CogVideoX: the image latents are channels of the sample): (B, T, C, H, W);
     # the pipeline's rotary table (`image_rotary_emb`, 5B and 1.5) or the patch embedding's sinusoidal one
     # (2B), added to the text-then-image tokens
-    Spec("cogvideox", ("CogVideoXTransformer3DModel",), lambda c: (c.patch_size_t or 1, *_square(c)),
+    Spec("cogvideox", ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"),
+         lambda c: (getattr(c, "patch_size_t", None) or 1, *_square(c)),
          layout="btchw", tokens={"image_rotary_emb": 0},
          sources=(ModuleSource("patch_embed", kind="additive", arg="image_embeds", others="before"),),
          refuse_config=lambda c: "its learned position embedding exists for one size only "
