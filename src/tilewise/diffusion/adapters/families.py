@@ -60,8 +60,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("easyanimate", ("EasyAnimateTransformer3DModel",), lambda c: (1, *_square(c)),
          spatial=("inpaint_latents", "control_latents"), sources=(ModuleSource("rope_embedding"),)),
     # CogVideoX 1.0 / 1.5 (their I2V: the image latents are channels of the sample) and ConsisID (an
-    # identity-preserving CogVideoX): (B, T, C, H, W); the pipeline's rotary table (`image_rotary_emb`, 5B and 1.5) or the patch embedding's sinusoidal one
-    # (2B), added to the text-then-image tokens
+    # identity-preserving CogVideoX): (B, T, C, H, W); the pipeline's rotary table (`image_rotary_emb`, 5B
+    # and 1.5) or the patch embedding's sinusoidal one (2B), added to the text-then-image tokens
     Spec("cogvideox", ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"),
          lambda c: (getattr(c, "patch_size_t", None) or 1, *_square(c)),
          layout="btchw", tokens={"image_rotary_emb": 0},
