@@ -245,3 +245,26 @@ def test_upscale_feeds_each_tile_its_crop_of_the_resized_input_as_control_image(
         y0, y1, x0, x1 = boxes[i % len(boxes)]
         full = whole[0]["controlnet_cond"]
         assert torch.equal(got["controlnet_cond"], full[..., y0 * 8 : y1 * 8, x0 * 8 : x1 * 8])
+
+
+def test_an_unwrapped_controlnet_s_residuals_fit_tiles_at_odd_places():
+    """Issue 33: SD ControlNet pipeline, UNet tiled, ControlNet left unwrapped, 200 x 328 px (a 25 x 41
+    latent): tiles start off the residuals' grid (stride 5) and each gets ceil(side / f) cells of every
+    residual, so the UNet's residual additions fit; the image keeps the stock shape."""
+    import tiny_pipes as tp
+
+    pipe, kw = tc.CASES["sd"][0](), dict(tc.CASES["sd"][1], height=200, width=328,
+                                         image=tp._image(200, 328, seed=5), num_inference_steps=1)
+    ref = tc.run(pipe, kw)
+    calls = []
+    pipe.unet = tw.TiledDenoiser(pipe.unet, tile_size=8, overlap=3)
+    hook = _recorder(pipe.unet.unet, calls)
+    out = tc.run(pipe, kw)
+    hook.remove()
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    pieces = pipe.unet.plan(25, 41)
+    assert any(p.read[0] % 2 or p.read[2] % 2 for p in pieces)  # tiles off the 2x grid
+    for p, got in zip(pieces, calls, strict=False):
+        h, w = p.read[1] - p.read[0], p.read[3] - p.read[2]
+        fits = {(-(-h // f), -(-w // f)) for f in (1, 2, 4, 8)}  # what the UNet's levels make of the tile
+        assert all(tuple(r.shape[-2:]) in fits for r in got["down_block_additional_residuals"])

@@ -166,14 +166,14 @@ def test_return_types_match_the_model(name):
 
 
 def test_an_unsupported_transformer_is_refused_in_one_line():
-    from diffusers import DiTTransformer2DModel
+    from diffusers import PriorTransformer  # an embedding prior: no latent grid to tile
 
-    dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
-                                sample_size=8, norm_num_groups=2)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=4, num_layers=1, embedding_dim=8,
+                             num_embeddings=4, additional_embeddings=4)
     with pytest.raises(ValueError) as e:
-        TiledDenoiser(dit)
+        TiledDenoiser(prior)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("TiledDenoiser cannot wrap a DiTTransformer2DModel")
+    assert "\n" not in msg and msg.startswith("TiledDenoiser cannot wrap a PriorTransformer")
     for cls in ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
                 "QwenImageTransformer2DModel", "ZImageTransformer2DModel", "UNet2DConditionModel"):
         assert cls in msg

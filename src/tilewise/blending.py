@@ -80,15 +80,16 @@ class Accumulator:
         self._done = False
 
     def add(self, values: torch.Tensor, box: Box, weight: torch.Tensor | None = None) -> None:
-        """Add `values` (..., h, w) with `weight` (broadcastable to values) into the box (y0, y1, x0, x1)."""
+        """Add `values` (..., h, w) with `weight` (broadcastable to values) into the box (y0, y1, x0, x1);
+        a box of 2k coordinates ((t0, t1, y0, y1, x0, x1)) adds over the last k axes."""
         if self._done:
             raise RuntimeError("Accumulator.result() was already taken; create a new accumulator")
-        y0, y1, x0, x1 = box
-        H, W = self.shape[-2:]
-        if not (0 <= y0 < y1 <= H and 0 <= x0 < x1 <= W):
-            raise ValueError(f"box {box} is empty or outside the {H}x{W} accumulator")
-        if tuple(values.shape[-2:]) != (y1 - y0, x1 - x0):
-            raise ValueError(f"values of spatial size {tuple(values.shape[-2:])} do not fit box {box}")
+        k = len(box) // 2
+        sides = self.shape[-k:]
+        if not all(0 <= box[2 * i] < box[2 * i + 1] <= n for i, n in enumerate(sides)):
+            raise ValueError(f"box {box} is empty or outside the {'x'.join(map(str, sides))} accumulator")
+        if tuple(values.shape[-k:]) != tuple(box[2 * i + 1] - box[2 * i] for i in range(k)):
+            raise ValueError(f"values of spatial size {tuple(values.shape[-k:])} do not fit box {box}")
         sl = (..., *box_slices(box))
         if weight is None:
             self.value[sl] += values.to(self.value.dtype)

@@ -30,10 +30,10 @@ ORDERS = ("row", "serpentine", "chess")
 PAD_MODES = ("constant", "reflect", "replicate", "circular")
 
 
-def box_slices(box: Box) -> tuple[slice, slice]:
-    """(slice(y0, y1), slice(x0, x1)) for indexing the last two axes: `x[..., *box_slices(b)]`."""
-    y0, y1, x0, x1 = box
-    return slice(y0, y1), slice(x0, x1)
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """(slice(y0, y1), slice(x0, x1)) for indexing the last two axes: `x[..., *box_slices(b)]`; a box of
+    2k coordinates ((t0, t1, y0, y1, x0, x1): a video's frames and pixels) indexes the last k axes."""
+    return tuple(slice(box[i], box[i + 1]) for i in range(0, len(box), 2))
 
 
 def box_area(box: Box) -> int:

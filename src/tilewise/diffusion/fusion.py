@@ -19,6 +19,7 @@ Methods (one signature, variant options after it):
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,14 +32,15 @@ from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, re
 from ..geometry import TileGrid, as_pair, box_slices
 from ..locality import probe_receptive_field
 from ..wrapper import ModelWrapper
+from . import checks
 from .adapters import Call, adapter_for
-from .pieces import Piece, plan_pieces
+from .pieces import Piece, plan_pieces, video_pieces
 from .regions import Region, region_weights
 from .rows import take_rows
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("multidiffusion", "mixture", "spot", "halo")
+METHODS = checks.METHODS
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -66,9 +68,12 @@ class TiledDenoiser(ModelWrapper):
     and the weighted value and weight buffers (float64) are summed over the ranks before normalising, so
     every rank returns the same prediction, equal to the single-process one; ranks must get the same
     inputs (same seed: the pipeline draws noise from one global generator).
-    `positions` (transformers: SD3, Flux, Flux.2, Qwen-Image, Z-Image): "global" gives each tile's tokens
-    the positional inputs they have in the untiled call; "tile" those of an image the tile's size, as
-    today's tiled-diffusion tools do (for comparison). A UNet has none: both compute the same.
+    `positions` (transformers): "global" gives each tile's tokens the positional inputs they have in the
+    untiled call; "tile" those of an image the tile's size, as today's tiled-diffusion tools do (for
+    comparison). A UNet has none: both compute the same.
+    Videos ((B, C, T, H, W) latents, `adapters.families`): tiles cover every frame; `tile_frames` (latent
+    frames, a multiple of the model's temporal patch) and `frame_overlap` add overlapping frame windows,
+    fused like tiles ("multidiffusion", "mixture").
     """
 
     wrapped = "unet"
@@ -93,11 +98,14 @@ class TiledDenoiser(ModelWrapper):
         progress: bool = False,
         process_group: Any = None,
         positions: str = "global",
+        tile_frames: int | None = None,
+        frame_overlap: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
             kind = type(unet).__name__
             raise ValueError(f"unet must be a denoiser nn.Module (not already tiled), got {kind}")
+        checks.check_caches(unet)
         self.method = method
         self.tile_size = as_pair(tile_size, "tile_size")
         self.overlap = as_pair(overlap, "overlap")
@@ -108,7 +116,9 @@ class TiledDenoiser(ModelWrapper):
         self.adapter = adapter_for(unet, micro_conditioning=micro_conditioning,
                                    vae_scale_factor=vae_scale_factor, positions=positions)
         self.positions = positions
+        self.tile_frames, self.frame_overlap = tile_frames, frame_overlap
         self.align = self.adapter.align(unet) if align is None else align
+        self.frame_align = self.adapter.frame_align(unet)
         self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.regions = regions
         self.progress = progress
@@ -135,50 +145,13 @@ class TiledDenoiser(ModelWrapper):
         self._regions = regions
         self._region_cache.clear()
 
-    # ---- validation ------------------------------------------------------------------------------------
+    # ---- validation (tilewise.diffusion.checks) -----------------------------------------------------------
     def _validate(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        th, tw = self.tile_size
-        if th <= 0 or tw <= 0:
-            raise ValueError(f"tile_size must be positive, got {self.tile_size}")
-        for t, o, axis in ((th, self.overlap[0], "height"), (tw, self.overlap[1], "width")):
-            if self.method in ("multidiffusion", "mixture") and not 0 <= o < t:
-                raise ValueError(f"overlap {o} must satisfy 0 <= overlap < tile_size {t} along {axis}")
-            if t % self.align:
-                lo, hi = t // self.align * self.align, -(-t // self.align) * self.align
-                raise ValueError(f"tile_size {t} along {axis} is not a multiple of {self.adapter.align_name} "
-                                 f"{self.align}; use {' or '.join(str(v) for v in (lo, hi) if v > 0)}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if self.method == "halo" and self.halo is None:
-            raise ValueError("method='halo' needs halo=<latent pixels> (receptive-field radius) or 'probe'")
-        if self.halo not in (None, "probe") and min(self.halo) < 0:
-            raise ValueError(f"halo must be >= 0, got {self.halo}")
-        if self.cfg not in (True, False, "auto"):
-            raise ValueError(f"cfg must be True, False or 'auto', got {self.cfg!r}")
-        if self.method == "mixture" and not self.var > 0:
-            raise ValueError(f"var (Gaussian variance in tile-side units) must be > 0, got {self.var}")
-        if isinstance(self.process_group, str) and self.process_group != "default":
-            raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, "
-                             f"got {self.process_group!r}")
+        checks.check_settings(self)
 
     def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
-        if not isinstance(sample, torch.Tensor):
-            raise ValueError(f"sample must be a (batch, channels, height, width) tensor, got "
-                             f"{type(sample).__name__}")
-        if sample.ndim != 4:
-            raise ValueError(f"sample must be a (batch, channels, height, width) latent, got "
-                             f"{tuple(sample.shape)}")
-        if sample.numel() == 0:
-            raise ValueError(f"sample is empty: shape {tuple(sample.shape)}; every side must be >= 1")
-        if not sample.is_floating_point():
-            raise ValueError(f"sample is a {sample.dtype} tensor; latents are floating point (the model's "
-                             f"dtype, e.g. sample.to({getattr(self.unet, 'dtype', torch.float32)}))")
-        H, W = sample.shape[-2:]
-        if H < self.align or W < self.align:
-            raise ValueError(f"latent {H}x{W} is smaller than {self.adapter.align_name} {self.align}; "
-                             f"height and width must be >= {self.align} latent pixels")
+        checks.check_call(self.unet, sample)
+        H, W = checks.check_latent(sample, self.align, self.adapter.align_name, self.unet)
         if (H < self.tile_size[0] or W < self.tile_size[1]) and (H, W) not in self._logged:
             self._logged.add((H, W))
             logger.info("tile %s is larger than the %dx%d latent along some side: that side is one tile",
@@ -186,19 +159,25 @@ class TiledDenoiser(ModelWrapper):
         return H, W
 
     # ---- plan: which boxes are read and where their predictions go --------------------------------------
-    def plan(self, height: int, width: int, timestep: torch.Tensor | float = 0) -> list[Piece]:
-        """The pieces of one call on a height x width latent (spot: shifted by the timestep's offset)."""
+    def plan(self, height: int, width: int, timestep: torch.Tensor | float = 0,
+             frames: int | None = None) -> list[Piece]:
+        """The pieces of one call on a height x width latent (spot: shifted by the timestep's offset); of a
+        video's latent of `frames` frames: frame windows times those, boxes (t0, t1, y0, y1, x0, x1)."""
         if self.method == "halo" and self.halo == "probe":
             raise ValueError("halo='probe' is measured on the first call; plan() needs a numeric halo")
-        return plan_pieces(self.method, height, width, self.tile_size, self.overlap, self.halo, self.align,
-                           self.order, self.seed, timestep)
+        pieces = plan_pieces(self.method, height, width, self.tile_size, self.overlap, self.halo, self.align,
+                             self.order, self.seed, timestep)
+        if frames is None:
+            return pieces
+        return video_pieces(pieces, frames, self.tile_frames, self.frame_overlap)
 
-    def count(self, height: int, width: int) -> int:
-        """Tiles per call on a height x width latent (spot: at offset 0; a shifted partition may add one)."""
+    def count(self, height: int, width: int, frames: int | None = None) -> int:
+        """Tiles per call on a height x width latent, of `frames` latent frames for a video (spot: at
+        offset 0; a shifted partition may add one)."""
         if self.method == "halo" and self.halo == "probe":
             tile = (min(self.tile_size[0], height), min(self.tile_size[1], width))
             return len(TileGrid(height, width, tile))
-        return len(self.plan(height, width))
+        return len(self.plan(height, width, frames=frames))
 
     def _probe_halo(self, call: Call) -> tuple[int, int]:
         """halo='probe': the receptive-field radius measured by perturbing one latent pixel (first call)."""
@@ -208,7 +187,7 @@ class TiledDenoiser(ModelWrapper):
 
         def model(x: torch.Tensor) -> torch.Tensor:
             cond = {k: take_rows(v, row, B, 1) for k, v in call.cond.items()}
-            box = (0, x.shape[-2], 0, x.shape[-1])
+            box = tuple(c for n in x.shape[2:] for c in (0, n))
             return self.adapter.predict(self.unet, call, x, t, cond, [box], 1)
 
         result = probe_receptive_field(model, sample[:1])
@@ -219,34 +198,45 @@ class TiledDenoiser(ModelWrapper):
         return result.radius, result.radius
 
     def _window(self, piece: Piece, device: torch.device) -> torch.Tensor:
-        y0, y1, x0, x1 = piece.out
-        shape = (y1 - y0, x1 - x0)
+        """The piece's blending window over its out box: (h, w), or (frames, h, w) for a video's piece (the
+        frame window's own weights, uniform or Gaussian as the method's, times the spatial ones)."""
+        o = piece.out
+        shape = tuple(o[i + 1] - o[i] for i in range(0, len(o), 2))
         kind = "gaussian" if self.method == "mixture" else "uniform"
         if (kind, shape) not in self._weights:
-            self._weights[(kind, shape)] = weight_window(kind, shape, var=self.var)
+            win = weight_window(kind, shape[-2:], var=self.var)
+            if len(shape) == 3:
+                win = weight_window(kind, (shape[0], 1), var=self.var)[:, :, None] * win
+            self._weights[(kind, shape)] = win
         return self._weights[(kind, shape)].to(device)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any):
         """The wrapped model's call: predict on every tile (batched), fuse into one prediction for the whole
         latent, returned as the model returns it."""
+        checks.check_caches(self.unet)  # a cache enabled after wrapping (pipe.transformer.enable_cache(...))
         call = self.adapter.parse(self.unet, args, kwargs)
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
             self.halo = self._probe_halo(call)
-        fused = self._fuse(call, self.plan(H, W, call.timestep))
+        if call.sample.ndim == 5:  # a video: frame windows times the spatial pieces
+            pieces = self.plan(H, W, call.timestep, frames=call.sample.shape[2])
+        else:
+            pieces = self.plan(H, W, call.timestep)
+        fused = self._fuse(call, pieces)
         return self.adapter.output(call, fused)
 
     def _fuse(self, call: Call, pieces: list[Piece]) -> torch.Tensor:
         """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated per batch (and over ranks)."""
         sample = call.sample
-        B, (H, W) = sample.shape[0], sample.shape[-2:]
+        B, sides = sample.shape[0], tuple(sample.shape[2:])  # ([frames,] H, W)
         runs = self._runs(sample)
         group = resolve_group(self.process_group)
         if group is not None:
             pieces = self._shard(pieces, runs, group)
         # one tile covering the latent: the fused prediction is the tile's own (no w * y / w rounding)
-        whole = group is None and len(pieces) == 1 and pieces[0].out == (0, H, 0, W)
+        everything = tuple(c for n in sides for c in (0, n))
+        whole = group is None and len(pieces) == 1 and pieces[0].out == everything
         acc: Accumulator | None = None
         dtype = torch.float32 if group is None else torch.float64
         bar = self._bar(len(pieces))
@@ -258,14 +248,15 @@ class TiledDenoiser(ModelWrapper):
                     fused = pred
                     continue
                 if acc is None:
-                    acc = Accumulator((B, pred.shape[1], H, W), device=sample.device, dtype=dtype)
+                    acc = Accumulator((B, pred.shape[1], *sides), device=sample.device, dtype=dtype,
+                                      weight_shape=sides)
                 acc.add(pred, p.out, self._window(p, sample.device))
             if bar is not None:
                 bar.update(len(chunk))
         if bar is not None and bar is not self.progress_bar:
             bar.close()
         if group is not None:
-            acc = self._all_reduce(acc, group, (B, H, W), sample.device)
+            acc = self._all_reduce(acc, group, (B, *sides), sample.device)
         if not whole:
             fused = acc.result()  # raises ValueError naming any latent pixel no tile covers
         return fused.to(sample.dtype)
@@ -275,18 +266,20 @@ class TiledDenoiser(ModelWrapper):
         rank, world = rank_world(group)
 
         def cost(p: Piece) -> float:
-            return (p.read[1] - p.read[0]) * (p.read[3] - p.read[2]) * len(self._jobs(p, runs))
+            r = p.read
+            return math.prod(r[i + 1] - r[i] for i in range(0, len(r), 2)) * len(self._jobs(p, runs))
 
         return shard(pieces, rank, world, key=lambda p: (p.read, p.out), cost=cost)
 
-    def _all_reduce(self, acc: Accumulator | None, group: Any, bhw: tuple[int, int, int],
+    def _all_reduce(self, acc: Accumulator | None, group: Any, bhw: tuple[int, ...],
                     device: torch.device) -> Accumulator:
         """Sum the ranks' value and weight buffers (one float64 all-reduce); an empty shard adds zeros."""
         has = 0 if acc is None else acc.shape[1]
         channels = all_reduce_max(has, group)  # collective on every rank, whether its shard is empty or not
         if acc is None:
-            B, H, W = bhw
-            acc = Accumulator((B, channels, H, W), device=device, dtype=torch.float64)
+            B, *sides = bhw
+            acc = Accumulator((B, channels, *sides), device=device, dtype=torch.float64,
+                              weight_shape=tuple(sides))
         all_reduce_accumulator(acc, group)
         return acc
 
@@ -319,7 +312,7 @@ class TiledDenoiser(ModelWrapper):
         """(conditioning k, row set) runs a piece needs: k = 0 the pipeline prompt, k >= 1 region k - 1."""
         if runs["weights"] is None:
             return [(0, "all")]
-        a = runs["weights"][(slice(None), *box_slices(piece.read))]
+        a = runs["weights"][(slice(None), *box_slices(piece.spatial))]
         active = [k for k in range(a.shape[0]) if bool((a[k] > 0).any())]
         jobs = [(0, "all")] if 0 in active else ([(0, "uncond")] if len(runs["uncond"]) else [])
         return jobs + [(k, "cond") for k in active if k > 0]
@@ -328,7 +321,7 @@ class TiledDenoiser(ModelWrapper):
         """Run the model once per (conditioning, row set) on all pieces of the chunk that need it."""
         groups: dict[tuple[int, str, tuple[int, int]], list[Piece]] = defaultdict(list)
         for p in chunk:
-            shape = (p.read[1] - p.read[0], p.read[3] - p.read[2])  # halo reads differ in size at the edges
+            shape = tuple(p.read[i + 1] - p.read[i] for i in range(0, len(p.read), 2))  # halo reads differ
             for k, rows_name in self._jobs(p, runs):
                 groups[(k, rows_name, shape)].append(p)
         outs = {}
@@ -355,7 +348,9 @@ class TiledDenoiser(ModelWrapper):
         """The piece's prediction: unconditional rows from the prompt, conditional rows blended by region."""
         if runs["weights"] is None:
             return outs[(p.index, 0, "all")]
-        a = runs["weights"][(slice(None), *box_slices(p.read))].to(device)
+        a = runs["weights"][(slice(None), *box_slices(p.spatial))].to(device)
+        if len(p.read) == 6:
+            a = a[:, None]  # (K, 1, h, w): a region holds for every frame
         first = next(v for (i, _, _), v in outs.items() if i == p.index)
         pred = first.new_zeros((B, *first.shape[1:]))
         n_unc = len(runs["uncond"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import Box, TileGrid
+from ..geometry import Box, TileGrid, axis_windows
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,15 @@ class Piece:
     out: Box
 
     @property
-    def crop(self) -> tuple[slice, slice]:
-        """Slices cutting `out` from a prediction computed on `read`."""
-        ry, rx = self.read[0], self.read[2]
-        y0, y1, x0, x1 = self.out
-        return slice(y0 - ry, y1 - ry), slice(x0 - rx, x1 - rx)
+    def crop(self) -> tuple[slice, ...]:
+        """Slices cutting `out` from a prediction computed on `read` (axes: [frames,] rows, columns)."""
+        r, o = self.read, self.out
+        return tuple(slice(o[i] - r[i], o[i + 1] - r[i]) for i in range(0, len(o), 2))
+
+    @property
+    def spatial(self) -> Box:
+        """The read box's rows and columns (y0, y1, x0, x1), without a video's frames."""
+        return self.read[-4:]
 
 
 def spot_offset(seed: int, timestep: Any, tile: tuple[int, int]) -> tuple[int, int]:
@@ -82,3 +86,19 @@ def plan_pieces(method: str, height: int, width: int, tile_size: tuple[int, int]
     if method == "halo":
         return [Piece(t.index, _grow_aligned(t.read, (height, width), align), t.core) for t in grid]
     return [Piece(t.index, t.window, t.window) for t in grid]
+
+
+def frame_windows(frames: int, window: int | None, overlap: int) -> list[tuple[int, int]]:
+    """Overlapping windows over a clip's latent frames: the whole clip for `window` None (or >= frames)."""
+    if window is None or window >= frames:
+        return [(0, frames)]
+    return axis_windows(frames, window, overlap, 1, "shift")
+
+
+def video_pieces(pieces: list[Piece], frames: int, window: int | None, overlap: int) -> list[Piece]:
+    """Pieces over (frames, rows, columns): every frame window times every spatial piece, boxes of six
+    coordinates (t0, t1, y0, y1, x0, x1); frame windows outermost."""
+    out = []
+    for t0, t1 in frame_windows(frames, window, overlap):
+        out += [Piece(len(out) + i, (t0, t1, *p.read), (t0, t1, *p.out)) for i, p in enumerate(pieces)]
+    return out

@@ -318,15 +318,23 @@ def evaluate(cond: dict[str, Any], tiles: Tiles) -> dict[str, Any]:
 
 def crop_map(t: torch.Tensor, box: Box, hw: tuple[int, int]) -> torch.Tensor:
     """The part of a (..., h, w) map over the H x W latent under a latent box, at the map's resolution: a
-    control image f times the latent's size (box x f), or a residual 2^k times smaller (ceil at the end)."""
+    control image f times the latent's size (box x f, exact), or a residual 2^k times smaller: as many rows
+    and columns as the tile's own features there have (ceil(side / 2^k), what a stride-2 convolution makes
+    of the tile), from the cell holding the box's first pixel (moved inward at the map's end). A box that
+    starts off the 2^k grid (an odd tile start) gets the cells its pixels fall in: the nearest the map
+    holds, not the tile's own features, which an untiled ControlNet never computed."""
     y0, y1, x0, x1 = box
     (fy, uy), (fx, ux) = _factor(hw[0], t.shape[-2], t.shape), _factor(hw[1], t.shape[-1], t.shape)
-    if uy:
-        ys = slice(y0 * fy, y1 * fy)
-    else:
-        ys = slice(y0 // fy, -(-y1 // fy))
-    xs = slice(x0 * fx, x1 * fx) if ux else slice(x0 // fx, -(-x1 // fx))
+    ys = slice(y0 * fy, y1 * fy) if uy else _down(y0, y1, fy, t.shape[-2])
+    xs = slice(x0 * fx, x1 * fx) if ux else _down(x0, x1, fx, t.shape[-1])
     return t[..., ys, xs]
+
+
+def _down(a: int, b: int, f: int, m: int) -> slice:
+    """ceil((b - a) / f) cells of a map of m cells, from a // f, kept inside the map."""
+    n = -(-(b - a) // f)
+    start = min(a // f, m - n)
+    return slice(start, start + n)
 
 
 def _factor(n: int, m: int, shape) -> tuple[int, bool]:

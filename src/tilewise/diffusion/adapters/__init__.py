@@ -25,25 +25,40 @@ except a diffusers transformer that no family calls.
 from __future__ import annotations
 
 from .base import POSITIONS, Adapter, Call
-from .flux import Flux2Adapter, FluxAdapter
+from .families import REFUSED, SPECS
+from .flux import ChromaAdapter, Flux2Adapter, FluxAdapter, FluxLikeAdapter
+from .grid import GridAdapter, Spec
 from .qwen import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .unet import UNetAdapter
 from .zimage import ZImageAdapter
 
-__all__ = ["POSITIONS", "Adapter", "Call", "FAMILIES", "Flux2Adapter", "FluxAdapter", "QwenImageAdapter",
-           "SD3Adapter", "UNetAdapter", "ZImageAdapter", "adapter_for"]
+__all__ = ["POSITIONS", "REFUSED", "SPECS", "Adapter", "Call", "ChromaAdapter", "FAMILIES", "Flux2Adapter",
+           "FluxAdapter", "FluxLikeAdapter", "GridAdapter", "QwenImageAdapter", "SD3Adapter", "Spec",
+           "UNetAdapter", "ZImageAdapter", "adapter_for"]
 
 # tried in order: the UNet adapter, the fallback, last
-FAMILIES: list[type[Adapter]] = [SD3Adapter, FluxAdapter, Flux2Adapter, QwenImageAdapter, ZImageAdapter,
-                                 UNetAdapter]
+FAMILIES: list[type[Adapter]] = [SD3Adapter, FluxAdapter, FluxLikeAdapter, ChromaAdapter, Flux2Adapter,
+                                 QwenImageAdapter, ZImageAdapter, UNetAdapter]
 
 
 def adapter_for(model, **options) -> Adapter:
-    """The adapter of the model's family (the first whose `accepts` does), built with `options`."""
+    """The adapter of the model's family (a declared `Spec` naming its class, else the first adapter whose
+    `accepts` does), built with `options`."""
+    name = type(model).__name__
+    if name in REFUSED:
+        raise ValueError(f"TiledDenoiser cannot wrap a {name}: {REFUSED[name]}")
+    names = {c.__name__ for c in type(model).__mro__}
+    for spec in SPECS:
+        if names & set(spec.classes):
+            why = spec.refuse_config(model.config) if spec.refuse_config else None
+            if why:
+                raise ValueError(f"TiledDenoiser cannot wrap this {type(model).__name__}: {why}")
+            return GridAdapter(spec, **options)
     for cls in FAMILIES:
         if cls.accepts(model):
             return cls(**options)
-    supported = ", ".join(c for cls in FAMILIES for c in cls.classes)
-    raise ValueError(f"TiledDenoiser cannot wrap a {type(model).__name__}: supported model classes are "
-                     f"{supported} (and modules called like a UNet)")
+    supported = ", ".join([*(c for spec in SPECS for c in spec.classes),
+                           *(c for cls in FAMILIES for c in cls.classes)])
+    raise ValueError(f"TiledDenoiser cannot wrap a {name} (unet=): supported model classes are {supported}, "
+                     "and modules called like a UNet, model(sample, timestep, ...)")

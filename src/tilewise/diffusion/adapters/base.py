@@ -49,6 +49,10 @@ class Adapter:
         """Tile sides must be multiples of this many latent pixels (downsampling factor, patch size)."""
         raise NotImplementedError
 
+    def frame_align(self, model) -> int:
+        """Frame windows of a video must be multiples of this many latent frames (the temporal patch)."""
+        return 1
+
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
         raise NotImplementedError
 

@@ -53,16 +53,18 @@ class IdsLayout:
 
 
 def raster_groups(ids, name: str) -> tuple[int, int, int]:
-    """(groups, h, w) of Flux img_ids: consecutive raster grids of one size (ValueError otherwise)."""
+    """(groups, h, w) of Flux img_ids: consecutive raster grids of one size (ValueError otherwise); a grid
+    may start at any (row, column) (LongCat-Image numbers the image after the text)."""
     first = ids[:, 0]
     starts = [0, *(torch.nonzero(first[1:] != first[:-1]).flatten() + 1).tolist(), len(ids)]
     sizes = []
     for a, b in zip(starts, starts[1:], strict=False):
         r, c = ids[a:b, ROW].long(), ids[a:b, COL].long()
+        r, c = r - r.min(), c - c.min()
         h, w = int(r.max()) + 1, int(c.max()) + 1
         grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
         if b - a != h * w or not torch.equal(torch.stack([r, c], -1).cpu(), grid):
-            raise ValueError(f"{name}: img_ids tokens {a}..{b} are not a raster grid (row, col) from (0, 0); "
+            raise ValueError(f"{name}: img_ids tokens {a}..{b} are not a raster grid (row, col); "
                              "TiledDenoiser reads the latent's grid from the pipeline's own img_ids")
         sizes.append((h, w, float(first[a])))
     h, w, _ = sizes[0]
@@ -124,6 +126,40 @@ class FluxAdapter(TransformerAdapter):
 
     def output(self, call: Call, fused):
         return self.wrap(call, pack_groups(fused, call.layout.groups))
+
+
+class FluxLikeAdapter(FluxAdapter):
+    """Flux's token layout and ids under other names: Bria, LongCat-Image (its image ids start after the
+    text's), Ovis-Image."""
+
+    family = "flux-like"
+    classes = ("BriaTransformer2DModel", "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel")
+    rows_args = ("encoder_hidden_states", "pooled_projections", "guidance")
+    residual_args = ()
+    refused = dict.fromkeys(("controlnet_block_samples", "controlnet_single_block_samples"),
+                            "(this family's ControlNet residuals) are not tiled yet; run its ControlNet "
+                            "pipeline untiled")
+
+
+class ChromaAdapter(FluxAdapter):
+    """Chroma: Flux's layout without pooled projections; an attention mask over text then image tokens."""
+
+    family = "chroma"
+    classes = ("ChromaTransformer2DModel",)
+    pooled_arg = None
+    rows_args = ("encoder_hidden_states", "attention_mask")
+    residual_args = ()
+    refused = dict.fromkeys(("controlnet_block_samples", "controlnet_single_block_samples"),
+                            "(Chroma ControlNet residuals) are not tiled yet; run its pipeline untiled")
+
+    def _predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
+        mask = cond.get("attention_mask")
+        if mask is not None:  # (rows, text + image tokens): the text's part, then the tile's image tokens
+            n_img = call.layout.groups * call.layout.h * call.layout.w
+            n_tile = call.layout.groups * (x.shape[-2] // 2) * (x.shape[-1] // 2)
+            text = mask[:, : mask.shape[1] - n_img]
+            cond = {**cond, "attention_mask": torch.cat([text, text.new_ones((text.shape[0], n_tile))], 1)}
+        return super()._predict(model, call, x, t, cond, boxes, rows)
 
 
 class Flux2Adapter(FluxAdapter):

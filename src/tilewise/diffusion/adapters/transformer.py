@@ -26,13 +26,22 @@ import torch
 from ..residuals import Selected, Tiles, evaluate, residual_args
 from .base import Adapter, Call, expand_rows
 
-IP_ADAPTER_KEY = "ip_adapter_image_embeds"
+
+def accepted_signature(model) -> inspect.Signature:
+    """The signature of what the model accepts: its forward's, or, when the instance's `forward` was replaced
+    by a wrapper taking (*args, **kwargs) (an offloading or profiling hook), the class's own forward's."""
+    sig = inspect.signature(model.forward)
+    kinds = {p.kind for p in sig.parameters.values()}
+    if sig.parameters and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        own = inspect.signature(inspect.unwrap(type(model).forward))
+        return own.replace(parameters=list(own.parameters.values())[1:])  # without self
+    return sig
 
 
 def bind_call(model, args: tuple, kwargs: dict, who: str = "TiledDenoiser") -> dict[str, Any]:
-    """The call's arguments by the names of the model's forward (TypeError naming what is wrong)."""
+    """The call's arguments by the names of what the model accepts (TypeError naming what is wrong)."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = accepted_signature(model).bind(*args, **kwargs)
     except TypeError as e:
         raise TypeError(f"{who}.forward() for {type(model).__name__}: {e}") from None
     return dict(bound.arguments)
@@ -118,15 +127,14 @@ class TransformerAdapter(Adapter):
         for arg in (self.sample_arg, self.timestep_arg):
             if given.get(arg) is None:
                 raise TypeError(f"TiledDenoiser.forward() for {name} needs {arg}")
-        for value in given.values():
-            if isinstance(value, dict) and value.get(IP_ADAPTER_KEY) is not None:
-                raise NotImplementedError(f"{name}: IP-Adapter image embeddings ({IP_ADAPTER_KEY}) are not "
-                                          "tiled yet; run the pipeline untiled or without the IP-Adapter")
         for arg in self.residual_args:  # tensors: token crops per tile; TiledControlNet outputs: run per tile
             given[arg] = residual_args(given.get(arg), arg)
         grid, layout = self.to_grid(model, given)
-        cond = {k: given[k] for k in self.rows_args if given.get(k) is not None}
-        skip = {self.sample_arg, self.timestep_arg, "return_dict", *self.rows_args, *self.layout_args}
+        # per row: the family's conditioning, and attention kwargs dicts (IP-Adapter image embeddings,
+        # ip_adapter_image_embeds, are a conditioning every tile gets, at its call's rows)
+        cond = {k: v for k, v in given.items()
+                if v is not None and (k in self.rows_args or isinstance(v, dict))}
+        skip = {self.sample_arg, self.timestep_arg, "return_dict", *cond, *self.layout_args}
         shared = {k: v for k, v in given.items() if k not in skip and v is not None}
         return Call(grid, given[self.timestep_arg], cond, shared, return_dict=given.get("return_dict", True),
                     layout=layout)

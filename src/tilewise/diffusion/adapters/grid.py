@@ -1,0 +1,355 @@
+"""The declared transformer families: one `Spec` (a table entry in `families.py`) says how a model is tiled.
+
+A `Spec` says, for a diffusers transformer whose forward takes the latent itself (image (B, C, H, W),
+video (B, C, T, H, W) or (B, T, C, H, W)) or its tokens with their grid sizes (LTX-Video): the names
+of the sample, timestep and prompt arguments, the patch per axis, which other inputs lie on the latent's
+grid (`spatial`: cropped with the tile, at their own resolution) or hold one entry per image token
+(`tokens`: positions the pipeline computed, per-token timesteps: the tile's entries), where the model
+computes positions from the latent's shape (`sources`, hooked per tile: `adapters.positions`) and what
+it refuses. Every other argument is per-row conditioning (a tensor whose leading dim is the batch) or
+goes to every tile unchanged. `GridAdapter` runs any such entry: the fusion core sees the latent as a
+(B, C, [T,] H, W) grid in latent pixels and gets predictions back on it.
+
+With `positions="global"`, positions computed inside the model or passed without a batch dimension are
+one set per call, so each tile is its own model call (its rows batched); `positions="tile"`: tokens
+numbered as a tile's own (the model computes them for the tile's size; passed positions are the
+untiled call's at the tile placed at the origin), tiles batched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..residuals import crop_map
+from ..rows import take_rows
+from .base import Call
+from .positions import Geometry, ModuleSource, module_hooks, origin_box, take_tokens, token_index
+from .transformer import TransformerAdapter, bind_call
+
+LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One family's table entry (see the module docstring)."""
+
+    family: str
+    classes: tuple[str, ...]
+    patch: Callable[[Any], tuple[int, ...]]  # config -> patch per latent axis ([frames,] rows, columns)
+    layout: str = "bcthw"
+    sample: str = "hidden_states"
+    timestep: str = "timestep"
+    prompt: str = "encoder_hidden_states"
+    pooled: str | None = None
+    spatial: tuple[str, ...] = ()
+    tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
+    frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
+    axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
+    batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
+    sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
+    sources: tuple[ModuleSource, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+    one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
+    refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
+    resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
+
+
+class PerTile:
+    """An input cut per tile (a crop of a spatial input, the tile's tokens of a per-token one), bound to the
+    rows of one model call when the fusion core selects them (`take_rows`)."""
+
+    def __init__(self, value: Any, name: str, rows=None, repeats: int = 1) -> None:
+        self.value, self.name, self.rows, self.repeats = value, name, rows, repeats
+
+    def take_rows(self, rows, n_rows: int, repeats: int) -> PerTile:
+        return type(self)(self.value, self.name, (rows, n_rows), repeats)
+
+    def _selected(self, value, repeats: int = 1):
+        """The value at the call's rows (a tensor whose leading dim is the batch), `repeats` times."""
+        if self.rows is None or not isinstance(value, torch.Tensor):
+            return value
+        rows, n_rows = self.rows
+        return take_rows(value, rows, n_rows, repeats)
+
+
+class Spatial(PerTile):
+    """An input on the latent's grid (model layout, any channels, the latent's size times a factor)."""
+
+    def for_tiles(self, lay: GridLayout, boxes) -> Any:
+        v = self._selected(self.value)
+        if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
+            p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
+            size = tuple(-(-s // p) for s in lay.sides[-2:])
+            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True)
+            v = v.to(self.value.dtype)
+        grid = lay.canonical(v, self.name)
+        parts = []
+        for box in boxes:
+            part = grid[:, :, box[0] : box[1]] if len(box) == 6 and grid.ndim == 5 else grid
+            parts.append(crop_map(part, box[-4:], lay.sides[-2:]))
+        return lay.to_model(torch.cat(parts))
+
+
+class Tokens(PerTile):
+    """An input with one entry per image token along `axis` (batched: a batch dim comes first)."""
+
+    def __init__(self, value, name, rows=None, repeats=1, axis: int = 0, batched: bool = False):
+        super().__init__(value, name, rows, repeats)
+        self.axis, self.batched = axis, batched
+
+    def take_rows(self, rows, n_rows, repeats):
+        return Tokens(self.value, self.name, (rows, n_rows) if self.batched else None, repeats, self.axis,
+                      self.batched)
+
+    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
+        v = self._selected(self.value)
+        picks = [lay.tile_tokens(origin_box(b) if positions == "tile" else b) for b in boxes]
+        if not self.batched:
+            if len({tuple(p.tolist()) for p in picks}) > 1:
+                raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
+            return take_tokens(v, picks[0], self.axis, lay.n_tokens, self.name)
+        return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
+
+
+class AxisPositions(PerTile):
+    """Per-axis positions (one 1-D tensor per grid axis, in patches): a tile's are its ranges of them."""
+
+    def take_rows(self, rows, n_rows, repeats):
+        return self
+
+    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
+        picks = {origin_box(b) if positions == "tile" else tuple(b) for b in boxes}
+        if len(picks) > 1:
+            raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
+        box = picks.pop()[-2 * len(self.value):]
+        return type(self.value)(p[box[2 * i] // a : -(-box[2 * i + 1] // a)]
+                                for i, (p, a) in enumerate(zip(self.value, lay.patch, strict=True)))
+
+
+class Frames(PerTile):
+    """An input with one entry per latent frame along `axis` (per-frame timesteps): the frame window's."""
+
+    def __init__(self, value, name, rows=None, repeats=1, axis: int = 1):
+        super().__init__(value, name, rows, repeats)
+        self.axis = axis
+
+    def take_rows(self, rows, n_rows, repeats):
+        return Frames(self.value, self.name, (rows, n_rows), repeats, self.axis)
+
+    def for_tiles(self, lay: GridLayout, boxes) -> Any:
+        v = self.value
+        if not isinstance(v, torch.Tensor) or v.ndim <= self.axis or len(lay.sides) != 3 \
+                or v.shape[self.axis] != lay.sides[0]:
+            return self._selected(v, len(boxes))  # not per frame here: as any per-row value
+        v = self._selected(v)
+        return torch.cat([v.narrow(self.axis, b[0], b[1] - b[0]) for b in boxes])
+
+
+@dataclass
+class GridLayout:
+    """How one call's sample maps to the (B, C, [T,] H, W) grid and back, and what its tiles need."""
+
+    spec: Spec
+    patch: tuple[int, ...]
+    sides: tuple[int, ...]  # the grid's ([T,] H, W) in latent pixels
+    cache: dict = field(default_factory=dict)  # untiled positions, computed once per call
+    out_type: Any = None
+    names: tuple[str, ...] = ()  # the model's sample and timestep arguments (UNets)
+    config: Any = None  # the model's config (a resampled input's patch)
+
+    @property
+    def post(self) -> tuple[int, ...]:
+        return tuple(-(-s // p) for s, p in zip(self.sides, self.patch, strict=True))
+
+    @property
+    def n_tokens(self) -> int:
+        n = 1
+        for s in self.post:
+            n *= s
+        return n
+
+    def tile_tokens(self, box) -> torch.Tensor:
+        return token_index(box, self.sides, self.patch)
+
+    def canonical(self, v, name: str, sides: tuple[int, ...] | None = None):
+        """A tensor in the model's layout as a (B, C, [T,] H, W) grid (tokens: of `sides`, by default the
+        whole latent's)."""
+        layout = self.spec.layout
+        if layout == "btchw":
+            return v.transpose(1, 2)
+        if layout == "bthwc":
+            return v.permute(0, 4, 1, 2, 3)
+        if layout == "tokens":
+            B, S, D = v.shape
+            pt, p, q = self.patch
+            t, h, w = (-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
+            if S != t * h * w:
+                raise ValueError(f"{name}: {S} tokens, but the sizes given make {(t, h, w)}")
+            g = v.reshape(B, t, h, w, D // (pt * p * q), pt, p, q).permute(0, 4, 1, 5, 2, 6, 3, 7)
+            return g.reshape(B, D // (pt * p * q), t * pt, h * p, w * q)
+        return v
+
+    def to_model(self, grid):
+        """A (B, C, [T,] H, W) grid in the model's layout (tokens: packed as the pipeline packs them)."""
+        layout = self.spec.layout
+        if layout == "btchw":
+            return grid.transpose(1, 2)
+        if layout == "bthwc":
+            return grid.permute(0, 2, 3, 4, 1)
+        if layout == "tokens":
+            B, C, T, H, W = grid.shape
+            pt, p, q = self.patch
+            g = grid.reshape(B, C, T // pt, pt, H // p, p, W // q, q).permute(0, 2, 4, 6, 1, 3, 5, 7)
+            return g.reshape(B, (T // pt) * (H // p) * (W // q), C * pt * p * q)
+        return grid
+
+    def geometry(self, grid, box) -> Geometry:
+        """The hook geometry of one tile call on `grid` (the tile's grid) at `box`."""
+        sample = self.to_model(grid)
+        whole = list(sample.shape)
+        axes = LAYOUTS[self.spec.layout]
+        if self.spec.layout == "tokens":
+            whole[1] = self.n_tokens
+        else:
+            for a, s in zip(axes, self.sides, strict=True):
+                whole[a] = s
+        return Geometry(tuple(whole), axes, self.post, self.tile_tokens(box), self.n_tokens)
+
+
+class GridAdapter(TransformerAdapter):
+    """A transformer family declared by a `Spec` (see the module docstring)."""
+
+    def __init__(self, spec: Spec, positions: str = "global", **options: Any) -> None:
+        super().__init__(positions)  # micro_conditioning, vae_scale_factor: other families' options
+        self.spec, self.family, self.classes = spec, spec.family, spec.classes
+        self.sample_arg, self.timestep_arg, self.prompt_arg = spec.sample, spec.timestep, spec.prompt
+        self.pooled_arg, self.refused = spec.pooled, spec.refused
+        unbatched = (set(spec.tokens) - set(spec.batched_tokens)) | ({spec.axis_positions} - {None})
+        # one set of positions per model call: tiles at different places each get their own call
+        inside = positions == "global" and bool(spec.sources or unbatched)
+        self.shares_positions = spec.one_call_per_tile or inside
+
+    def align(self, model) -> int:
+        return int(self.spec.patch(model.config)[-1])
+
+    def frame_align(self, model) -> int:
+        p = self.spec.patch(model.config)
+        return int(p[0]) if len(p) == 3 else 1
+
+    def parse(self, model, args: tuple, kwargs: dict) -> Call:
+        name, spec = type(model).__name__, self.spec
+        given = bind_call(model, args, kwargs)
+        self.refuse(name, given)
+        x = given[spec.sample]
+        ndim = {"bchw": 4, "tokens": 3}.get(spec.layout, 5)
+        if not isinstance(x, torch.Tensor) or x.ndim != ndim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: TiledDenoiser tiles {spec.sample} as its pipeline passes it, a "
+                             f"{ndim}-D tensor ({spec.layout}); got {shape}")
+        lay = self._layout(model, given, x)
+        grid = lay.canonical(x, spec.sample)
+        lay.sides = tuple(grid.shape[2:])
+        cond = {}
+        for k, v in given.items():
+            if k in (spec.sample, spec.timestep, "return_dict", *spec.sizes) or v is None:
+                continue
+            if k in spec.spatial:
+                v = Spatial(v, k)
+            elif k in spec.tokens:
+                v = Tokens(v, k, axis=spec.tokens[k], batched=k in spec.batched_tokens)
+            elif k in spec.frames:
+                v = Frames(v, k, axis=spec.frames[k])
+            cond[k] = v
+        if spec.axis_positions:  # the pipeline's, or those the model makes for the whole latent
+            pos = given.get(spec.axis_positions)
+            if pos is None:
+                pos = tuple(torch.arange(n, device=x.device) for n in lay.post)
+            cond[spec.axis_positions] = AxisPositions(pos, spec.axis_positions)
+        return Call(grid, given[spec.timestep], cond, return_dict=given.get("return_dict", True), layout=lay)
+
+    def refuse(self, name: str, given: dict) -> None:
+        """The arguments this family refuses, and those TransformerAdapter.parse checks (sample, timestep)."""
+        for arg, why in self.refused.items():
+            if given.get(arg) is not None:
+                raise NotImplementedError(f"{name}: {arg} {why}")
+        for arg in (self.sample_arg, self.timestep_arg):
+            if given.get(arg) is None:
+                raise TypeError(f"TiledDenoiser.forward() for {name} needs {arg}")
+
+    def _layout(self, model, given: dict, x) -> GridLayout:
+        patch = tuple(int(p) for p in self.spec.patch(model.config))
+        if self.spec.layout == "tokens":
+            post = [given.get(s) for s in self.spec.sizes]
+            if any(not isinstance(s, int) for s in post):
+                raise ValueError(f"{type(model).__name__}: TiledDenoiser needs {self.spec.sizes} as ints "
+                                 f"with {self.spec.sample} (its pipeline passes them), got {post}")
+            sides = tuple(s * p for s, p in zip(post, patch, strict=True))
+            return GridLayout(self.spec, patch, sides)
+        axes = LAYOUTS[self.spec.layout]
+        if len(patch) != len(axes):
+            patch = patch[-len(axes):]
+        return GridLayout(self.spec, patch, tuple(x.shape[a] for a in axes))
+
+    def _predict(self, model, call: Call, x, t, cond: dict, boxes, rows: int):
+        lay, spec = call.layout, self.spec
+        kw = {}
+        for k, v in cond.items():
+            if isinstance(v, Spatial):
+                v = v.for_tiles(lay, boxes)
+            elif isinstance(v, Tokens):
+                v = v.for_tiles(lay, boxes, self.positions)
+            elif isinstance(v, Frames):
+                v = v.for_tiles(lay, boxes)
+            elif isinstance(v, AxisPositions):
+                v = v.for_tiles(lay, boxes, self.positions)
+            kw[k] = v
+        t = self._tile_timestep(lay, t, boxes)
+        if spec.layout == "tokens":
+            kw.update(zip(spec.sizes, (-(-s // p) for s, p in zip(x.shape[2:], lay.patch, strict=True)),
+                          strict=True))
+        with self._positions(model, lay, x, boxes):
+            out = model(**{spec.sample: lay.to_model(x), spec.timestep: t}, **kw,
+                        return_dict=call.return_dict)
+        if lay.out_type is None:
+            lay.out_type = type(out)
+        if isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
+            return lay.canonical(out, "the prediction", x.shape[2:])
+        return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction", x.shape[2:])
+
+    def _tile_timestep(self, lay: GridLayout, t, boxes):
+        """Per-token timesteps at the tiles' tokens, per-frame ones for their frame window."""
+        spec = self.spec
+        if not isinstance(t, torch.Tensor) or t.ndim < 2:
+            return t
+        n = len(boxes)
+        parts = t.chunk(n)  # the fusion core repeated the call's rows for every tile
+        if spec.timestep in spec.tokens and t.shape[spec.tokens[spec.timestep]] == lay.n_tokens:
+            a = spec.tokens[spec.timestep]
+            return torch.cat([take_tokens(p, lay.tile_tokens(b), a, lay.n_tokens, spec.timestep)
+                              for p, b in zip(parts, boxes, strict=True)])
+        if spec.timestep in spec.frames and len(lay.sides) == 3:
+            a = spec.frames[spec.timestep]
+            if t.shape[a] == lay.sides[0]:
+                return torch.cat([p.narrow(a, b[0], b[1] - b[0]) for p, b in zip(parts, boxes, strict=True)])
+        return t
+
+    def _positions(self, model, lay: GridLayout, x, boxes):
+        """positions='global' with positions computed inside the model: the sources' hooks for one tile."""
+        whole = tuple(c for s in lay.sides for c in (0, s))
+        if self.positions == "tile" or not self.spec.sources or all(tuple(b) == whole for b in boxes):
+            return contextlib.nullcontext()
+        return module_hooks(model, self.spec.sources, lay.geometry(x, boxes[0]), lay.cache)
+
+    def output(self, call: Call, fused):
+        lay = call.layout
+        value = lay.to_model(fused)
+        if issubclass(lay.out_type, torch.Tensor):
+            return value
+        if not call.return_dict:
+            return (value,)
+        return lay.out_type(sample=value)
