@@ -20,7 +20,11 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
 
 from __future__ import annotations
 
+import contextlib
+import math
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from ...locality.ops import OpKind, box_area, clip_box, map_box, zero_pad
@@ -63,13 +67,15 @@ class Cost:
     ahead: int = 0  # device bytes of the next tile's inputs, read while a tile runs (a maximum)
     fetched: int = 0  # host -> device bytes of such reads ahead, every tile's (a sum)
 
-    def add(self, other: Cost, together: bool = False) -> None:
-        self.work, self.flops = self.work + other.work, self.flops + other.flops
-        self.launches, self.syncs = self.launches + other.launches, self.syncs + other.syncs
-        self.h2d, self.d2h = self.h2d + other.h2d, self.d2h + other.d2h
-        self.d2h_side += other.d2h_side
-        self.ahead, self.fetched = max(self.ahead, other.ahead), self.fetched + other.fetched
-        self.working = self.working + other.working if together else max(self.working, other.working)
+    def add(self, other: Cost, together: bool = False, times: int = 1) -> None:
+        """Add `other` (`times` times: tiles that count alike)."""
+        n = times
+        self.work, self.flops = self.work + n * other.work, self.flops + n * other.flops
+        self.launches, self.syncs = self.launches + n * other.launches, self.syncs + n * other.syncs
+        self.h2d, self.d2h = self.h2d + n * other.h2d, self.d2h + n * other.d2h
+        self.d2h_side += n * other.d2h_side
+        self.ahead, self.fetched = max(self.ahead, other.ahead), self.fetched + n * other.fetched
+        self.working = self.working + n * other.working if together else max(self.working, other.working)
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,53 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core.
     `regions` (tile index -> boxes of every value): tiles of one band that run on those boxes, not the
     segment's own back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles,
-    whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`)."""
+    whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`). Inside
+    `remembered()`, a count made before for the same segment, grid and setting is reused."""
+    table = _REMEMBERED.get()
+    key = None if table is None or regions is not None else \
+        _memo_key(seg, grid, scope, tiles, together, banded, fixed, probes)
+    if key is not None and key in table:
+        return replace(table[key][0])
+    cost = _segment_cost(seg, grid, scope, tiles, together, banded, fixed, probes, regions)
+    if key is not None:
+        table[key] = (replace(cost), seg.ops, scope.program)  # (their ids stay theirs while remembered)
+    return cost
+
+
+_REMEMBERED: ContextVar[dict | None] = ContextVar("segment_costs", default=None)
+
+
+@contextlib.contextmanager
+def remembered():
+    """Segment counts remembered inside: a plan's search counts the same segment over the same grid in
+    the same setting many times (each staging placement, key chunk or query band it tries changes a few
+    segments' counts, not the others')."""
+    token = _REMEMBERED.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED.reset(token)
+
+
+def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
+    """What a segment's count reads: its ops, the grid's cores, the input's shape, the statistics merged,
+    and of the setting what the segment can see (the placement of its own values; attention's options
+    only where it has an attention op)."""
+    s, run = scope.s, scope.s.run
+    mine = set(seg.inputs) | set(seg.outputs)
+    run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
+                      stage_dir=None, heap_slack=0, check_emitted=True)
+    if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
+        run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
+    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items()))
+    return (id(scope.program), tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
+            seg.kind, tuple(t.core for t in grid), scope.shapes[scope.program.input], scope.ref, tracked,
+            replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
+            frozenset(fixed), tuple(probes or ()))
+
+
+def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, regions) -> Cost:
+    """`segment_cost`, counted."""
     shapes, chans, ref, tracked, s = scope.shapes, scope.chans, scope.ref, scope.tracked, scope.s
     unit = s.batch * s.item
     rows = None
@@ -126,23 +178,24 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
         cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
         rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.run.band_bytes)
     last = last_use(seg.ops, seg.outputs)
-    cost, parts, probed, ran = Cost(), 0, {}, 0
+    cost, parts, probed, ran, tally = Cost(), 0, {}, 0, {}
+    like = _Translations(seg, shapes, by_axis=regions is None and not probes)
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
-        bands = tile_bands(tile.core, seg.outputs, shapes, ref, rows)
-        if not bands:
-            continue
-        parts += len(bands)
-        own = None
-        if regions is not None and len(bands) == 1:  # (the seg's values' boxes, its outputs' stored)
-            made = {v for op in seg.ops for v in (op.dst, *op.src)}
-            own = {v: b for v, b in regions[tile.index].items() if v in made}
-            bands = [{v: own[v] for v in bands[0] if v in own}]
-        cost.add(_tile_cost(seg, bands, scope, last, fixed, own), together)
-        ran += 1
+        key = like.known(tile.core)
+        if key is None:
+            bands, needs = _tile_boxes(seg, tile, scope, rows, regions)
+            key = like.remember(tile.core, bands, needs, lambda b=bands, n=needs: _tile_cost(
+                seg, b, n, scope, last, fixed) if b else None)
+        tally[key] = tally.get(key, 0) + 1
         for cores in bands if probes else ():
             cost.launches += _probe_adds(cores, probes, scope, probed)
+    for key, times in tally.items():  # (each class of tiles counted once, times its tiles)
+        n, tile_cost = like.memo[key]
+        if n:
+            parts, ran = parts + n * times, ran + times
+            cost.add(tile_cost, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
     cost.add(_segment_once(seg, scope, parts))
@@ -191,12 +244,95 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
     return cost
 
 
-def _tile_cost(seg, bands, scope: Scope, last, fixed, own=None) -> Cost:
-    """One tile of a segment, band by band, as `run_bands` runs it (and the executor stores it); `own`:
-    the boxes of its one band, given."""
+def _tile_boxes(seg, tile, scope: Scope, rows, regions):
+    """A tile's row bands (each its cores) and the boxes each band needs: back-propagated from the cores,
+    or those of `regions` (segment_cost's docstring)."""
+    shapes = scope.shapes
+    bands = tile_bands(tile.core, seg.outputs, shapes, scope.ref, rows)
+    if regions is not None and len(bands) == 1:  # (the seg's values' boxes, its outputs' stored)
+        made = {v for op in seg.ops for v in (op.dst, *op.src)}
+        own = {v: b for v, b in regions[tile.index].items() if v in made}
+        return [{v: own[v] for v in bands[0] if v in own}], [own]
+    return bands, [back_propagate(seg.ops, cores, shapes) for cores in bands]
+
+
+class _Translations:
+    """Tiles whose boxes are one another's translates cost the same: a segment's tile is counted once per
+    class of its boxes and the count reused for the others (the interior tiles of a grid are one class;
+    a plan's search counts tens of thousands of tiles otherwise).
+
+    A tile's count reads its boxes only through their sides, their clipping at the value's borders and
+    the integer divisions of the ops' factors. So two tiles count alike when every value's box has the
+    same sides, the same origin modulo `period` (a multiple of every op's factor) and the same distances
+    to the borders up to `reach` (past it no op's input box reaches the border). Boxes are products of
+    a row interval and a column interval, and every op maps rows to rows and columns to columns, so the
+    class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
+    each learned once per interval (`by_axis`; without it, from each tile's own boxes: fast mode's
+    regions and probes, and a tile where a value's box is empty)."""
+
+    def __init__(self, seg, shapes, by_axis: bool):
+        self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
+        self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
+        self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
+        self.period, self.reach = _period_and_reach(seg.ops, shapes)
+
+    def known(self, core) -> tuple[int, int] | None:
+        """The class of a tile known from its rows and columns (None: not known, or not counted yet)."""
+        if not self.by_axis:
+            return None
+        y, x = self.rows.get(core[:2]), self.cols.get(core[2:])
+        return None if y is None or x is None or (y, x) not in self.memo else (y, x)
+
+    def remember(self, core, bands, needs, count) -> tuple[int, int]:
+        """The class of a tile, counted (`count()`: its bands and cost in `memo`) unless it has been."""
+        if self.by_axis and any(set(c) != self.outputs for c in bands):
+            self.by_axis = False  # (an empty box: rows and columns no longer say which values a band has)
+        if self.by_axis:
+            key = self.rows.setdefault(core[:2], self._id(self._axis(bands, needs, 0))), \
+                self.cols.setdefault(core[2:], self._id(self._axis(bands, needs, 2)))
+        else:
+            key = (self._id(self._axis(bands, needs, 0)), self._id(self._axis(bands, needs, 2)))
+        if key not in self.memo:
+            self.memo[key] = (len(bands), count())
+        return key
+
+    def _id(self, axis_class: tuple) -> int:
+        return self.ids.setdefault(axis_class, len(self.ids))
+
+    def _axis(self, bands, needs, a: int) -> tuple:
+        """The class of a tile's boxes along one axis (a = 0: rows, 2: columns)."""
+        p, r, side = self.period, self.reach, a // 2
+        return len(bands), tuple(tuple((v, b[a + 1] - b[a], b[a] % p, min(b[a], r),
+                                        min(self.shapes[v][side] - b[a + 1], r)) for v, b in d.items())
+                                 for d in (*bands, *needs))
+
+
+def _period_and_reach(ops, shapes) -> tuple[int, int]:
+    """A multiple of every op's resampling factor (num and den of its output side over its input's) and
+    a distance to the border (in any value's pixels) beyond which no op's input box is clipped."""
+    period, radius, big = 1, 0, 1 << 20
+    for op in ops:
+        if not op.src:
+            continue
+        out = op.out_shape([(big, big)] * len(op.src))[0]
+        f = Fraction(out, big).limit_denominator(64)
+        period = math.lcm(period, f.numerator, f.denominator)
+    for op in ops:
+        if not op.src:
+            continue
+        out = op.out_shape([(big, big)] * len(op.src))[0]
+        c = (out // 2) // period * period  # (a point far from every border, on the period)
+        for a, b in ((ib[0], ib[1]) for ib in op.input_boxes((c, c + 1, c, c + 1))):
+            centre = c * big // out
+            radius = max(radius, centre - a, b - (c + 1) * big // out)
+    return period, (radius + 2) * period
+
+
+def _tile_cost(seg, bands, needs, scope: Scope, last, fixed) -> Cost:
+    """One tile of a segment, band by band (each band's cores and the boxes they need), as `run_bands`
+    runs it (and the executor stores it)."""
     shapes, chans, program, tracked, s = scope.shapes, scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
-    needs = [own] if own is not None else [back_propagate(seg.ops, cores, shapes) for cores in bands]
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.run.staging is Place.DISK or s.off(v)}  # reads that copy

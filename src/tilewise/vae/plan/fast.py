@@ -5,6 +5,7 @@ the choices a GPU plan makes among them: the pieces (`fast.split.piece_cuts`) an
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -218,8 +219,8 @@ class PieceRef:
     tile: int
     piece: tuple[int, int] | None
 
-    @property
-    def shapes(self) -> dict:
+    @functools.cached_property
+    def shapes(self) -> dict:  # (computed once: the planner reads it for every tile and op)
         return self.program.shapes(tuple(self.shape[-2:]))
 
     @property

@@ -14,6 +14,7 @@ from ..devices import BAND_BYTES
 from ..run.options import Choices
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
+from .counts import remembered
 from .make import make_plan, request
 from .records import Plan
 
@@ -34,6 +35,11 @@ def settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool 
     run, unless `streamed` to a sink), each with device staging, then host (pinned), then disk (only
     when host memory cannot hold the staged values, or when asked), whole tiles unless only row bands
     fit; of the plans that fit, the one with the least estimated time."""
+    with remembered():  # (the search counts most segments many times over)
+        return _settle(settings, job, shape, streamed)
+
+
+def _settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool) -> Plan:
     if settings.memory_budget is None:
         return make_plan(settings, job, shape, request(settings, job), untiled=not streamed)
     if job.gpu:
