@@ -6,7 +6,8 @@ around the app never saw Ctrl-C and the process exited 0; SIGTERM had no handler
 without running any `finally` (the `.part` file and the disk-staging folder stayed). Here SIGINT,
 SIGTERM and SIGHUP raise `tilewise.errors.Interrupted`, a BaseException typer does not catch: every
 `with` and `finally` on the way out runs (sinks abort, staging folders are removed), and the command
-exits 128 + the signal's number (130, 143, 129). Further signals during that clean-up are ignored.
+exits 128 + the signal's number (130, 143, 129). Further signals during that clean-up are ignored. While
+the files of one output are renamed into place (`atomic.publish_all`), a signal waits until they are.
 The exit codes of every other failure: `tilewise.errors` (the table is in the README).
 """
 
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 
 import typer.exceptions
 
+from ..atomic import defer_signal
 from ..errors import BadRequest, Interrupted, TilewiseError, WontFit
 
 SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -40,6 +42,8 @@ def signals_raise() -> Iterator[None]:
         if fired:
             return  # cleaning up after the first one: let it finish
         fired.append(signum)
+        if defer_signal(signum):
+            return  # renaming the files of one output into place: raised once they all are
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, handler) for s in SIGNALS}
