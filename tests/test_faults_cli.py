@@ -172,7 +172,7 @@ CASES = {
                             ["noindex", "model_index.json"]),
     "model-index-no-class": (GEN + ["--out", "o.png", "--model", "{D}/noclass"], MODEL, ["_class_name"]),
     "model-incomplete": (GEN + ["--out", "o.png", "--model", "{D}/incomplete"], MODEL,
-                         ["incomplete", "cannot be loaded"]),
+                         ["component 'unet'", "incomplete/unet' is missing"]),
     "config-no-index": (GEN + ["--out", "o.png", "--model", "{D}/ckpt.safetensors", "--config",
                                "{D}/noindex"],
                         MODEL, ["noindex", "model_index.json"]),

@@ -14,6 +14,7 @@ The exit codes of every other failure: `tilewise.errors` (the table is in the RE
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 import threading
@@ -112,6 +113,8 @@ def report(e: BaseException, argv: list[str], debug: bool) -> int:
         return code
     if debug and not isinstance(e, typer.TyperException):
         traceback.print_exception(e)
+    if isinstance(e, Interrupted | KeyboardInterrupt) and os.environ.get("TILEWISE_RANK_OF_LAUNCH"):
+        return code  # a rank of a --nproc launch: the launcher says it once
     typer.echo(message(e, argv), err=True)
     return code
 
@@ -149,11 +152,18 @@ def _one_line(text: str) -> str:
     return joined if len(joined) <= 600 else joined[:597] + "..."
 
 
+# what torch's allocators say when an allocation fails without raising torch.OutOfMemoryError (the CPU
+# allocator raises a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory: you tried to ...")
+_OOM_TEXTS = ("can't allocate memory", "not enough memory", "out of memory")
+
+
 def _out_of_memory(e: BaseException) -> bool:
     if isinstance(e, MemoryError):
         return True
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
+    if torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return type(e) is RuntimeError and any(t in str(e) for t in _OOM_TEXTS)
 
 
 def _disk_full(e: BaseException) -> bool:

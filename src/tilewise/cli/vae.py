@@ -55,16 +55,23 @@ def decode(
     Example: tilewise decode video.safetensors --model wan-folder --out "frames/f{:04d}.png"
     """
     from ..pipelines import VaeFileOptions, load_vae, run_decode_file
+    from ..pipelines.folders import part_config, vae_factor_of
 
-    checks.model_paths(model, config)
+    checks.model_paths(model, config, vae_folder=True)
     video = _video_vae(model, nproc)
-    if video:
-        checks.video_output(out, no_clobber=no_clobber, bits=bits)
-    else:
+    if not video:
         checks.output(out, no_clobber=no_clobber, bits=bits)
+    cfg = part_config(model, "vae", config)
+    shape = checks.latents_input(latents, video=video, channels=None if video else _latent_channels(cfg))
+    if video:
+        checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
     checks.report_folder(report)
+    checks.budget(budget)
     device = options.resolve_device(device)
-    checks.latents_input(latents, video=video)
+    checks.ranks(nproc, device)
+    f = None if video else vae_factor_of(cfg)
+    if f is not None:
+        checks.output_room(out, shape[-2] * f, shape[-1] * f, 3, bits)
     group, rank = join_ranks(nproc)
     job = VaeFileOptions(str(latents), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, bits=bits, progress=not (quiet or rank != 0),
@@ -110,14 +117,21 @@ def encode(
     Example: tilewise encode video.npy --model wan-folder --out video.safetensors
     """
     from ..pipelines import VaeFileOptions, load_vae, run_encode_file
+    from ..pipelines.folders import part_config, vae_factor_of
+    from ..pipelines.recipes import check_image_size
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
-    checks.model_paths(model, config)
+    checks.model_paths(model, config, vae_folder=True)
     if _video_vae(model, nproc):
         checks.video_input(image)
     else:
-        checks.image_input(image)
+        pic = checks.image_input(image, decode=True)
+        f = vae_factor_of(part_config(model, "vae", config))
+        if f is not None:
+            check_image_size(str(image), pic.width, pic.height, f)
+    checks.budget(budget)
     device = options.resolve_device(device)
+    checks.ranks(nproc, device)
     group, rank = join_ranks(nproc)
     job = VaeFileOptions(str(image), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, progress=not (quiet or rank != 0), process_group=group,
@@ -127,6 +141,12 @@ def encode(
     if rank != 0:
         return
     typer.echo(f"{plan}\nwrote {out}")
+
+
+def _latent_channels(cfg: dict | None) -> int | None:
+    """The latent channels a 2-D VAE's config names (None: not known before it loads)."""
+    c = (cfg or {}).get("latent_channels")
+    return c if isinstance(c, int) else None
 
 
 def _video_vae(model, nproc: int) -> bool:
@@ -162,6 +182,7 @@ def analyze(
 
     checks.model_paths(model, config)
     device = options.resolve_device(device)
+    _check_pixels(model, config, size, size, 2, "--size", f"{size}", device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -239,6 +260,7 @@ def plan(
     typer.echo(str(p))
     typer.echo(f"  device {device}: {_here(device)}")
     lat = (height // f, width // f)
+    _check_ranks(ranks, lat, p.tile_size, width, height, kind)
     owner = _rank_owners(tv, shape, ranks, kind, p.tile_size, lat) if ranks > 1 else None
     run_dir = run_folder(report, {"command": "plan", "size": [width, height], "kind": kind})
     pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
@@ -273,6 +295,17 @@ def _plan_of(tv, vae, kind: str, width: int, height: int, f: int):
         return shape, tv.plan(shape, kind=kind)
     except WontFit as e:
         raise WontFit(f"plan of a {width}x{height} {kind} (latent {height // f}x{width // f}): {e}") from e
+
+
+def _check_ranks(ranks: int, lat: tuple[int, int], tile: int, width: int, height: int, kind: str) -> None:
+    """--ranks at most the plan's tile rows: each rank takes whole rows of tiles (more would hold none)."""
+    from ..geometry import TileGrid
+
+    rows = TileGrid(*lat, (min(tile, lat[0]), min(tile, lat[1]))).rows
+    if ranks > rows:
+        raise BadRequest(f"--ranks {ranks}: the {width}x{height} {kind} in tiles of {tile} latent px has "
+                         f"{rows} tile row{'s' if rows > 1 else ''} and each rank takes whole rows; use "
+                         f"--ranks 1..{rows} (or a smaller --tile)")
 
 
 def _rank_owners(tv, shape: tuple[int, ...], ranks: int, kind: str, tile: int, lat: tuple[int, int]) -> dict:
@@ -349,6 +382,7 @@ def compare(
     checks.picture(heatmap, "--heatmap", no_clobber)
     checks.report_folder(report)
     checks.model_paths(model, config)
+    _check_pixels(model, config, w, h, 3, "--size", size, "cpu")
     loaded = load_pipeline(model, config=config)
     vae = loaded.pipe.vae
     f = int(getattr(loaded.pipe, "vae_scale_factor", 8))
@@ -364,6 +398,17 @@ def compare(
     if run_dir is not None:
         (run_dir / "errors.json").write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
     finish_report(run_dir)
+
+
+def _check_pixels(model, config, w: int, h: int, copies: int, option: str, value: str, device: str) -> None:
+    """Refuse (WontFit) a latent size whose decoded images (`copies` float32 RGB images, a lower bound of
+    what the command holds) cannot fit the memory there is, before the model loads."""
+    from ..limits import check_memory
+    from ..pipelines.folders import part_config, vae_factor_of
+
+    f = vae_factor_of(part_config(model, "vae", config)) or 8
+    check_memory(copies * 3 * 4 * (h * f) * (w * f), f"{option} {value}: {copies} images of {w * f}x{h * f} "
+                 "float32 RGB", device, hint=f"a smaller {option}")
 
 
 def _decode_both(vae, pattern: str, size: tuple[int, int], tile: int, mode: str, quiet: bool):

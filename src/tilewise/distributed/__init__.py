@@ -19,8 +19,9 @@ when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its
 then holds the same latents and image, and rank 0 alone writes the output (`TiledVAE.decode_to` streams
 the other ranks' rows through rank 0; `tilewise.vae.run.sharding` has the VAE's row-band plan). `tilewise
 generate|decode ... --nproc N` is that line made for you: the CLI re-executes itself as
-`torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
---nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed, so one machine needs no launcher of its
+`torchrun_command(sys.argv[1:], N)`, i.e. `python -m tilewise.distributed.torchrun --standalone
+--nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed (torchrun, ending on a signal without its
+traceback), so one machine needs no launcher of its
 own; several machines use torchrun's `--nnodes/--rdzv-endpoint` directly. torchrun stops every worker
 when one exits with an error and prints that worker's traceback.
 
@@ -36,7 +37,8 @@ One file per job: `groups` (resolving a process group, rank and world, the colle
 from __future__ import annotations
 
 # `X as X`: private names other modules use through this package, re-exported on purpose:
-# tilewise.vae.run.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union, _first_failure)
+# tilewise.vae.run.sharding (_comm_device, _global), tests/test_distributed.py (_disjoint_union,
+# _first_failure)
 from ..geometry import Box
 from .boxes import _disjoint_union as _disjoint_union
 from .boxes import exchange_boxes, exchange_plan

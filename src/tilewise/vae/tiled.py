@@ -106,6 +106,7 @@ class TiledVAE(ModelWrapper):
         if not isinstance(vae, torch.nn.Module) or isinstance(vae, TiledVAE):
             raise ValueError(f"vae must be a diffusers VAE module (not already tiled), "
                              f"got {type(vae).__name__}")
+        _check_vae(vae)
         fast = FastSettings(fast_estimator, fast_sample, fast_low, fast_crop, color_fix)
         settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
                             query_chunk, stage_dir, fast, process_group, device_kind)
@@ -283,6 +284,22 @@ def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "de
     job = tv.job(kind)
     item = torch.empty((), dtype=dtype or job.dtype).element_size()
     return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
+
+
+def _check_vae(vae) -> None:
+    """Refuse at construction what is not a VAE this wraps (a module with an encoder and a decoder:
+    AutoencoderKL and its kin, AutoencoderTiny, the 3-D VAEs), and a VAE whose weights are not loaded."""
+    if not is_video_vae(vae) and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
+                                         for part in ("encoder", "decoder")):
+        hint = (" (a denoiser: tile it with tw.TiledDenoiser)" if hasattr(vae, "time_embedding")
+                or hasattr(vae, "time_proj") else "")
+        raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
+                         f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
+                         f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
+    meta = next((n for n, t in (*vae.named_parameters(), *vae.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"vae's weights are on the meta device ({meta!r} has no data): load them first, "
+                         "e.g. vae.to_empty(device='cpu') then load_state_dict(...), or from_pretrained")
 
 
 def _kind(kind) -> Kind:
