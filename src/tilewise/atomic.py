@@ -182,3 +182,9 @@ def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[str]:
             os.unlink(tmp)
         name_target(e, path)
         raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file (a report's JSON) under a temporary name, renamed when complete."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..atomic import write_text
 from ..errors import BadRequest
 from . import checks, options
 from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
@@ -145,7 +146,7 @@ def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> 
     buckets = [(s * f, s * f) for s in sides]
     prof = profile_buckets(step, buckets, guidance=guidance, repeats=2, device=unet.device, latent_factor=f,
                            channels=unet.config.in_channels, disable=True)
-    (run_dir / "costs.json").write_text(json.dumps(
+    write_text(run_dir / "costs.json", json.dumps(
         [{"tokens": t.tokens, "seconds": t.median, "label": "UNet call"} for t in prof.timings], indent=2))
 
 

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from ..atomic import write_text
 from ..errors import BadRequest
 from . import checks, options
 from .options import Config, Device, DType, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging, parse_size
@@ -396,7 +397,7 @@ def compare(
     targets = [q for q in (heatmap, run_dir / "heatmap.png" if run_dir else None) if q is not None]
     _write_heatmaps(targets, got, ref, grid, f"|tiled - untiled|, {mode.value}, tile {tile} latent px")
     if run_dir is not None:
-        (run_dir / "errors.json").write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
+        write_text(run_dir / "errors.json", json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
     finish_report(run_dir)
 
 
