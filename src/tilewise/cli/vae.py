@@ -249,6 +249,7 @@ def plan(
     from ..vae import TiledVAE
 
     _check_plan_options(kind, image, over, report, model, config, no_clobber)
+    checks.budget(budget)
     device = options.resolve_device(device, present=False)
     kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
     loaded = load_pipeline(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)

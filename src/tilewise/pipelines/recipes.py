@@ -17,7 +17,7 @@ from typing import Any
 
 from ..atomic import atomic_path
 from ..distributed import rank_world, resolve_group
-from ..errors import BadInputFile, BadRequest
+from ..errors import BadInputFile, BadRequest, WontFit
 from ..locality.lowering3d import is_video_vae
 from ..sinks import open_sink
 from ..sources import read_image, read_latents
@@ -113,7 +113,10 @@ def run_generate(loaded: Loaded, options: GenerateOptions) -> GenerateResult:
     tv = TiledVAE(pipe.vae, tile_size=o.vae_tile, mode=o.vae_mode, progress=o.progress,
                   process_group=o.process_group)
     zshape = (1, int(pipe.vae.config.latent_channels), o.height // f, o.width // f)
-    tv.preflight(zshape, streamed=o.out is not None)  # (its staging against the memory and disk there are)
+    try:  # its staging against the memory and disk there are
+        tv.preflight(zshape, streamed=o.out is not None)
+    except WontFit as e:
+        raise WontFit(f"generate {o.width}x{o.height}: the decode of its latents {zshape}: {e}") from e
     # 2. encode the prompt and the regions' prompts
     cond = loaded.encode(o.prompt, o.negative)
     regions = _region_embeds(loaded, o.regions, o.negative)
