@@ -20,9 +20,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
+from ..locality.lowering3d import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
 
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
 WEIGHTS = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".gguf")
 LIBRARY_LOGGERS = ("diffusers", "transformers")
 
@@ -107,6 +109,11 @@ def check_model_folder(model: str | os.PathLike | None, config: str | os.PathLik
     if model is not None and Path(model).is_dir():
         path = Path(model)
         if vae_folder and (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            name = read_json(path / "config.json", "a VAE folder's config.json names its _class_name").get(
+                "_class_name")
+            if name not in VAE_CLASSES:
+                raise ModelProblem(f"{str(path)!r} holds a {name or 'model without _class_name'}, not a VAE "
+                                   f"tilewise tiles: one of {', '.join(VAE_CLASSES)}")
             check_component(path, f"VAE folder {str(path)!r}", weights=True)
         else:
             check_pipeline_folder(path, "--model")

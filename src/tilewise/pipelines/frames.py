@@ -123,7 +123,7 @@ def _tiff_pages(path: str, headers: bool = False):
     except (tifffile.TiffFileError, OSError, ValueError, KeyError, IndexError) as e:
         raise BadInputFile(f"{path!r} is not a TIFF tilewise can read (corrupt or truncated?): {e}") from None
     if not pages:
-        raise BadInputFile(f"{path!r} holds no pages")
+        raise BadInputFile(f"{path!r} is a TIFF with no pages (corrupt or truncated?)")
     shapes = pages if headers else [p.shape for p in pages]
     names = [f"{path} page {i}" for i in range(len(shapes))]
     _same_size(names, shapes)

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import BadRequest, ModelProblem
 from ..locality.lowering3d import VIDEO_VAES
 from ..models import SCHEDULERS, default_prompt_embeds, load_default_pipeline
-from .folders import check_controlnet_folder, model_errors, read_json, read_model_index
+from .folders import VAE_CLASSES, check_controlnet_folder, model_errors, read_json, read_model_index
 from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
 
@@ -168,7 +168,6 @@ def _set_scheduler(pipe: Any, scheduler: str) -> None:
     pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
 
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
 
 
 def vae_class(model: str | os.PathLike | None) -> str | None:
