@@ -69,7 +69,7 @@ def video_output(path: Path, no_clobber: bool = False, bits: int = 8, frames: in
     except BadRequest as e:
         raise BadRequest(f"--bits {bits} with --out {name!r}: {e}") from None
     targets = frame_targets(name, max(frames, 2))[:frames]
-    for target in {str(Path(t).parent): t for t in targets}.values():
+    for target in {str(Path(t).parent): t for t in reversed(targets)}.values():  # each folder's first
         check_target(Path(target), "--out (its frames)")
     there = [t for t in targets if Path(t).exists()]
     if there and no_clobber:

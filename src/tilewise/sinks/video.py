@@ -164,7 +164,7 @@ class FrameSequenceSink(VideoSink):
         cls, _ = sink_for(self.targets[0], bits)
         if cls.__name__ != "MemmapSink" and channels not in IMAGE_CHANNELS:
             raise ValueError(f"{cls.__name__} frames hold {IMAGE_CHANNELS} channels, got channels={channels}")
-        for target in {os.path.dirname(t): t for t in self.targets}.values():  # a frame in each folder
+        for target in {os.path.dirname(t): t for t in reversed(self.targets)}.values():  # each folder's first
             check_target(target, "frame")
         self.existing = [t for t in self.targets if os.path.lexists(t)]
         if self.existing and not self.replace:
