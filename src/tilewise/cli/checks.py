@@ -223,3 +223,14 @@ def device(name: str) -> None:
             raise BadRequest(f"--device {name!r}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise BadRequest(f"--device {name!r}: MPS is not available here; use --device cpu")
+
+
+def pixels_fit(model, config, w: int, h: int, copies: int, option: str, value: str, device: str) -> None:
+    """Refuse (WontFit) a latent size whose decoded images (`copies` float32 RGB images, a lower bound of
+    what the command holds) cannot fit the memory there is, before the model loads."""
+    from ..limits import check_memory
+    from ..pipelines.folders import part_config, vae_factor_of
+
+    f = vae_factor_of(part_config(model, "vae", config)) or 8
+    check_memory(copies * 3 * 4 * (h * f) * (w * f), f"{option} {value}: {copies} images of {w * f}x{h * f} "
+                 "float32 RGB", device, hint=f"a smaller {option}")
