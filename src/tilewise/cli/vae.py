@@ -60,14 +60,14 @@ def decode(
     video = _video_vae(model, nproc)
     if not video:
         checks.output(out, no_clobber=no_clobber, bits=bits)
-    cfg = part_config(model, "vae", config)
-    shape = checks.latents_input(latents, video=video, channels=None if video else _latent_channels(cfg))
-    if video:
-        checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
     checks.report_folder(report)
     checks.budget(budget)
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
+    cfg = part_config(model, "vae", config)
+    shape = checks.latents_input(latents, video=video, channels=None if video else _latent_channels(cfg))
+    if video:
+        checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
     f = None if video else vae_factor_of(cfg)
     if f is not None:
         checks.output_room(out, shape[-2] * f, shape[-1] * f, 3, bits)
