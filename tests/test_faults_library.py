@@ -37,16 +37,6 @@ def test_tiled_vae_of_a_module_that_is_not_a_vae(make, needle):
     assert needle in text and "AutoencoderKL" in text and "encoder and a decoder" in text
 
 
-def test_tiled_vae_of_a_vae_on_the_meta_device():
-    from diffusers import AutoencoderKL
-    from tiny_sd import vae_config
-
-    with torch.device("meta"):
-        vae = AutoencoderKL(**vae_config())
-    with pytest.raises(ValueError, match=r"on the meta device \('encoder.conv_in.weight'.*to_empty"):
-        tw.TiledVAE(vae)
-
-
 @pytest.fixture(scope="module")
 def vae():
     from diffusers import AutoencoderKL
