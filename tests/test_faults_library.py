@@ -306,3 +306,40 @@ def test_a_cpu_allocation_failure_is_out_of_memory(text, code):
     e = RuntimeError(text)
     assert exit_code(e) == code
     assert message(e, []).startswith("error: out of memory" if code == 4 else "error: internal error")
+
+
+# -- diffusers' notices while a model loads ----------------------------------------------------------
+
+@pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-works"])
+def test_library_notices_are_held_while_loading(fails):
+    """The issue: diffusers' multi-line notices came before the one error line. They are held while a
+    model loads: dropped (logged at debug level) when the load fails, shown when it works."""
+    import logging
+
+    from tilewise.errors import ModelProblem
+    from tilewise.pipelines.folders import model_errors
+
+    seen = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def load():
+        with model_errors("--model 'x'"):
+            logging.getLogger("diffusers.models").warning("An error occurred while fetching x:\nno weights")
+            if fails:
+                raise OSError("no weights")
+
+    lib = logging.getLogger("diffusers")
+    handlers, level = lib.handlers[:], lib.level
+    lib.handlers, lib.level = [Seen()], logging.WARNING
+    try:
+        if fails:
+            with pytest.raises(ModelProblem, match="--model 'x' cannot be loaded: OSError: no weights"):
+                load()
+        else:
+            load()
+    finally:
+        lib.handlers, lib.level = handlers, level
+    assert seen == ([] if fails else ["An error occurred while fetching x:\nno weights"])
