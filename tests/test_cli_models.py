@@ -127,6 +127,6 @@ def test_upscale_with_a_controlnet_folder_and_inversion(sd_with_controlnet, tmp_
     assert np.abs(outs["controlnet"] - outs["plain"]).max() > 2  # the ControlNet takes part
     assert np.abs(outs["both"] - outs["controlnet"]).max() > 2  # inversion instead of fresh noise
     msg = _refused(*common, "--controlnet", root / "sd", "--out", tmp_path / "x.png")
-    assert "is not a diffusers model folder (no config.json)" in msg
+    assert "is not a diffusers model folder: it has no config.json" in msg
     msg = _refused(*common, "--controlnet", root / "sd" / "unet", "--out", tmp_path / "x.png")
     assert "holds a UNet2DConditionModel, not a diffusers ControlNet" in msg

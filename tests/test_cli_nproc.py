@@ -1,5 +1,6 @@
 """`tilewise ... --nproc N`: the command relaunches itself under torchrun; ranks agree with one process."""
 
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 _GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
 pytestmark = pytest.mark.skipif(not _GLOO, reason="torch.distributed with gloo is needed")
@@ -31,7 +33,7 @@ def test_generate_on_two_ranks_equals_one_process(tmp_path):
     t0 = time.monotonic()
     two = _tilewise(*GENERATE, "--out", "two.npy", "--nproc", "2", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "launching 2 ranks" in two.stderr and "torch.distributed.run" in two.stderr
+    assert "launching 2 ranks" in two.stderr and "tilewise.distributed.torchrun" in two.stderr
     assert two.stdout.count("wrote two.npy") == 1  # rank 0 alone reports and writes
     a = np.load(tmp_path / "one.npy").astype(np.int16)
     b = np.load(tmp_path / "two.npy").astype(np.int16)
@@ -45,11 +47,25 @@ def test_generate_on_two_ranks_equals_one_process(tmp_path):
 
 
 def test_failing_ranks_stop_the_launch_with_their_error(tmp_path):
-    bad = _tilewise(*GENERATE[:-1], "--width", "100", "--out", "bad.npy", "--nproc", "2", cwd=tmp_path)
-    assert bad.returncode != 0
-    assert "width and height have to be positive multiples of 8 but are 100 and 128" in bad.stderr
-    assert "error: 2 ranks under torchrun: exit status" in bad.stderr
-    assert list(tmp_path.iterdir()) == []
+    """A VAE folder whose config does not fit its weights fails in the ranks, as they load it (what the
+    checks before the launch cannot see): the launch ends with the ranks' status and their one line."""
+    from diffusers import AutoencoderKL
+    from tiny_sd import vae_config
+
+    torch.manual_seed(0)
+    AutoencoderKL(**vae_config()).save_pretrained(tmp_path / "vae")
+    cfg = json.loads((tmp_path / "vae" / "config.json").read_text())
+    cfg["latent_channels"] = 8  # the weights hold 4-channel convolutions
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(cfg))
+    save_file({"latents": torch.zeros(1, 8, 4, 4)}, str(tmp_path / "z.safetensors"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    bad = _tilewise("decode", "z.safetensors", "--model", "vae", "--out", "o.npy", "--nproc", "2",
+                    cwd=tmp_path)
+    assert bad.returncode == 5, bad.stderr[-3000:]
+    assert "error: VAE folder 'vae' cannot be loaded" in bad.stderr
+    assert "error: 2 ranks under torchrun: exit status 5" in bad.stderr
+    assert "Traceback" not in bad.stderr and "ChildFailedError" not in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def _photo(path, h: int, w: int) -> None:

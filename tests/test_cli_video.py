@@ -180,7 +180,8 @@ def test_frame_patterns_and_tiff_stacks_read_back_as_videos(tmp_path):
     (["decode", "z.safetensors", "--out", "nowhere/f{:02d}.png"], "folder 'nowhere' does not exist"),
     (["decode", "z.safetensors", "--out", "in.png", "--no-clobber"], "'in.png' exists and replacing it was"),
     (["decode", "z.safetensors", "--out", "v.mp4"], "suffix '.mp4' is not one this command writes"),
-    (["encode", "g{:02d}.png", "--out", "z2.safetensors"], r"first frame of 'g\{:02d\}.png' 'g00.png' does"),
+    (["encode", "g{:02d}.png", "--out", "z2.safetensors"],
+     r"no frames match 'g\{:02d\}.png': its first frame 'g00.png' does not exist"),
 ])
 def test_bad_input_is_refused_naming_the_value_before_any_work(folders, tmp_path, monkeypatch, args, needle):
     monkeypatch.chdir(tmp_path)

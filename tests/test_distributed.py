@@ -85,7 +85,7 @@ def test_shard_and_spawn_reject_bad_arguments():
 def test_torchrun_command_and_env_check(monkeypatch):
     argv = ["generate", "--nproc", "3", "--prompt", "x", "--nproc=2", "--out", "a.png"]
     assert td.torchrun_command(argv, 2)[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tilewise.cli",
+        "-m", "tilewise.distributed.torchrun", "--standalone", "--nproc-per-node=2", "-m", "tilewise.cli",
         "generate", "--prompt", "x", "--out", "a.png"]
     with pytest.raises(ValueError, match="nproc must be a positive int, got 0"):
         td.torchrun_command([], 0)

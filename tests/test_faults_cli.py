@@ -59,6 +59,13 @@ def inputs(tmp_path_factory):
         {"_class_name": "StableDiffusionPipeline", "unet": unet}))
     (d / "weights.bin").write_bytes(b"\0" * 16)
     (d / "ckpt.safetensors").write_bytes(raw)
+    zi = z.clone()
+    zi[0, 1, 0, 0] = float("inf")
+    save_file({"latents": zi}, str(d / "inf.safetensors"))
+    save_file({"latents": torch.randn(1, 4, 2, 8, 8)}, str(d / "video.safetensors"))
+    (d / "empty.png").write_bytes(b"")
+    tifffile.imwrite(d / "int32.tif", rng.integers(0, 9, (64, 64, 3), dtype=np.int32))
+    Image.fromarray(rng.integers(0, 256, (64, 64, 4), dtype=np.uint8)).save(d / "rgba.png")
     return d
 
 
@@ -126,6 +133,131 @@ CASES = {
     "buckets-request-zero": (["buckets", "--request", "0x600", "--no-profile"], BAD_REQUEST,
                              ["--request", "0x600"]),
     "buckets-plot-jpg": (["buckets", "--plot", "p.jpg", "--no-profile"], BAD_REQUEST, ["p.jpg"]),
+    "region-inverted": (GEN + ["--width", "64", "--height", "64", "--region", "40,0,8,64:brick", "--out",
+                               "o.png"], BAD_REQUEST, ["(40, 0, 8, 64)", "inverted", "x0 < x1"]),
+    "region-empty-x": (GEN + ["--width", "64", "--height", "64", "--region", "8,0,8,64:brick", "--out",
+                              "o.png"], BAD_REQUEST, ["(8, 0, 8, 64)", "empty", "x0 < x1"]),
+    "region-empty-y": (GEN + ["--width", "64", "--height", "64", "--region", "0,16,64,16:brick", "--out",
+                              "o.png"], BAD_REQUEST, ["empty", "y0 < y1"]),
+    "region-negative": (GEN + ["--width", "64", "--height", "64", "--region", "-8,0,32,32:brick", "--out",
+                               "o.png"], BAD_REQUEST, ["(-8, 0, 32, 32)", "outside", "0 <= x0"]),
+    "region-below": (GEN + ["--width", "64", "--height", "64", "--region", "0,0,64,72:brick", "--out",
+                            "o.png"], BAD_REQUEST, ["outside the 64x64 image", "y1 <= 64"]),
+    "region-no-prompt": (GEN + ["--region", "0,0,8,8:", "--out", "o.png"], BAD_REQUEST, ["0,0,8,8:"]),
+    "steps-over": (GEN + ["--steps", "1001", "--out", "o.png"], BAD_REQUEST, ["--steps", "1000"]),
+    "tile-zero": (GEN + ["--tile", "0", "--out", "o.png"], BAD_REQUEST, ["--tile", "'0'"]),
+    "overlap-negative": (GEN + ["--overlap", "-1", "--out", "o.png"], BAD_REQUEST, ["--overlap", "'-1'"]),
+    "guidance-negative": (GEN + ["--guidance", "-1", "--out", "o.png"], BAD_REQUEST, ["--guidance"]),
+    "seed-negative": (GEN + ["--seed", "-3", "--out", "o.png"], BAD_REQUEST, ["--seed", "'-3'"]),
+    "batch-size-zero": (GEN + ["--batch-size", "0", "--out", "o.png"], BAD_REQUEST, ["--batch-size"]),
+    "vae-tile-zero": (GEN + ["--vae-tile", "0", "--out", "o.png"], BAD_REQUEST, ["--vae-tile"]),
+    "height-not-multiple": (GEN + ["--width", "64", "--height", "60", "--out", "o.png"], BAD_REQUEST,
+                            ["60", "multiples of 8"]),
+    "scheduler-unknown": (GEN + ["--scheduler", "bogus", "--out", "o.png"], BAD_REQUEST, ["--scheduler"]),
+    "generate-out-pattern": (GEN + ["--out", "g{:03d}.png"], BAD_REQUEST, ["g{:03d}.png", "frame pattern"]),
+    "generate-no-clobber-64": (GEN + ["--out", "exists.png", "--no-clobber", "--width", "64", "--height",
+                                     "64"], BAD_REQUEST, ["exists.png", "--no-clobber"]),
+    "generate-nproc-over": (GEN + ["--out", "o.png", "--nproc", "4096"], BAD_REQUEST,
+                            ["--nproc 4096", "use --nproc 1.."]),
+    "generate-nproc-zero": (GEN + ["--out", "o.png", "--nproc", "0"], BAD_REQUEST, ["--nproc", "'0'"]),
+    "report-parent-is-file": (GEN + ["--out", "o.png", "--report", "file.txt/run"], BAD_REQUEST,
+                              ["file.txt", "not a folder"]),
+    "config-is-file": (GEN + ["--out", "o.png", "--model", "{D}/ckpt.safetensors", "--config",
+                              "{D}/weights.bin"], BAD_REQUEST, ["--config", "weights.bin", "is a file"]),
+    "config-beside-folder": (GEN + ["--out", "o.png", "--model", "{D}/incomplete", "--config",
+                                    "{D}/incomplete"], BAD_REQUEST, ["--config", "single-file --model only"]),
+    "decode-pattern-2d": (["decode", "{D}/z.safetensors", "--out", "f{:04d}.png"], BAD_REQUEST,
+                          ["f{:04d}.png", "frame pattern", "one file"]),
+    "decode-budget-unit": (["decode", "{D}/z.safetensors", "--out", "o.png", "--budget", "2XB"], BAD_REQUEST,
+                           ["--budget '2XB'"]),
+    "decode-budget-negative": (["decode", "{D}/z.safetensors", "--out", "o.png", "--budget", "-1GiB"],
+                               BAD_REQUEST, ["--budget '-1GiB'"]),
+    "decode-bits-7": (["decode", "{D}/z.safetensors", "--out", "o.tif", "--bits", "7"], BAD_REQUEST,
+                      ["--bits 7", "o.tif"]),
+    "decode-no-clobber": (["decode", "{D}/z.safetensors", "--out", "exists.png", "--no-clobber"], BAD_REQUEST,
+                          ["exists.png", "--no-clobber"]),
+    "decode-out-is-folder": (["decode", "{D}/z.safetensors", "--out", "dir.png"], BAD_REQUEST,
+                             ["dir.png", "is a folder"]),
+    "decode-out-folder-missing": (["decode", "{D}/z.safetensors", "--out", "nodir/o.npy"], BAD_REQUEST,
+                                  ["nodir/o.npy", "does not exist"]),
+    "decode-tile-zero": (["decode", "{D}/z.safetensors", "--out", "o.png", "--tile", "0"], BAD_REQUEST,
+                         ["--tile"]),
+    "decode-staging-unknown": (["decode", "{D}/z.safetensors", "--out", "o.png", "--staging", "ram"],
+                               BAD_REQUEST, ["--staging", "ram"]),
+    "decode-mode-unknown": (["decode", "{D}/z.safetensors", "--out", "o.png", "--mode", "approx"],
+                            BAD_REQUEST, ["--mode", "approx"]),
+    "decode-nproc-over": (["decode", "{D}/z.safetensors", "--out", "o.png", "--nproc", "4096"], BAD_REQUEST,
+                          ["--nproc 4096"]),
+    "decode-report-is-file": (["decode", "{D}/z.safetensors", "--out", "o.png", "--report", "file.txt"],
+                              BAD_REQUEST, ["file.txt", "folder"]),
+    "decode-device-unknown": (["decode", "{D}/z.safetensors", "--out", "o.png", "--device", "tpu"],
+                              BAD_REQUEST, ["--device", "'tpu'"]),
+    "encode-out-pattern": (["encode", "{D}/img.png", "--out", "z{:02d}.safetensors"], BAD_REQUEST,
+                           ["z{:02d}.safetensors", "frame pattern"]),
+    "encode-no-clobber": (["encode", "{D}/img.png", "--out", "exists.safetensors", "--no-clobber"],
+                          BAD_REQUEST, ["exists.safetensors", "--no-clobber"]),
+    "encode-budget-unparsable": (["encode", "{D}/img.png", "--out", "z.safetensors", "--budget", "much"],
+                                 BAD_REQUEST, ["--budget 'much'"]),
+    "encode-nproc-over": (["encode", "{D}/img.png", "--out", "z.safetensors", "--nproc", "4096"],
+                          BAD_REQUEST, ["--nproc 4096"]),
+    "encode-out-folder-missing": (["encode", "{D}/img.png", "--out", "nodir/z.safetensors"], BAD_REQUEST,
+                                  ["nodir/z.safetensors", "does not exist"]),
+    "upscale-steps-over": (["upscale", "{D}/img.png", "--out", "up.png", "--steps", "2000"], BAD_REQUEST,
+                           ["--steps", "1000"]),
+    "upscale-inversion-billion": (["upscale", "{D}/img.png", "--out", "up.png", "--inversion-steps",
+                                   "1000000000"], BAD_REQUEST, ["--inversion-steps", "1000"]),
+    "upscale-inversion-negative": (["upscale", "{D}/img.png", "--out", "up.png", "--inversion-steps", "-1"],
+                                   BAD_REQUEST, ["--inversion-steps"]),
+    "upscale-strength-over": (["upscale", "{D}/img.png", "--out", "up.png", "--strength", "1.5"],
+                              BAD_REQUEST, ["--strength"]),
+    "upscale-out-pattern": (["upscale", "{D}/img.png", "--out", "u{:02d}.png"], BAD_REQUEST,
+                            ["frame pattern"]),
+    "upscale-no-clobber": (["upscale", "{D}/img.png", "--out", "exists.png", "--no-clobber"], BAD_REQUEST,
+                           ["exists.png", "--no-clobber"]),
+    "upscale-nproc-over": (["upscale", "{D}/img.png", "--out", "up.png", "--nproc", "4096"], BAD_REQUEST,
+                           ["--nproc 4096"]),
+    "upscale-image-missing": (["upscale", "missing.png", "--out", "up.png"], BAD_REQUEST,
+                              ["missing.png", "does not exist"]),
+    "upscale-controlnet-missing": (["upscale", "{D}/img.png", "--out", "up.png", "--controlnet", "/no/cn"],
+                                   BAD_REQUEST, ["--controlnet '/no/cn' does not exist"]),
+    "upscale-controlnet-file": (["upscale", "{D}/img.png", "--out", "up.png", "--controlnet",
+                                 "{D}/weights.bin"], BAD_REQUEST, ["--controlnet", "is a file"]),
+    "plan-ranks-over": (["plan", "--width", "64", "--height", "64", "--ranks", "3"], BAD_REQUEST,
+                        ["--ranks 3", "1 tile row", "--ranks 1..1"]),
+    "plan-ranks-zero": (["plan", "--ranks", "0"], BAD_REQUEST, ["--ranks", "'0'"]),
+    "plan-image-no-clobber": (["plan", "--width", "64", "--height", "64", "--image", "exists.png",
+                               "--no-clobber"], BAD_REQUEST, ["exists.png", "--no-clobber"]),
+    "plan-budget-unparsable": (["plan", "--budget", "lots"], BAD_REQUEST, ["'lots'"]),
+    "plan-dtype-unknown": (["plan", "--dtype", "int8"], BAD_REQUEST, ["int8"]),
+    "compare-heatmap-no-clobber": (["compare", "--heatmap", "exists.png", "--no-clobber"], BAD_REQUEST,
+                                   ["exists.png", "--no-clobber"]),
+    "compare-heatmap-pattern": (["compare", "--heatmap", "h{:02d}.png"], BAD_REQUEST, ["frame pattern"]),
+    "analyze-size-small": (["analyze", "--size", "4"], BAD_REQUEST, ["--size", "'4'"]),
+    "buckets-request-garbled": (["buckets", "--request", "axb", "--no-profile"], BAD_REQUEST,
+                                ["--request", "axb"]),
+    # bad input files
+    "latents-inf": (["decode", "{D}/inf.safetensors", "--out", "o.png"], BAD_INPUT,
+                    ["inf.safetensors", "1 inf", "(0, 1, 0, 0)"]),
+    "latents-video-for-2d": (["decode", "{D}/video.safetensors", "--out", "o.png"], BAD_INPUT,
+                             ["video.safetensors", "[1, 4, 2, 8, 8]"]),
+    "image-empty": (["encode", "{D}/empty.png", "--out", "lat.safetensors"], BAD_INPUT,
+                    ["empty.png", "empty"]),
+    "image-int32-tiff": (["encode", "{D}/int32.tif", "--out", "lat.safetensors"], BAD_INPUT,
+                         ["int32.tif", "int32"]),
+    "upscale-truncated-png": (["upscale", "{D}/trunc.png", "--out", "up.png"], BAD_INPUT,
+                              ["trunc.png", "truncated"]),
+    "upscale-truncated-jpg": (["upscale", "{D}/trunc.jpg", "--out", "up.png"], BAD_INPUT,
+                              ["trunc.jpg", "truncated"]),
+    "upscale-float-tiff": (["upscale", "{D}/float.tif", "--out", "up.png"], BAD_INPUT,
+                           ["float.tif", "float32"]),
+    "upscale-folder": (["upscale", "{D}/afolder", "--out", "up.png"], BAD_INPUT, ["afolder", "folder"]),
+    "upscale-empty": (["upscale", "{D}/empty.png", "--out", "up.png"], BAD_INPUT, ["empty.png", "empty"]),
+    "plan-over-truncated": (["plan", "--over", "{D}/trunc.png", "--image", "g.png"], BAD_INPUT,
+                            ["trunc.png"]),
+    # won't fit, before the model loads
+    "analyze-size-huge": (["analyze", "--size", "100000"], WONT_FIT, ["--size 100000", "800000x800000",
+                                                                     "TiB"]),
+    "compare-size-huge": (["compare", "--size", "100000x100000"], WONT_FIT, ["--size 100000x100000", "TiB"]),
     # bad input files
     "latents-junk": (["decode", "{D}/junk.safetensors", "--out", "o.png"], BAD_INPUT,
                      ["junk.safetensors", "safetensors"]),
@@ -172,7 +304,7 @@ CASES = {
                             ["noindex", "model_index.json"]),
     "model-index-no-class": (GEN + ["--out", "o.png", "--model", "{D}/noclass"], MODEL, ["_class_name"]),
     "model-incomplete": (GEN + ["--out", "o.png", "--model", "{D}/incomplete"], MODEL,
-                         ["incomplete", "cannot be loaded"]),
+                         ["component 'unet'", "incomplete/unet' is missing"]),
     "config-no-index": (GEN + ["--out", "o.png", "--model", "{D}/ckpt.safetensors", "--config",
                                "{D}/noindex"],
                         MODEL, ["noindex", "model_index.json"]),
@@ -195,6 +327,7 @@ def _prepare(cwd):
     (cwd / "dir.png").mkdir()
     (cwd / "file.txt").write_text("a file\n")
     (cwd / "exists.png").write_bytes(b"the user's old picture")
+    (cwd / "exists.safetensors").write_bytes(b"the user's old latents")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -215,6 +348,7 @@ def test_cli_fault(name, inputs, tmp_path, monkeypatch, capsys):
         assert needle in errors[0], (needle, errors[0])
     assert _listing(tmp_path) == before, "an output or temporary file was left behind"
     assert (tmp_path / "exists.png").read_bytes() == b"the user's old picture"
+    assert (tmp_path / "exists.safetensors").read_bytes() == b"the user's old latents"
     assert _listing(inputs) == inputs_before
 
 

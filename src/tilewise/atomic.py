@@ -4,6 +4,12 @@ An exception (or Ctrl-C) while writing removes the temporary file, so no half-wr
 and an existing target is replaced only by a complete file (or, with replace=False, never). Before any
 work, `check_target` refuses a target that cannot be written (missing folder, a folder, a read-only
 place); errors name the target the caller gave, never the hidden temporary.
+
+Several files that make one output (a frame sequence) are published together by `publish_all`: every
+file is complete under its temporary name first, then all are renamed in one step that a signal does not
+cut (`deferred_signals`: a handler that honours it, the CLI's, holds the signal until the step is done),
+so an interrupt leaves either the user's old files or the complete new ones, never a mixture, and never
+removes a file the user had.
 """
 
 from __future__ import annotations
@@ -11,11 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import BadRequest, WontFit
+from .errors import BadRequest, Interrupted, WontFit
 
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
@@ -108,6 +114,54 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike, replace: bool = Tru
     os.unlink(tmp)
 
 
+_DEFERRED: dict[str, list] = {"depth": [], "signals": []}
+
+
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Inside: signal handlers that ask `defer_signal` hold their signal; the first held one is raised as
+    `Interrupted` when the outermost block ends (a few renames: no output is left half-published)."""
+    _DEFERRED["depth"].append(1)
+    try:
+        yield
+    finally:
+        _DEFERRED["depth"].pop()
+        if not _DEFERRED["depth"] and _DEFERRED["signals"]:
+            signum = _DEFERRED["signals"][0]
+            _DEFERRED["signals"].clear()
+            raise Interrupted(signum)
+
+
+def defer_signal(signum: int) -> bool:
+    """For a signal handler: inside `deferred_signals`, hold `signum` (raised when the block ends) and
+    return True; outside, return False (the handler acts now)."""
+    if not _DEFERRED["depth"]:
+        return False
+    _DEFERRED["signals"].append(int(signum))
+    return True
+
+
+def publish_all(pairs: Sequence[tuple[str, str | os.PathLike]], replace: bool = True) -> None:
+    """Rename every (temporary, target) pair into place as one step that signals do not cut.
+
+    replace=False publishes none of them when any target exists (one made while the work ran included):
+    the targets already linked by then are new names, and are removed again."""
+    with deferred_signals():
+        if replace:
+            for tmp, path in pairs:
+                publish(tmp, path)
+            return
+        made: list[str | os.PathLike] = []
+        try:
+            for tmp, path in pairs:
+                publish(tmp, path, replace=False)
+                made.append(path)
+        except BaseException:
+            for path in made:  # (ours: publish(replace=False) never replaces an existing file)
+                os.unlink(path)
+            raise
+
+
 def name_target(e: BaseException, path: str | os.PathLike | None) -> None:
     """An OSError raised while writing `path` (often without a file name, or with the temporary's) is
     made to name `path`, so that the message names what the user asked for."""
@@ -128,3 +182,9 @@ def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[str]:
             os.unlink(tmp)
         name_target(e, path)
         raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file (a report's JSON) under a temporary name, renamed when complete."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .assign import Assignment, Size, aspect_error
+from .imageops import RESAMPLE
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("pad", "resize", "crop", "auto")
 FITS = ("cover", "inside")
+MAX_WIDTHS = 100_000  # bucket widths a grid may try: more is a budget no bucket list is meant for
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -20,6 +23,15 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _number(name: str, value: Any, low: float, high: float = math.inf, high_open: bool = False) -> float:
+    """Return value as a float in [low, high] ([low, high) with high_open), or raise naming it."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or value > high or (high_open and value == high):
+        top = ("inf" if high == math.inf else f"{high:g}") + (")" if high_open else "]")
+        raise ValueError(f"{name} must be a number in [{low:g}, {top}, got {value!r}")
+    return float(value)
 
 
 def _check_size(name: str, size: Any) -> Size:
@@ -68,11 +80,15 @@ class BucketPlanner:
         self.latent_factor = _positive_int("latent_factor", latent_factor)
         if self.step % self.latent_factor:
             raise ValueError(f"step={step} must be a multiple of latent_factor={latent_factor}")
-        if not max_aspect >= 1:
-            raise ValueError(f"max_aspect must be >= 1 (width/height or height/width), got {max_aspect!r}")
-        self.max_aspect = float(max_aspect)
-        self.max_aspect_error = float(max_aspect_error)
-        self.max_pad_fraction = float(max_pad_fraction)
+        self.max_aspect = _number("max_aspect (width/height or height/width)", max_aspect, 1.0)
+        self.max_aspect_error = _number("max_aspect_error", max_aspect_error, 0.0)
+        self.max_pad_fraction = _number("max_pad_fraction (padded / bucket pixels)", max_pad_fraction, 0.0,
+                                        1.0, high_open=True)
+        if resample not in RESAMPLE:
+            raise ValueError(f"resample must be one of {RESAMPLE}, got {resample!r}")
+        fills = fill if isinstance(fill, tuple) else (fill,)
+        if not fills or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in fills):
+            raise ValueError(f"fill must be a number or a tuple of numbers (one per channel), got {fill!r}")
         self.resample, self.fill = resample, fill
         if (area is None) == (buckets is None):
             raise ValueError(f"give exactly one of area= or buckets=, got area={area!r}, buckets={buckets!r}")
@@ -95,6 +111,13 @@ class BucketPlanner:
                 raise ValueError(f"{name}={v} is not a multiple of step={self.step}")
         if lo > hi:
             raise ValueError(f"min_side={lo} must be <= max_side={hi}")
+        # a width past sqrt(area * max_aspect) has no height within both the area and the aspect
+        hi = min(hi, (math.isqrt(int(area * self.max_aspect)) // self.step + 1) * self.step)
+        widths = (hi - lo) // self.step + 1
+        if widths > MAX_WIDTHS:
+            step = -(-(hi - lo) // (MAX_WIDTHS - 1) // self.latent_factor) * self.latent_factor
+            raise ValueError(f"area={area} with step={self.step} gives {widths} bucket widths to try, more "
+                             f"than {MAX_WIDTHS}: use a step of at least {step}, or a smaller area")
         buckets = grid_buckets(area, self.step, lo, hi, self.max_aspect)
         if not buckets:
             raise ValueError(
@@ -125,7 +148,7 @@ class BucketPlanner:
         missing = [b for b in self.buckets if tuple(b) not in costs]
         if missing:
             raise ValueError(f"costs= has no entry for buckets {missing}")
-        return {b: float(costs[b]) for b in self.buckets}
+        return {b: _number(f"costs[{b}]", costs[b], 0.0) for b in self.buckets}
 
     def __repr__(self) -> str:
         f = self.latent_factor

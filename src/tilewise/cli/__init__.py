@@ -1,17 +1,17 @@
 """The `tilewise` command: a thin typed layer over the library (typer). Errors print one line; --debug
 shows the traceback. Outputs are written under a temporary name and renamed when complete.
 
-One module per command group: `generate` (generate, upscale), `vae` (decode, encode, analyze, plan,
-compare), `buckets`, `report` (the run folder and the report command). `entry` holds the app and the
-error boundary, `options` the typed options the commands share, `ranks` the --nproc launch.
+One module per command group: `generate` (generate, upscale), `vae` (decode, encode, plan), `measure`
+(analyze, compare), `buckets`, `report` (the run folder and the report command). `entry` holds the app and
+the error boundary, `options` the typed options the commands share, `ranks` the --nproc launch.
 """
 
-from . import buckets, generate, report, vae
+from . import buckets, generate, measure, report, vae
 from .entry import app, main
 
 # registered here, in one place: this order is the order of `tilewise --help`
-COMMANDS = (generate.generate, generate.upscale, vae.decode, vae.encode, vae.analyze, vae.plan, vae.compare,
-            buckets.buckets, report.report)
+COMMANDS = (generate.generate, generate.upscale, vae.decode, vae.encode, measure.analyze, vae.plan,
+            measure.compare, buckets.buckets, report.report)
 for _command in COMMANDS:
     app.command()(_command)
 

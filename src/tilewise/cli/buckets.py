@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from ..atomic import write_text
 from . import checks
 from .options import NoClobber, Policy, Report, parse_size
 from .report import finish_report, run_folder
@@ -58,9 +59,8 @@ def buckets(
         prof.plot(str(q))
         typer.echo(f"wrote {q}")
     if run_dir is not None:
-        (run_dir / "costs.json").write_text(
-            json.dumps([{"tokens": t.tokens, "seconds": t.median} for t in prof.timings], indent=2)
-        )
+        costs = [{"tokens": t.tokens, "seconds": t.median} for t in prof.timings]
+        write_text(run_dir / "costs.json", json.dumps(costs, indent=2))
     finish_report(run_dir)
 
 

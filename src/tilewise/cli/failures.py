@@ -6,13 +6,15 @@ around the app never saw Ctrl-C and the process exited 0; SIGTERM had no handler
 without running any `finally` (the `.part` file and the disk-staging folder stayed). Here SIGINT,
 SIGTERM and SIGHUP raise `tilewise.errors.Interrupted`, a BaseException typer does not catch: every
 `with` and `finally` on the way out runs (sinks abort, staging folders are removed), and the command
-exits 128 + the signal's number (130, 143, 129). Further signals during that clean-up are ignored.
+exits 128 + the signal's number (130, 143, 129). Further signals during that clean-up are ignored. While
+the files of one output are renamed into place (`atomic.publish_all`), a signal waits until they are.
 The exit codes of every other failure: `tilewise.errors` (the table is in the README).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 import threading
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 
 import typer.exceptions
 
+from ..atomic import defer_signal
 from ..errors import BadRequest, Interrupted, TilewiseError, WontFit
 
 SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -40,6 +43,8 @@ def signals_raise() -> Iterator[None]:
         if fired:
             return  # cleaning up after the first one: let it finish
         fired.append(signum)
+        if defer_signal(signum):
+            return  # renaming the files of one output into place: raised once they all are
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, handler) for s in SIGNALS}
@@ -108,6 +113,8 @@ def report(e: BaseException, argv: list[str], debug: bool) -> int:
         return code
     if debug and not isinstance(e, typer.TyperException):
         traceback.print_exception(e)
+    if isinstance(e, Interrupted | KeyboardInterrupt) and os.environ.get("TILEWISE_RANK_OF_LAUNCH"):
+        return code  # a rank of a --nproc launch: the launcher says it once
     typer.echo(message(e, argv), err=True)
     return code
 
@@ -145,11 +152,18 @@ def _one_line(text: str) -> str:
     return joined if len(joined) <= 600 else joined[:597] + "..."
 
 
+# what torch's allocators say when an allocation fails without raising torch.OutOfMemoryError (the CPU
+# allocator raises a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory: you tried to ...")
+_OOM_TEXTS = ("can't allocate memory", "not enough memory", "out of memory")
+
+
 def _out_of_memory(e: BaseException) -> bool:
     if isinstance(e, MemoryError):
         return True
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
+    if torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return type(e) is RuntimeError and any(t in str(e) for t in _OOM_TEXTS)
 
 
 def _disk_full(e: BaseException) -> bool:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..atomic import write_text
+from ..errors import BadRequest
 from . import checks, options
 from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
@@ -63,10 +65,14 @@ def generate(
     from ..pipelines import GenerateOptions, load_pipeline, parse_region, run_generate
 
     regions = [parse_region(r) for r in region or []]
+    checks.regions(regions, width, height)
     checks.output(out, no_clobber=no_clobber, bits=8)
     checks.report_folder(report)
     checks.model_paths(model, config)
     device = options.resolve_device(device)
+    checks.ranks(nproc, device)
+    _check_size(model, config, width, height, dtype, device, len(regions))
+    checks.output_room(out, height, width, 3, 8)
     group, rank = join_ranks(nproc)
     job = GenerateOptions(
         prompt, width, height, negative=negative, regions=regions, method=method.value, tile_size=tile,
@@ -80,6 +86,23 @@ def generate(
     total = time.perf_counter() - t0
     if rank == 0:
         _report_generate(job, region or [], loaded, res, total, report)
+
+
+def _check_size(model, config, width: int, height: int, dtype: str, device: str, regions: int) -> None:
+    """The size against the model (multiples of its VAE's factor, twice that for a transformer's 2x2
+    patches) and the memory there is, from its configs, before it loads (the recipe checks again)."""
+    from ..pipelines.fits import check_generate_room
+    from ..pipelines.folders import part_config, vae_factor_of
+
+    f = vae_factor_of(part_config(model, "vae", config)) or 8
+    transformer = part_config(model, "transformer", config)
+    denoiser = transformer or part_config(model, "unet", config) or {}
+    m = 2 * f if transformer is not None else f
+    if width % m or height % m:
+        raise BadRequest(f"width and height have to be positive multiples of {m} but are {width} and "
+                         f"{height}")
+    channels = int(denoiser.get("in_channels", 4) or 4)
+    check_generate_room(channels, dtype, device, width, height, f, regions)
 
 
 def _report_generate(job: GenerateOptions, region_texts: list[str], loaded: Loaded, res: GenerateResult,
@@ -123,7 +146,7 @@ def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> 
     buckets = [(s * f, s * f) for s in sides]
     prof = profile_buckets(step, buckets, guidance=guidance, repeats=2, device=unet.device, latent_factor=f,
                            channels=unet.config.in_channels, disable=True)
-    (run_dir / "costs.json").write_text(json.dumps(
+    write_text(run_dir / "costs.json", json.dumps(
         [{"tokens": t.tokens, "seconds": t.median, "label": "UNet call"} for t in prof.timings], indent=2))
 
 
@@ -136,7 +159,7 @@ def upscale(
     method: Annotated[Method, typer.Option()] = Method.mixture,
     tile: Annotated[int, typer.Option(min=1, help="denoiser tile, latent px")] = 16,
     overlap: Annotated[int, typer.Option(min=0, help="latent px")] = 4,
-    steps: Annotated[int, typer.Option(min=1)] = 20,
+    steps: Annotated[int, typer.Option(min=1, max=1000, help="denoising steps (schedulers train 1000)")] = 20,
     guidance: Annotated[float, typer.Option(min=0.0)] = 5.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     vae_tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
@@ -148,8 +171,8 @@ def upscale(
     controlnet_scale: Annotated[float, typer.Option(min=0.0, help="ControlNet conditioning scale")] = 1.0,
     inversion_steps: Annotated[
         int,
-        typer.Option(min=0, help="DDIM-invert the input in N steps (same tiles) instead of fresh noise; "
-                     "0: off"),
+        typer.Option(min=0, max=1000, help="DDIM-invert the input in N steps (same tiles) instead of fresh "
+                     "noise; 0: off"),
     ] = 0,
     model: Model = None,
     config: Config = None,
@@ -169,14 +192,14 @@ def upscale(
     from ..diffusion import UpscaleOptions, run_upscale
     from ..pipelines import load_pipeline
     from ..pipelines.fits import check_upscale_fits
-    from ..sources import read_image
 
     checks.output(out, no_clobber=no_clobber)
-    checks.image_input(image)
-    checks.model_paths(model, config)
+    src = checks.image_input(image, decode=True)  # at its depth (16-bit in, 16-bit out); alpha is not used
+    checks.model_paths(model, config, controlnet=controlnet)
     device = options.resolve_device(device)
-    src = read_image(image)  # at its depth (16-bit in, 16-bit out); alpha is not used
+    checks.ranks(nproc, device)
     check_upscale_fits(src.width, src.height, scale)
+    checks.output_room(out, round(src.height * scale), round(src.width * scale), 3, src.bits)
     group, rank = join_ranks(nproc)
     extra = _controlnet(controlnet, controlnet_scale, device, dtype)
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)

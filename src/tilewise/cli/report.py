@@ -9,13 +9,15 @@ from typing import Annotated
 
 import typer
 
+from ..atomic import write_text
+
 
 def run_folder(report: Path | None, info: dict) -> Path | None:
     """Create the --report folder with its run.json; None without --report."""
     if report is None:
         return None
     report.mkdir(parents=True, exist_ok=True)
-    (report / "run.json").write_text(json.dumps(info, indent=2, default=str))
+    write_text(report / "run.json", json.dumps(info, indent=2, default=str))
     return report
 
 
@@ -23,7 +25,7 @@ def write_plan(run_dir: Path | None, plan) -> None:
     """The plan as plan.json in the run folder."""
     if run_dir is None or plan is None:
         return
-    (run_dir / "plan.json").write_text(json.dumps(asdict(plan), indent=2, default=str))
+    write_text(run_dir / "plan.json", json.dumps(asdict(plan), indent=2, default=str))
 
 
 def finish_report(run_dir: Path | None) -> None:

@@ -19,8 +19,9 @@ when CUDA is available, else gloo; the CUDA device is LOCAL_RANK) and builds its
 then holds the same latents and image, and rank 0 alone writes the output (`TiledVAE.decode_to` streams
 the other ranks' rows through rank 0; `tilewise.vae.run.sharding` has the VAE's row-band plan). `tilewise
 generate|decode ... --nproc N` is that line made for you: the CLI re-executes itself as
-`torchrun_command(sys.argv[1:], N)`, i.e. `python -m torch.distributed.run --standalone
---nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed, so one machine needs no launcher of its
+`torchrun_command(sys.argv[1:], N)`, i.e. `python -m tilewise.distributed.torchrun --standalone
+--nproc-per-node=N -m tilewise.cli ...` with `--nproc` removed (torchrun, ending on a signal without its
+traceback), so one machine needs no launcher of its
 own; several machines use torchrun's `--nnodes/--rdzv-endpoint` directly. torchrun stops every worker
 when one exits with an error and prints that worker's traceback.
 

@@ -64,7 +64,8 @@ def _destroy_group() -> None:
 
 
 def torchrun_command(argv: Sequence[str], nproc: int, module: str = "tilewise.cli") -> list[str]:
-    """The argv that relaunches `python -m module argv` on `nproc` local ranks with torchrun (no --nproc)."""
+    """The argv that relaunches `python -m module argv` on `nproc` local ranks with torchrun (no --nproc;
+    through `tilewise.distributed.torchrun`, which ends on a signal without torchrun's traceback)."""
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     rest, skip = [], False
@@ -78,8 +79,8 @@ def torchrun_command(argv: Sequence[str], nproc: int, module: str = "tilewise.cl
         if a.startswith("--nproc="):
             continue
         rest.append(a)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *rest]
+    return [sys.executable, "-m", "tilewise.distributed.torchrun", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", module, *rest]
 
 
 def _write_failure(results: str, rank: int) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..atomic import check_target
 from ..errors import BadRequest, WontFit
-from ..limits import device_memory_available, fitting_size
+from ..limits import check_disk, device_memory_available, fitting_size
 from ..memory import dtype_itemsize, format_bytes
 
 # latent-sized float tensors counted per guided denoising step, a lower bound of what grows with the area:
@@ -46,11 +46,17 @@ def check_generate_fits(unet, width: int, height: int, factor: int, regions: int
     """Refuse a generation whose full-size latents alone cannot fit the UNet's device (WontFit naming the
     figure and the largest size of the same aspect that would)."""
     c = int(getattr(getattr(unet, "config", None), "in_channels", 4) or 4)
-    h, w = height // factor, width // factor
-    dtype = getattr(unet, "dtype", "float32")
+    check_generate_room(c, getattr(unet, "dtype", "float32"), getattr(unet, "device", "cpu"), width, height,
+                        factor, regions)
+
+
+def check_generate_room(channels: int, dtype, device, width: int, height: int, factor: int,
+                        regions: int = 0) -> None:
+    """`check_generate_fits` from the denoiser's latent channels, dtype and device (what its config and
+    the command's options say, before it loads)."""
+    c, h, w = channels, height // factor, width // factor
     per = c * h * w * dtype_itemsize(dtype)
     need = LATENT_COPIES * per + (regions + 1) * h * w * 4  # and one float32 weight plane per region
-    device = getattr(unet, "device", "cpu")
     room = device_memory_available(device)
     if need <= room:
         return
@@ -73,3 +79,16 @@ def check_upscale_fits(width: int, height: int, scale: float) -> None:
         raise WontFit(f"upscale of {width}x{height} by {scale:g} to {ow}x{oh} holds at least "
                       f"{format_bytes(need)} of float32 pixels but {format_bytes(room)} of host memory is "
                       f"available; a scale of about {s:.2g} would fit")
+
+
+def check_output_disk(out: str, height: int, width: int, channels: int, bits: int, frames: int = 1) -> None:
+    """Refuse (WontFit) an uncompressed output whose bytes exceed the free disk of its folder: a .npy
+    (image, stack, or the frames of a pattern) or an uncompressed TIFF holds every pixel; a PNG is
+    compressed and has no known size before it is written."""
+    suffix = Path(out.replace("{", "").replace("}", "")).suffix.lower()
+    if suffix not in (".npy", ".tif", ".tiff"):
+        return
+    need = frames * height * width * channels * max(1, bits // 8)
+    folder = os.path.dirname(out.format(0) if "{" in out else out) or "."
+    check_disk(need, folder, f"output {out!r} ({frames} x {width}x{height}x{channels} at {bits} bits)",
+               hint="free some space or write it elsewhere")

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadRequest, ModelProblem, TilewiseError
+from ..errors import BadRequest, ModelProblem
 from ..locality.lowering3d import VIDEO_VAES
 from ..models import SCHEDULERS, default_prompt_embeds, load_default_pipeline
+from .folders import VAE_CLASSES, check_controlnet_folder, model_errors, read_json, read_model_index
 from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
 
@@ -63,18 +62,16 @@ def load_controlnet(folder: str | os.PathLike, device: str = "cpu", dtype: str =
     import diffusers
 
     path = Path(folder)
-    config = path / "config.json"
-    if not config.is_file():
-        raise BadRequest(f"--controlnet {str(folder)!r} is not a diffusers model folder (no config.json)")
-    try:
-        name = json.loads(config.read_text()).get("_class_name", "")
-    except ValueError as e:
-        raise ModelProblem(f"{str(config)!r} is not valid JSON ({e})") from None
-    if not name.endswith(("ControlNetModel", "ControlNetUnionModel")) or not hasattr(diffusers, name):
+    check_controlnet_folder(path)
+    name = read_json(path / "config.json", "a ControlNet's config.json names its _class_name").get(
+        "_class_name", "")
+    if not isinstance(name, str) or not name.endswith(("ControlNetModel", "ControlNetUnionModel")) or \
+            not hasattr(diffusers, name):
         raise ModelProblem(f"--controlnet {str(folder)!r} holds a {name or 'model without _class_name'}, not "
-                         "a diffusers ControlNet (ControlNetModel, SD3ControlNetModel, FluxControlNetModel, "
-                         "...)")
-    model = getattr(diffusers, name).from_pretrained(path, local_files_only=True)
+                           "a diffusers ControlNet (ControlNetModel, SD3ControlNetModel, "
+                           "FluxControlNetModel, ...)")
+    with model_errors(f"--controlnet {str(folder)!r}"):
+        model = getattr(diffusers, name).from_pretrained(path, local_files_only=True)
     return model.to(device, _torch_dtype(dtype)).eval()
 
 
@@ -137,7 +134,7 @@ def _load_local(model: str | os.PathLike, config: str | os.PathLike | None, loca
         from diffusers import DiffusionPipeline
 
         nones = _saved_as_none(path)
-        with model_errors(f"--model {str(path)!r}"):
+        with model_errors(f"--model {str(path)!r}", folder=path):
             pipe = DiffusionPipeline.from_pretrained(path, local_files_only=local_files_only, **nones)
     elif path.suffix in (".safetensors", ".ckpt"):
         with model_errors(f"--model {str(path)!r}"):
@@ -171,39 +168,6 @@ def _set_scheduler(pipe: Any, scheduler: str) -> None:
     pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
 
 
-def read_model_index(folder: Path, what: str) -> dict:
-    """A pipeline folder's model_index.json as a dict naming its class; ModelProblem naming the file."""
-    index = folder / "model_index.json"
-    if not index.is_file():
-        raise ModelProblem(f"{what} {str(folder)!r} is a folder without model_index.json: not a diffusers "
-                           "pipeline")
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelProblem(f"{str(index)!r} is not valid JSON ({e}); a diffusers model_index.json maps "
-                           "'_class_name' and each component to [library, class]") from e
-    if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
-        raise ModelProblem(f"{str(index)!r} names no pipeline class: it needs a '_class_name' string, e.g. "
-                           "\"StableDiffusionPipeline\"")
-    return data
-
-
-@contextmanager
-def model_errors(what: str) -> Iterator[None]:
-    """Errors of diffusers while loading a model (KeyError, OSError, a corrupt weight file) as one
-    ModelProblem naming the model; out-of-memory errors, tilewise's own errors and signals pass through."""
-    try:
-        yield
-    except (TilewiseError, MemoryError):
-        raise
-    except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":
-            raise
-        detail = " ".join(str(e).split()) or type(e).__name__
-        raise ModelProblem(f"{what} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e
-
-
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
 
 
 def vae_class(model: str | os.PathLike | None) -> str | None:
@@ -251,7 +215,7 @@ def load_vae(
         with model_errors(f"VAE folder {str(path)!r}"):
             vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
     elif name in VIDEO_VAES and config is None:
-        with model_errors(f"the VAE of {str(path)!r}"):
+        with model_errors(f"the VAE of {str(path)!r}", folder=path):
             vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
                                                            local_files_only=local_files_only)
     else:

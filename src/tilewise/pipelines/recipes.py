@@ -17,7 +17,7 @@ from typing import Any
 
 from ..atomic import atomic_path
 from ..distributed import rank_world, resolve_group
-from ..errors import BadInputFile, BadRequest
+from ..errors import BadInputFile, BadRequest, WontFit
 from ..locality.lowering3d import is_video_vae
 from ..sinks import open_sink
 from ..sources import read_image, read_latents
@@ -113,7 +113,10 @@ def run_generate(loaded: Loaded, options: GenerateOptions) -> GenerateResult:
     tv = TiledVAE(pipe.vae, tile_size=o.vae_tile, mode=o.vae_mode, progress=o.progress,
                   process_group=o.process_group)
     zshape = (1, int(pipe.vae.config.latent_channels), o.height // f, o.width // f)
-    tv.preflight(zshape, streamed=o.out is not None)  # (its staging against the memory and disk there are)
+    try:  # its staging against the memory and disk there are
+        tv.preflight(zshape, streamed=o.out is not None)
+    except WontFit as e:
+        raise WontFit(f"generate {o.width}x{o.height}: the decode of its latents {zshape}: {e}") from e
     # 2. encode the prompt and the regions' prompts
     cond = loaded.encode(o.prompt, o.negative)
     regions = _region_embeds(loaded, o.regions, o.negative)
@@ -143,9 +146,20 @@ def _check_request(o: GenerateOptions, m: int) -> None:
         )
     check_image_output(o.out, o.bits, o.replace)
     for box, _ in o.regions:
-        x0, y0, x1, y1 = box
-        if not (0 <= x0 < x1 <= o.width and 0 <= y0 < y1 <= o.height):
-            raise ValueError(f"region box {box} lies outside the {o.width}x{o.height} image")
+        check_region(box, o.width, o.height)
+
+
+def check_region(box: tuple[int, int, int, int], width: int, height: int) -> None:
+    """A region box (x0, y0, x1, y1) in pixels: not empty, not inverted, inside the width x height image."""
+    x0, y0, x1, y1 = box
+    if x1 <= x0 or y1 <= y0:
+        axis = "x0 < x1" if x1 <= x0 else "y0 < y1"
+        what = "empty" if (x1 == x0 or y1 == y0) else "inverted"
+        raise BadRequest(f"region box {tuple(box)} is {what}: it needs {axis} (x0,y0 top left, x1,y1 bottom "
+                         "right, in pixels)")
+    if not (0 <= x0 and x1 <= width and 0 <= y0 and y1 <= height):
+        raise BadRequest(f"region box {tuple(box)} lies outside the {width}x{height} image: it needs "
+                         f"0 <= x0 < x1 <= {width} and 0 <= y0 < y1 <= {height}")
 
 
 def _region_embeds(loaded: Loaded, regions, negative: str) -> list:
@@ -283,13 +297,17 @@ def load_image(path: str, multiple: int = 8):
     """An image file as a (1, 3, H, W) float tensor in [-1, 1], read at its depth (`tilewise.sources`);
     sides must be multiples of `multiple`."""
     pic = read_image(path)
-    h, w = pic.height, pic.width
+    check_image_size(path, pic.width, pic.height, multiple)
+    return pic.tensor((-1.0, 1.0))
+
+
+def check_image_size(path: str, w: int, h: int, multiple: int) -> None:
+    """An image to encode has sides that are multiples of the VAE's factor (BadInputFile otherwise)."""
     if h % multiple or w % multiple:
         raise BadInputFile(
             f"image {path!r} is {w}x{h}; both sides must be multiples of {multiple} to encode "
-            f"(crop to {w - w % multiple}x{h - h % multiple} or pad)"
+            f"(crop to {w - w % multiple or multiple}x{h - h % multiple or multiple} or pad)"
         )
-    return pic.tensor((-1.0, 1.0))
 
 
 def encode_file(

@@ -93,7 +93,12 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
     check_target(out.format(0) if "{" in out else out, "output", replace=replace)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
-            else open_video_sink(out, t, h, w, c, bits=bits))
+            else open_video_sink(out, t, h, w, c, bits=bits, replace=replace))
+    existing = getattr(sink, "existing", [])
+    if existing:
+        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+        logger.warning("%d of the %d frames of %r exist (%s): they are replaced once every new frame is "
+                       "complete (--no-clobber keeps them)", len(existing), t, out, shown)
     sequential = image or not getattr(sink, "random_access", False)
     plan = tv.plan(shape, streamed=True, sequential=sequential)
     with sink, torch.no_grad():

@@ -43,6 +43,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..atomic import check_target
 from ..errors import BadRequest
 from ..geometry import Box
 from .arrays import MemmapSink, TensorSink
@@ -78,6 +79,10 @@ def open_sink(path: str | os.PathLike, height: int, width: int, channels: int = 
 
     replace=False: closing refuses to replace an existing file (no-clobber)."""
     cls, dtype = sink_for(path, bits)
+    if not isinstance(replace, bool):
+        raise ValueError(f"replace must be True or False, got {replace!r}")
+    if not replace:
+        check_target(path, replace=False)
     sink = cls(path, height, width, channels, dtype, **options)
     sink.replace = replace
     return sink

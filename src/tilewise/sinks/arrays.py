@@ -42,6 +42,11 @@ class TensorSink(_BoxCoverageSink):
         import torch
 
         self._torch_dtype = getattr(torch, self.dtype)
+        try:
+            device = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device must be a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") \
+                from None
         self.tensor = torch.zeros((self.channels, self.height, self.width), dtype=self._torch_dtype,
                                   device=device)
 
@@ -83,7 +88,7 @@ class MemmapSink(_BoxCoverageSink):
         try:
             self._array = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=self.dtype,
                                                     shape=(self.height, self.width, self.channels))
-            _allocate(self._tmp)
+            allocate(self._tmp)
         except BaseException as e:
             name_target(e, self.path)
             self.abort()
@@ -111,7 +116,7 @@ class MemmapSink(_BoxCoverageSink):
                 mm.close()
 
 
-def _allocate(path: str) -> None:
+def allocate(path: str) -> None:
     """Reserve a memmapped file's blocks on disk now: a mapped page the disk has no room for is a SIGBUS
     (a bus error, no clean-up) when written, where posix_fallocate fails with ENOSPC at once."""
     size = os.path.getsize(path)

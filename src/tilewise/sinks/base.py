@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import name_target, publish
+from ..atomic import check_target, name_target, publish
 from ..geometry import Box
 from .pixels import FLOAT_DTYPES, INT_BITS, channels_first_3d, check_range, is_torch, quantize_torch
 
@@ -39,6 +39,8 @@ class Sink:
         self.path = None if path is None else os.fspath(path)
         self.closed = False
         self._tmp: str | None = None
+        if self.path is not None:
+            check_target(self.path)  # (a folder, a missing folder, a read-only place: refused before writing)
 
     def _dtype_name(self, dtype: Any) -> str:
         name = str(dtype).removeprefix("torch.")
@@ -135,21 +137,37 @@ class Sink:
         """Check coverage, finish the file and rename it into place; on any error remove it instead."""
         if self.closed:
             return
+        tmp = self.complete()
+        if tmp is None:
+            return
+        try:
+            publish(tmp, self.path, replace=self.replace)
+        except BaseException as e:
+            name_target(e, self.path)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        logger.debug("wrote %s", self.path)
+
+    def complete(self) -> str | None:
+        """Check coverage and finish the file under its temporary name, without renaming it: the temporary
+        path (None for an in-memory sink), now the caller's to publish (`atomic.publish_all`, as a frame
+        sequence does with all its frames at once) or remove. On any error the file is removed."""
+        if self.closed:
+            raise ValueError(f"{self!r} is closed")
         try:
             gap = self._gap()
             if gap is not None:
                 raise ValueError(f"{self!r}: pixels (y {gap[0]}..{gap[1]}, x {gap[2]}..{gap[3]}) were never "
                                  f"written; writes must cover the whole {self.height}x{self.width} image")
             self._finish()
-            if self._tmp is not None:
-                publish(self._tmp, self.path, replace=self.replace)
-                self._tmp = None
-                logger.debug("wrote %s", self.path)
         except BaseException as e:
             name_target(e, self.path)
             self.abort()
             raise
         self.closed = True
+        tmp, self._tmp = self._tmp, None
+        return tmp
 
     def abort(self) -> None:
         """Discard everything written; no file is left at ``path`` nor under the temporary name."""

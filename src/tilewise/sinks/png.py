@@ -45,6 +45,9 @@ class PNGSink(Sink):
             raise ValueError(f"band_rows must be an int >= 1, got {band_rows!r}")
         if compress_level not in range(-1, 10):
             raise ValueError(f"compress_level must be -1 (zlib default) or 0..9, got {compress_level!r}")
+        if isinstance(idat_bytes, bool) or not isinstance(idat_bytes, int) or idat_bytes < 1:
+            raise ValueError(f"idat_bytes (the most bytes per IDAT chunk) must be an int >= 1, got "
+                             f"{idat_bytes!r}")
         self.band_rows, self.png_filter, self.idat_bytes = band_rows, png_filter, idat_bytes
         self._buffer = RowBuffer(self.height, self.width, self.channels, np.dtype(self.dtype), 1)
         self._zip = zlib.compressobj(compress_level)

@@ -29,6 +29,23 @@ class _Aborted(Exception):
     """Raised inside the TIFF writer thread's tile iterator when the sink is aborted."""
 
 
+def _check_compression(compression: Any) -> None:
+    """None, or a compression tifffile writes here (zlib, and those its codecs provide): tried on one
+    16 x 16 tile in memory, so that a codec that is not installed is refused now, not by the writer."""
+    if compression is None:
+        return
+    import io
+
+    import tifffile
+
+    try:
+        tifffile.imwrite(io.BytesIO(), np.zeros((16, 16), np.uint8), tile=(16, 16), compression=compression)
+    except Exception as e:  # tifffile's refusals: ValueError, KeyError, a missing codec module
+        why = f"{type(e).__name__}: {e}"
+        raise ValueError(f"compression={compression!r} cannot be written here ({why}); use None or 'zlib' "
+                         "(others, e.g. 'lzw', 'zstd', need the imagecodecs package)") from None
+
+
 class TIFFSink(Sink):
     """Tiled BigTIFF through tifffile, fed one complete tile row at a time by a writer thread."""
 
@@ -39,6 +56,10 @@ class TIFFSink(Sink):
         th, tw = (tile, tile) if isinstance(tile, int) else tuple(tile)
         if not all(isinstance(t, int) and t >= 16 and t % 16 == 0 for t in (th, tw)):
             raise ValueError(f"TIFF tile sides must be positive multiples of 16, got {tile!r}")
+        _check_compression(compression)
+        if isinstance(queue_bands, bool) or not isinstance(queue_bands, int) or queue_bands < 1:
+            raise ValueError(f"queue_bands (tile rows handed to the writer ahead) must be an int >= 1, got "
+                             f"{queue_bands!r}")
         self.tile, self.compression = (th, tw), compression
         self._buffer = RowBuffer(self.height, self.width, self.channels, np.dtype(self.dtype), th)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_bands))

@@ -8,11 +8,15 @@ image sinks (`tilewise.sinks`) with a time axis:
   whose floats are mapped from ``value_range`` (default ``(-1, 1)``, a VAE decode's) to the integer
   range, or numpy ``(t, h, w, C)`` pixels already in the sink's dtype;
 - ``close()`` checks that every pixel of every frame was written and publishes the file(s) under their
-  names (written under temporary names first); an exception inside the ``with`` block removes them.
+  names (written under temporary names first; a frame sequence's files all at once, when every frame is
+  complete: `atomic.publish_all`); an exception inside the ``with`` block removes the temporaries and
+  never a file that was there before; ``replace=False`` refuses (at once, and again when publishing) to
+  replace any existing target.
 
 - :class:`FrameSequenceSink`: one image per frame, ``pattern.format(t)`` (``"out/f{:04d}.png"``), each an
-  image sink (`tilewise.sinks.open_sink`: PNG, TIFF, .npy) opened at the frame's first block and closed
-  at its last. A PNG frame takes its blocks in row-major tile order. Holds the open frames' row buffers.
+  image sink (`tilewise.sinks.open_sink`: PNG, TIFF, .npy) opened at the frame's first block and
+  completed under its temporary name at its last. A PNG frame takes its blocks in row-major tile order.
+  Holds the open frames' row buffers. `existing` lists the targets that are there (and will be replaced).
 - :class:`NpyStackSink`: one ``(T, H, W, C)`` ``.npy`` through a memmap; blocks in any order.
 - :class:`TIFFStackSink`: a multi-page BigTIFF, one page per frame in frame order (tifffile); a frame is
   held in memory from its first block until it and every frame before it are complete.
@@ -32,13 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import publish, temporary_path
+from ..atomic import check_target, name_target, publish, publish_all, temporary_path
 from ..errors import BadRequest
 from . import open_sink, sink_for
+from .arrays import allocate
 from .coverage import first_gap
-from .pixels import to_hwc_uint
+from .pixels import check_range, to_hwc_uint
 
 DTYPES = {8: "uint8", 16: "uint16", 32: "float32"}
+IMAGE_CHANNELS = (1, 2, 3, 4)  # grey, grey+alpha, RGB, RGBA: what PNG and TIFF frames hold
 
 
 class VideoSink:
@@ -46,16 +52,24 @@ class VideoSink:
 
     random_access = False
 
+    channels_allowed: tuple[int, ...] | None = None  # None: any number of channels
+
     def __init__(self, path: str | os.PathLike, frames: int, height: int, width: int, channels: int = 3,
-                 bits: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0)):
+                 bits: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0), replace: bool = True):
         for name, v in (("frames", frames), ("height", height), ("width", width), ("channels", channels)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r} (video {frames!r} frames of "
                                  f"{height!r}x{width!r}x{channels!r})")
         if bits not in DTYPES:
             raise ValueError(f"bits must be 8, 16 or 32 (float32), got {bits!r}")
+        if self.channels_allowed is not None and channels not in self.channels_allowed:
+            raise ValueError(f"{type(self).__name__} holds frames of {self.channels_allowed} channels (grey, "
+                             f"grey+alpha, RGB, RGBA), got channels={channels}")
+        if not isinstance(replace, bool):
+            raise ValueError(f"replace must be True or False, got {replace!r}")
         self.path, self.frames, self.height, self.width = os.fspath(path), frames, height, width
-        self.channels, self.bits, self.dtype, self.value_range = channels, bits, DTYPES[bits], value_range
+        self.channels, self.bits, self.dtype = channels, bits, DTYPES[bits]
+        self.value_range, self.replace = check_range(value_range), replace
         self._boxes: list[list[tuple[int, int, int, int]]] = [[] for _ in range(frames)]
         self._area = [0] * frames
         self.closed = False
@@ -141,31 +155,63 @@ class VideoSink:
 
 
 class FrameSequenceSink(VideoSink):
-    """One image file per frame: ``path.format(t)`` through `tilewise.sinks.open_sink`."""
+    """One image file per frame: ``path.format(t)`` through `tilewise.sinks.open_sink`, all published
+    together when every frame is complete."""
 
     def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
         super().__init__(path, frames, height, width, channels, bits, **kw)
-        if self.path.format(0) == self.path.format(1):
-            raise ValueError(f"a frame sequence needs a pattern with a {{}} field for the frame number, e.g. "
-                             f"'frames/f{{:04d}}.png', got {self.path!r}")
+        self.targets = frame_targets(self.path, frames)
+        cls, _ = sink_for(self.targets[0], bits)
+        if cls.__name__ != "MemmapSink" and channels not in IMAGE_CHANNELS:
+            raise ValueError(f"{cls.__name__} frames hold {IMAGE_CHANNELS} channels, got channels={channels}")
+        for target in {os.path.dirname(t): t for t in reversed(self.targets)}.values():  # each folder's first
+            check_target(target, "frame")
+        self.existing = [t for t in self.targets if os.path.lexists(t)]
+        if self.existing and not self.replace:
+            raise BadRequest(f"{len(self.existing)} of the {frames} frames of {self.path!r} exist (the first "
+                             f"{self.existing[0]!r}) and replacing them was refused (--no-clobber); remove "
+                             "them or choose another pattern")
         self._open: dict[int, Any] = {}
-        self._done: list[str] = []
+        self._done: dict[int, str] = {}  # frame -> its complete file under a temporary name
 
     def _put(self, f, y0, x0, pixels):
         if f not in self._open:
-            self._open[f] = open_sink(self.path.format(f), self.height, self.width, self.channels, self.bits)
+            self._open[f] = open_sink(self.targets[f], self.height, self.width, self.channels, self.bits)
         self._open[f].write(y0, x0, pixels)
 
     def _complete(self, f):
-        self._open.pop(f).close()
-        self._done.append(self.path.format(f))
+        self._done[f] = self._open.pop(f).complete()
+
+    def _finish(self):
+        publish_all([(self._done[f], self.targets[f]) for f in range(self.frames)], replace=self.replace)
+        self._done.clear()
 
     def _discard(self):
         for sink in self._open.values():
             sink.abort()
-        for path in self._done:  # frames already published go too: no partial sequence is left
-            if os.path.exists(path):
-                os.unlink(path)
+        for tmp in self._done.values():  # temporaries only: a file the user had is never touched
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        self._open.clear()
+        self._done.clear()
+
+
+def frame_targets(pattern: str, frames: int) -> list[str]:
+    """The file of every frame of a pattern with one {} field (``"f{:04d}.png"``); BadRequest when it is
+    not one, or when two frames would share a file."""
+    try:
+        targets = [pattern.format(t) for t in range(frames)]
+    except (IndexError, KeyError, ValueError) as e:
+        raise BadRequest(f"{pattern!r} is not a frame pattern with one {{}} field for the frame number "
+                         f"({e}); e.g. 'frames/f{{:04d}}.png'") from None
+    if frames > 1 and targets[0] == targets[1]:
+        raise BadRequest(f"a frame sequence needs a pattern with a {{}} field for the frame number, e.g. "
+                         f"'frames/f{{:04d}}.png', got {pattern!r}")
+    if len(set(targets)) != frames:
+        twice = next(t for i, t in enumerate(targets) if t in targets[:i])
+        raise BadRequest(f"pattern {pattern!r} names two of its {frames} frames {twice!r}: give a field that "
+                         "tells every frame number apart, e.g. {:04d}")
+    return targets
 
 
 class NpyStackSink(VideoSink):
@@ -175,9 +221,17 @@ class NpyStackSink(VideoSink):
 
     def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
         super().__init__(path, frames, height, width, channels, bits, **kw)
+        check_target(self.path, "output", replace=self.replace)
         self._tmp = temporary_path(self.path)
-        self._array = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=self.dtype,
-                                                shape=(frames, height, width, channels))
+        try:
+            self._array = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=self.dtype,
+                                                    shape=(frames, height, width, channels))
+            allocate(self._tmp)  # (a full disk is an error now, not a bus error while writing)
+        except BaseException as e:
+            name_target(e, self.path)
+            self._array = None
+            self.abort()
+            raise
 
     def _put(self, f, y0, x0, pixels):
         self._array[f, y0:y0 + pixels.shape[0], x0:x0 + pixels.shape[1]] = pixels
@@ -191,7 +245,7 @@ class NpyStackSink(VideoSink):
     def _finish(self):
         self._array.flush()
         self._release()
-        publish(self._tmp, self.path)
+        publish(self._tmp, self.path, replace=self.replace)
 
     def _discard(self):
         self._release()
@@ -202,10 +256,13 @@ class NpyStackSink(VideoSink):
 class TIFFStackSink(VideoSink):
     """A multi-page BigTIFF, one page per frame, pages written in frame order."""
 
+    channels_allowed = IMAGE_CHANNELS
+
     def __init__(self, path, frames, height, width, channels=3, bits=8, **kw):
         import tifffile
 
         super().__init__(path, frames, height, width, channels, bits, **kw)
+        check_target(self.path, "output", replace=self.replace)
         self._tmp = temporary_path(self.path)
         self._tif = tifffile.TiffWriter(self._tmp, bigtiff=True)
         self._held: dict[int, np.ndarray] = {}
@@ -230,7 +287,7 @@ class TIFFStackSink(VideoSink):
 
     def _finish(self):
         self._tif.close()
-        publish(self._tmp, self.path)
+        publish(self._tmp, self.path, replace=self.replace)
 
     def _discard(self):
         self._tif.close()
@@ -246,12 +303,7 @@ def video_sink_for(path: str | os.PathLike, bits: int = 8) -> type[VideoSink]:
     .tif / .tiff -> a multi-page TIFF stack; 8, 16 or 32 (float32) bits."""
     path = os.fspath(path)
     if "{" in path:
-        try:
-            first = path.format(0)
-        except (IndexError, KeyError, ValueError) as e:
-            raise BadRequest(f"{path!r} is not a frame pattern with one {{}} field for the frame number "
-                             f"({e}); e.g. 'frames/f{{:04d}}.png'") from None
-        sink_for(first, bits)
+        sink_for(frame_targets(path, 2)[0], bits)
         return FrameSequenceSink
     cls = {".npy": NpyStackSink, ".tif": TIFFStackSink, ".tiff": TIFFStackSink}.get(Path(path).suffix.lower())
     if cls is None:

@@ -14,6 +14,7 @@ Functions below `vae/tiled.py` take these records (or the fields they read), nev
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,11 @@ REQUESTABLE = (Place.DEVICE, Place.HOST, Place.DISK)  # what a user may ask for 
 FAST_SAMPLE = {Estimator.TILES: 0.5, Estimator.CROPS: 0.25}  # fast_sample=None: each estimator's default
 
 
+def _flag(value, what: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be True or False, got {value!r}")
+
+
 def _int_at_least(value, low: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{what}, got {value!r}")
@@ -90,10 +96,15 @@ class FastSettings:
 
     def __post_init__(self):
         object.__setattr__(self, "estimator", Estimator.parse(self.estimator, "fast_estimator"))
-        if self.sample is not None and not 0 < self.sample <= 1:
+        number = isinstance(self.sample, int | float) and not isinstance(self.sample, bool)
+        ok = self.sample is None or number
+        if not ok or (self.sample is not None and not 0 < self.sample <= 1):
             raise ValueError(f"fast_sample must be None (the estimator's default) or in (0, 1], "
                              f"got {self.sample!r}")
         _int_at_least(self.low, 0, "fast_low must be an int >= 0 (0: no low-resolution pass)")
+        if self.crop is not None:
+            _int_at_least(self.crop, 1, "fast_crop must be None (the tile) or a positive int (latent pixels)")
+        _flag(self.color_fix, "color_fix")
 
     def fraction(self, estimator: Estimator) -> float:
         """`sample`, or the estimator's default: half of the tiles (decode: sampled tiles are final
@@ -125,8 +136,13 @@ class Settings:
         put(self, "attention", Attention.parse(self.attention, "attention"))
         put(self, "staging", _staging(self.staging))
         _int_at_least(self.tile_size, 1, "tile_size must be a positive int (latent pixels)")
-        if self.query_chunk < 1:
-            raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk!r}")
+        _int_at_least(self.query_chunk, 1, "query_chunk must be an int >= 1 (queries per attention chunk)")
+        _flag(self.retry_on_oom, "retry_on_oom")
+        _flag(self.progress, "progress")
+        if self.stage_dir is not None and not (isinstance(self.stage_dir, str | os.PathLike)
+                                               and os.path.isdir(self.stage_dir)):
+            raise ValueError(f"stage_dir must be None (the system's temporary folder) or an existing folder, "
+                             f"got {self.stage_dir!r}")
         if self.memory_budget is not None:
             put(self, "memory_budget", parse_bytes(self.memory_budget))
         if isinstance(self.process_group, str) and self.process_group != "default":

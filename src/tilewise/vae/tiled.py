@@ -102,6 +102,7 @@ class TiledVAE(ModelWrapper):
         if not isinstance(vae, torch.nn.Module) or isinstance(vae, TiledVAE):
             raise ValueError(f"vae must be a diffusers VAE module (not already tiled), "
                              f"got {type(vae).__name__}")
+        _check_vae(vae)
         fast = FastSettings(fast_estimator, fast_sample, fast_low, fast_crop, color_fix)
         settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
                             query_chunk, stage_dir, fast, process_group, device_kind)
@@ -306,6 +307,19 @@ def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "de
     job = tv.job(kind)
     item = torch.empty((), dtype=dtype or job.dtype).element_size()
     return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
+
+
+def _check_vae(vae) -> None:
+    """Refuse at construction what is not a VAE this wraps (a module with an encoder and a decoder:
+    AutoencoderKL and its kin, AutoencoderTiny, the 3-D VAEs). A VAE on the meta device is not refused:
+    plans and counted runs use one (tests/test_counting.py)."""
+    if not is_video_vae(vae) and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
+                                         for part in ("encoder", "decoder")):
+        hint = (" (a denoiser: tile it with tw.TiledDenoiser)" if hasattr(vae, "time_embedding")
+                or hasattr(vae, "time_proj") else "")
+        raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
+                         f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
+                         f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
 
 
 def _kind(kind) -> Kind:

@@ -1,0 +1,235 @@
+"""Model folders checked from their JSON before anything loads, and loading errors told about the part.
+
+A pipeline folder's model_index.json, each component it lists (its folder, every JSON file there, a weights
+file), a VAE or ControlNet folder's config.json and weights: a `ModelProblem` names the file that is
+missing or broken, never just the folder, and a path that is not there is a `BadRequest` saying so.
+While diffusers or transformers load, their log notices are held back: shown after a load that works,
+dropped after one that fails (its one line says what failed; `--verbose` logs them).
+
+Only json, os, pathlib and safetensors' header reader here: the CLI runs these checks before torch or
+diffusers are imported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import BadRequest, ModelProblem, TilewiseError
+from ..locality.lowering3d import VIDEO_VAES
+
+logger = logging.getLogger(__name__)
+
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
+WEIGHTS = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".gguf")
+LIBRARY_LOGGERS = ("diffusers", "transformers")
+
+
+def read_json(path: Path, hint: str) -> dict:
+    """A JSON file that parses to an object; ModelProblem naming the file (and `hint`) otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelProblem(f"{str(path)!r} is not valid JSON ({e}); {hint}") from e
+    if not isinstance(data, dict):
+        raise ModelProblem(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object; {hint}")
+    return data
+
+
+def read_model_index(folder: Path, what: str) -> dict:
+    """A pipeline folder's model_index.json as a dict naming its class; ModelProblem naming the file."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise ModelProblem(f"{what} {str(folder)!r} is a folder without model_index.json: not a diffusers "
+                           "pipeline")
+    data = read_json(index, "a diffusers model_index.json maps '_class_name' and each component to "
+                            "[library, class]")
+    if not isinstance(data.get("_class_name"), str):
+        raise ModelProblem(f"{str(index)!r} names no pipeline class: it needs a '_class_name' string, e.g. "
+                           "\"StableDiffusionPipeline\"")
+    return data
+
+
+def components(index: dict) -> dict[str, str]:
+    """{component: class} of the parts a model_index.json lists (null entries, saved as None, left out)."""
+    return {k: v[1] for k, v in index.items()
+            if isinstance(v, list) and len(v) == 2 and v[0] is not None and isinstance(v[1], str)}
+
+
+def check_component(folder: Path, what: str, weights: bool) -> None:
+    """A model's folder: there, every JSON file in it parses, a config.json (or a scheduler's, a
+    tokenizer's) and, with `weights`, a weights file beside a model's config.json."""
+    if not folder.is_dir():
+        raise ModelProblem(f"{what}: folder {str(folder)!r} is missing")
+    jsons = sorted(folder.glob("*.json"))
+    for path in jsons:
+        read_json(path, f"the config of {what}")
+    if not jsons:
+        raise ModelProblem(f"{what}: {str(folder)!r} holds no config.json (nor any JSON config)")
+    if not weights or not (folder / "config.json").is_file():
+        return
+    files = [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in WEIGHTS]
+    if not files:
+        raise ModelProblem(f"{what}: {str(folder)!r} has a config.json but no weights file "
+                           f"({', '.join(WEIGHTS)}): the model was saved without them, or they were moved")
+    for path in files:
+        if path.suffix == ".safetensors":
+            check_safetensors(path, what)
+
+
+def check_safetensors(path: Path, what: str) -> None:
+    """A .safetensors weights file whose header reads and whose data covers it (a truncated or corrupt
+    file is refused naming it; nothing but the header is read)."""
+    from safetensors import safe_open  # (no torch: the numpy framework opens the header)
+
+    try:
+        with safe_open(str(path), "numpy"):
+            pass
+    except Exception as e:  # SafetensorError, OSError
+        raise ModelProblem(f"{what}: weights {str(path)!r} are truncated or corrupt ({e})") from None
+
+
+def check_pipeline_folder(path: Path, what: str, weights: bool = True) -> dict:
+    """A pipeline folder's model_index.json and every component it lists; returns the index."""
+    index = read_model_index(path, what)
+    for name, cls in components(index).items():
+        check_component(path / name, f"component {name!r} ({cls}) of {what} {str(path)!r}", weights)
+    return index
+
+
+def check_model_folder(model: str | os.PathLike | None, config: str | os.PathLike | None = None,
+                       vae_folder: bool = False) -> None:
+    """--model and --config checked from their files before anything loads: a pipeline folder (its index
+    and components), with `vae_folder` a VAE folder (config.json and weights) too, a --config pipeline
+    folder (configs only: its weights are not used). A single-file --model is checked when it loads."""
+    if model is not None and Path(model).is_dir():
+        path = Path(model)
+        if vae_folder and (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            name = read_json(path / "config.json", "a VAE folder's config.json names its _class_name").get(
+                "_class_name")
+            if name not in VAE_CLASSES:
+                raise ModelProblem(f"{str(path)!r} holds a {name or 'model without _class_name'}, not a VAE "
+                                   f"tilewise tiles: one of {', '.join(VAE_CLASSES)}")
+            check_component(path, f"VAE folder {str(path)!r}", weights=True)
+        else:
+            check_pipeline_folder(path, "--model")
+    if config is not None:
+        path = Path(config)
+        if not path.is_dir():
+            raise BadRequest(f"--config {str(config)!r} is a file: give a diffusers pipeline folder (with "
+                             "model_index.json, component configs and tokenizer) of the checkpoint's model")
+        check_pipeline_folder(path, "--config", weights=False)
+
+
+def check_controlnet_folder(folder: str | os.PathLike) -> None:
+    """--controlnet: a folder there, holding a ControlNet's config.json and its weights."""
+    path = Path(folder)
+    if not path.exists():
+        raise BadRequest(f"--controlnet {str(folder)!r} does not exist: give a ControlNet folder saved with "
+                         "save_pretrained (config.json and weights)")
+    if not path.is_dir():
+        raise BadRequest(f"--controlnet {str(folder)!r} is a file: give a ControlNet folder saved with "
+                         "save_pretrained (config.json and weights)")
+    if not (path / "config.json").is_file():
+        raise ModelProblem(f"--controlnet {str(folder)!r} is not a diffusers model folder: it has no "
+                           "config.json")
+    check_component(path, f"--controlnet {str(folder)!r}", weights=True)
+
+
+def component_of(error: BaseException, path: Path) -> str | None:
+    """The component of pipeline folder `path` an error while loading it is about (its folder named in
+    the error's text, or its class), or None."""
+    try:
+        index = read_model_index(path, "--model")
+    except ModelProblem:
+        return None
+    text = str(error)
+    for name, cls in components(index).items():
+        if str(path / name) in text or f"/{name}/" in text or f" {cls}" in text or f"{cls}:" in text:
+            return f"component {name!r} ({cls}, {str(path / name)!r})"
+    return None
+
+
+@contextmanager
+def held_library_logs() -> Iterator[None]:
+    """While loading: diffusers' and transformers' notices are held; replayed after a load that works,
+    logged at debug level after one that fails (the failure's one line comes alone)."""
+    held: list[logging.LogRecord] = []
+
+    class _Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    saved = {}
+    for name in LIBRARY_LOGGERS:
+        lib = logging.getLogger(name)
+        saved[name] = lib.handlers[:]
+        lib.handlers = [_Hold()]
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        for name, handlers in saved.items():
+            logging.getLogger(name).handlers = handlers
+        for record in held:
+            if ok:
+                for h in saved[record.name.split(".")[0]]:
+                    if record.levelno >= h.level:
+                        h.handle(record)
+            else:
+                logger.debug("while loading: %s", " ".join(record.getMessage().split()))
+
+
+@contextmanager
+def model_errors(what: str, folder: Path | None = None) -> Iterator[None]:
+    """Errors of diffusers while loading a model (KeyError, OSError, a corrupt weight file) as one
+    ModelProblem naming the model (and the component of pipeline `folder` it is about); out-of-memory
+    errors, tilewise's own errors and signals pass through. Library notices are held meanwhile."""
+    try:
+        with held_library_logs():
+            yield
+    except (TilewiseError, MemoryError):
+        raise
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":
+            raise
+        detail = " ".join(str(e).split()) or type(e).__name__
+        part = component_of(e, folder) if folder is not None else None
+        where = f"{what}: {part}" if part else what
+        raise ModelProblem(f"{where} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e
+
+
+def part_config(model: str | os.PathLike | None, part: str, config: str | os.PathLike | None = None
+                ) -> dict | None:
+    """The JSON config of one part ("vae", "unet", "transformer") of --model, read without loading
+    anything: the embedded model's, a pipeline folder's `part/config.json` (of --config for a single
+    file), a VAE folder's own; None where there is none (or it does not parse: the checks say so)."""
+    from ..models import load_config  # (json only)
+
+    if model is None:
+        return load_config(part) if part in ("vae", "unet") else None
+    path = Path(model)
+    if path.is_file():
+        path = Path(config) if config is not None else None
+    if path is None or not path.is_dir():
+        return None
+    own = path / "config.json"
+    file = own if (own.is_file() and not (path / "model_index.json").is_file() and part == "vae") \
+        else path / part / "config.json"
+    try:
+        return read_json(file, "") if file.is_file() else None
+    except ModelProblem:
+        return None
+
+
+def vae_factor_of(cfg: dict | None) -> int | None:
+    """Pixels per latent pixel of an AutoencoderKL config (2 ** (blocks - 1)); None for another VAE."""
+    if not cfg or cfg.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
+        return None
+    blocks = cfg.get("block_out_channels")
+    return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
