@@ -8,7 +8,7 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 
 from __future__ import annotations
 
-from .grid import Spec
+from .spec import Spec
 from .positions import ModuleSource
 
 ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`

@@ -19,135 +19,18 @@ untiled call's at the tile placed at the origin), tiles batched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..residuals import crop_map
-from ..rows import take_rows
 from .base import Call
-from .positions import Geometry, ModuleSource, module_hooks, origin_box, take_tokens, token_index
+from .inputs import AxisPositions, Frames, PerTile, Spatial, Tokens
+from .positions import Geometry, module_hooks, take_tokens, token_index
+from .spec import LAYOUTS, Spec
 from .transformer import TransformerAdapter, bind_call
 
-LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One family's table entry (see the module docstring)."""
-
-    family: str
-    classes: tuple[str, ...]
-    patch: Callable[[Any], tuple[int, ...]]  # config -> patch per latent axis ([frames,] rows, columns)
-    layout: str = "bcthw"
-    sample: str = "hidden_states"
-    timestep: str = "timestep"
-    prompt: str = "encoder_hidden_states"
-    pooled: str | None = None
-    spatial: tuple[str, ...] = ()
-    tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
-    frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
-    axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
-    batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
-    sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
-    sources: tuple[ModuleSource, ...] = ()
-    refused: dict[str, str] = field(default_factory=dict)
-    one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
-    refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
-    resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
-
-
-class PerTile:
-    """An input cut per tile (a crop of a spatial input, the tile's tokens of a per-token one), bound to the
-    rows of one model call when the fusion core selects them (`take_rows`)."""
-
-    def __init__(self, value: Any, name: str, rows=None, repeats: int = 1) -> None:
-        self.value, self.name, self.rows, self.repeats = value, name, rows, repeats
-
-    def take_rows(self, rows, n_rows: int, repeats: int) -> PerTile:
-        return type(self)(self.value, self.name, (rows, n_rows), repeats)
-
-    def _selected(self, value, repeats: int = 1):
-        """The value at the call's rows (a tensor whose leading dim is the batch), `repeats` times."""
-        if self.rows is None or not isinstance(value, torch.Tensor):
-            return value
-        rows, n_rows = self.rows
-        return take_rows(value, rows, n_rows, repeats)
-
-
-class Spatial(PerTile):
-    """An input on the latent's grid (model layout, any channels, the latent's size times a factor)."""
-
-    def for_tiles(self, lay: GridLayout, boxes) -> Any:
-        v = self._selected(self.value)
-        if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
-            p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
-            size = tuple(-(-s // p) for s in lay.sides[-2:])
-            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True)
-            v = v.to(self.value.dtype)
-        grid = lay.canonical(v, self.name)
-        parts = []
-        for box in boxes:
-            part = grid[:, :, box[0] : box[1]] if len(box) == 6 and grid.ndim == 5 else grid
-            parts.append(crop_map(part, box[-4:], lay.sides[-2:]))
-        return lay.to_model(torch.cat(parts))
-
-
-class Tokens(PerTile):
-    """An input with one entry per image token along `axis` (batched: a batch dim comes first)."""
-
-    def __init__(self, value, name, rows=None, repeats=1, axis: int = 0, batched: bool = False):
-        super().__init__(value, name, rows, repeats)
-        self.axis, self.batched = axis, batched
-
-    def take_rows(self, rows, n_rows, repeats):
-        return Tokens(self.value, self.name, (rows, n_rows) if self.batched else None, repeats, self.axis,
-                      self.batched)
-
-    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
-        v = self._selected(self.value)
-        picks = [lay.tile_tokens(origin_box(b) if positions == "tile" else b) for b in boxes]
-        if not self.batched:
-            if len({tuple(p.tolist()) for p in picks}) > 1:
-                raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
-            return take_tokens(v, picks[0], self.axis, lay.n_tokens, self.name)
-        return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
-
-
-class AxisPositions(PerTile):
-    """Per-axis positions (one 1-D tensor per grid axis, in patches): a tile's are its ranges of them."""
-
-    def take_rows(self, rows, n_rows, repeats):
-        return self
-
-    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
-        picks = {origin_box(b) if positions == "tile" else tuple(b) for b in boxes}
-        if len(picks) > 1:
-            raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
-        box = picks.pop()[-2 * len(self.value):]
-        return type(self.value)(p[box[2 * i] // a : -(-box[2 * i + 1] // a)]
-                                for i, (p, a) in enumerate(zip(self.value, lay.patch, strict=True)))
-
-
-class Frames(PerTile):
-    """An input with one entry per latent frame along `axis` (per-frame timesteps): the frame window's."""
-
-    def __init__(self, value, name, rows=None, repeats=1, axis: int = 1):
-        super().__init__(value, name, rows, repeats)
-        self.axis = axis
-
-    def take_rows(self, rows, n_rows, repeats):
-        return Frames(self.value, self.name, (rows, n_rows), repeats, self.axis)
-
-    def for_tiles(self, lay: GridLayout, boxes) -> Any:
-        v = self.value
-        if not isinstance(v, torch.Tensor) or v.ndim <= self.axis or len(lay.sides) != 3 \
-                or v.shape[self.axis] != lay.sides[0]:
-            return self._selected(v, len(boxes))  # not per frame here: as any per-row value
-        v = self._selected(v)
-        return torch.cat([v.narrow(self.axis, b[0], b[1] - b[0]) for b in boxes])
+__all__ = ["AxisPositions", "Frames", "GridAdapter", "GridLayout", "PerTile", "Spatial", "Spec", "Tokens"]
 
 
 @dataclass

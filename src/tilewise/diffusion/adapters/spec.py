@@ -1,0 +1,39 @@
+"""A family's table entry, `Spec` (read by `adapters.grid` for transformers, `adapters.unet` for UNets).
+
+See `adapters.grid` for what each field means to a tile's call; `adapters.families` holds the entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .positions import ModuleSource
+
+LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One family's table entry (its fields: `adapters.grid`'s module docstring)."""
+
+    family: str
+    classes: tuple[str, ...]
+    patch: Callable[[Any], tuple[int, ...]]  # config -> patch per latent axis ([frames,] rows, columns)
+    layout: str = "bcthw"
+    sample: str = "hidden_states"
+    timestep: str = "timestep"
+    prompt: str = "encoder_hidden_states"
+    pooled: str | None = None
+    spatial: tuple[str, ...] = ()
+    tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
+    frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
+    axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
+    batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
+    sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
+    sources: tuple[ModuleSource, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+    one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
+    refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
+    resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
