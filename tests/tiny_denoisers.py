@@ -37,6 +37,7 @@ class Case:
     positions: bool = True  # the denoiser has positional inputs (test_each_tile_gets_the_positions...)
     tile_frames: int | None = 2  # frame windows in the positions test (video)
     extra: dict = field(default_factory=dict)  # keyword arguments of the pipeline call beyond build's
+    tiles: dict = field(default_factory=dict)  # TiledDenoiser options of the several-tiles run, beyond SMALL
 
 
 def seeded(cls, seed: int = 0, **config):
@@ -385,6 +386,27 @@ def lumina2():
                       system_prompt="")
 
 
+def hidream():
+    """HiDream-I1 with prompt embeddings (T5, two Llama layers, pooled CLIP); max_resolution 16 x 16 latent
+    px (64 tokens), and the pipeline's default size scaled to match (it resizes every request to the area
+    of default_sample_size): a 24 x 40 image, a non-square 12 x 20 latent padded to max_seq."""
+    from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
+
+    tr = seeded(HiDreamImageTransformer2DModel, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                num_single_layers=1, attention_head_dim=8, num_attention_heads=2, caption_channels=[D, D],
+                text_emb_dim=8, num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(4, 2, 2),
+                max_resolution=(16, 16), llama_layers=[0, 1])
+    none = dict.fromkeys([f"{k}{i}" for k in ("text_encoder", "tokenizer") for i in ("", "_2", "_3", "_4")])
+    pipe = HiDreamImagePipeline(scheduler=flow(), vae=kl_vae(), transformer=tr, **none)
+    pipe.default_sample_size = 16
+    return pipe, dict(prompt_embeds_t5=rand(1, 5, D), prompt_embeds_llama3=rand(2, 1, 4, D, seed=3),
+                      pooled_prompt_embeds=rand(1, 8, seed=4),
+                      negative_prompt_embeds_t5=rand(1, 5, D, seed=8),
+                      negative_prompt_embeds_llama3=rand(2, 1, 4, D, seed=9),
+                      negative_pooled_prompt_embeds=rand(1, 8, seed=10), guidance_scale=2.0, height=24,
+                      width=40)
+
+
 # ---- Flux-like token layouts (img_ids) ---------------------------------------------------------------------
 def flux_like(cls_name: str, **config):
     import diffusers
@@ -635,6 +657,7 @@ CASES: dict[str, Case] = {
     "cogview4": Case(cogview4, video=False),
     "hunyuan-image-2.1": Case(hunyuan_image, video=False),
     "lumina2": Case(lumina2, video=False),
+    "hidream": Case(hidream, video=False, tiles=dict(tile_size=(4, 6))),  # non-square tiles: padded
     "chroma": Case(chroma, video=False),
     "bria": Case(bria, video=False),
     "longcat-image": Case(longcat, video=False, direct=True),

@@ -8,8 +8,8 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 
 from __future__ import annotations
 
+from .positions import MethodSource, ModuleSource
 from .spec import Spec
-from .positions import ModuleSource
 
 ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
 CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"
@@ -105,6 +105,13 @@ SPECS: tuple[Spec, ...] = (
     # Lumina 2: caption positions, then the image's (row, column) from the caption's length
     Spec("lumina2", ("Lumina2Transformer2DModel",), _square, layout="bchw",
          sources=(ModuleSource("rope_embedder", take=_lumina2, others="before"),)),
+    # HiDream-I1 / E1: positions (img_ids), token mask and grid sizes made by its `patchify` method (tokens
+    # padded to max_seq for a non-square latent); its Llama embeddings are (layers, batch, tokens, D)
+    Spec("hidream", ("HiDreamImageTransformer2DModel",), _square, layout="bchw", timestep="timesteps",
+         prompt="encoder_hidden_states_t5", pooled="pooled_embeds",
+         rows_at={"encoder_hidden_states_llama3": 1},
+         method=MethodSource("patchify", ("hidden_states", "hidden_states_masks", "img_sizes", "img_ids"),
+                             positions="img_ids", mask="hidden_states_masks")),
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )
@@ -150,9 +157,6 @@ REFUSED: dict[str, str] = {
     "HunyuanVideoFramepackTransformer3DModel": "its history latents (clean, 2x, 4x) are packed with their "
                                                "own rotary positions beside the latent's tokens; not tiled "
                                                "yet",
-    "HiDreamImageTransformer2DModel": "its positions come from a method (patchify), not a module or an "
-                                      "argument, and non-square latents arrive pre-patchified to max_seq; "
-                                      "not tiled yet",
     "QwenImage21Transformer2DModel": "its target image sits last in a joint sequence of VLM slots "
                                      "(img_shapes, img_mask); not tiled yet",
     "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "

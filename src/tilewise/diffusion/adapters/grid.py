@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from .base import Call
-from .inputs import AxisPositions, Frames, PerTile, Spatial, Tokens
-from .positions import Geometry, module_hooks, take_tokens, token_index
+from .inputs import AxisPositions, Frames, PerTile, RowsAt, Spatial, Tokens
+from .positions import Geometry, method_inputs, module_hooks, take_tokens, token_index
 from .spec import LAYOUTS, Spec
 from .transformer import TransformerAdapter, bind_call
 
-__all__ = ["AxisPositions", "Frames", "GridAdapter", "GridLayout", "PerTile", "Spatial", "Spec", "Tokens"]
+__all__ = ["AxisPositions", "Frames", "GridAdapter", "GridLayout", "PerTile", "RowsAt", "Spatial", "Spec",
+           "Tokens"]
 
 
 @dataclass
@@ -147,6 +148,8 @@ class GridAdapter(TransformerAdapter):
                 v = Tokens(v, k, axis=spec.tokens[k], batched=k in spec.batched_tokens)
             elif k in spec.frames:
                 v = Frames(v, k, axis=spec.frames[k])
+            elif k in spec.rows_at:
+                v = RowsAt(v, k, axis=spec.rows_at[k])
             cond[k] = v
         if spec.axis_positions:  # the pipeline's, or those the model makes for the whole latent
             pos = given.get(spec.axis_positions)
@@ -182,22 +185,17 @@ class GridAdapter(TransformerAdapter):
         lay, spec = call.layout, self.spec
         kw = {}
         for k, v in cond.items():
-            if isinstance(v, Spatial):
-                v = v.for_tiles(lay, boxes)
-            elif isinstance(v, Tokens):
-                v = v.for_tiles(lay, boxes, self.positions)
-            elif isinstance(v, Frames):
-                v = v.for_tiles(lay, boxes)
-            elif isinstance(v, AxisPositions):
-                v = v.for_tiles(lay, boxes, self.positions)
-            kw[k] = v
+            kw[k] = v.for_tiles(lay, boxes, self.positions) if isinstance(v, PerTile) else v
         t = self._tile_timestep(lay, t, boxes)
         if spec.layout == "tokens":
             kw.update(zip(spec.sizes, (-(-s // p) for s, p in zip(x.shape[2:], lay.patch, strict=True)),
                           strict=True))
+        inputs = {spec.sample: lay.to_model(x)}
+        if spec.method is not None and self._global(lay, boxes):  # the model's method, the whole's positions
+            geos = [lay.geometry(x[:1], b) for b in boxes]
+            inputs = method_inputs(model, spec.method, inputs[spec.sample], geos, lay.cache)
         with self._positions(model, lay, x, boxes):
-            out = model(**{spec.sample: lay.to_model(x), spec.timestep: t}, **kw,
-                        return_dict=call.return_dict)
+            out = model(**inputs, **{spec.timestep: t}, **kw, return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
         if isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
@@ -221,10 +219,15 @@ class GridAdapter(TransformerAdapter):
                 return torch.cat([p.narrow(a, b[0], b[1] - b[0]) for p, b in zip(parts, boxes, strict=True)])
         return t
 
+    def _global(self, lay: GridLayout, boxes) -> bool:
+        """Whether the tiles' positions differ from those the model computes for them: positions='global'
+        and some tile is not the whole latent."""
+        whole = tuple(c for s in lay.sides for c in (0, s))
+        return self.positions == "global" and any(tuple(b) != whole for b in boxes)
+
     def _positions(self, model, lay: GridLayout, x, boxes):
         """positions='global' with positions computed inside the model: the sources' hooks for one tile."""
-        whole = tuple(c for s in lay.sides for c in (0, s))
-        if self.positions == "tile" or not self.spec.sources or all(tuple(b) == whole for b in boxes):
+        if not self.spec.sources or not self._global(lay, boxes):
             return contextlib.nullcontext()
         return module_hooks(model, self.spec.sources, lay.geometry(x, boxes[0]), lay.cache)
 

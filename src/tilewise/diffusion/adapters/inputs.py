@@ -32,11 +32,15 @@ class PerTile:
         rows, n_rows = self.rows
         return take_rows(value, rows, n_rows, repeats)
 
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
+        """The input for a call on `boxes` (one tile after another, each with the call's rows)."""
+        raise NotImplementedError
+
 
 class Spatial(PerTile):
     """An input on the latent's grid (model layout, any channels, the latent's size times a factor)."""
 
-    def for_tiles(self, lay, boxes) -> Any:
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
         v = self._selected(self.value)
         if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
             p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
@@ -62,7 +66,7 @@ class Tokens(PerTile):
         return Tokens(self.value, self.name, (rows, n_rows) if self.batched else None, repeats, self.axis,
                       self.batched)
 
-    def for_tiles(self, lay, boxes, positions: str) -> Any:
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
         v = self._selected(self.value)
         picks = [lay.tile_tokens(origin_box(b) if positions == "tile" else b) for b in boxes]
         if not self.batched:
@@ -78,7 +82,7 @@ class AxisPositions(PerTile):
     def take_rows(self, rows, n_rows, repeats):
         return self
 
-    def for_tiles(self, lay, boxes, positions: str) -> Any:
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
         picks = {origin_box(b) if positions == "tile" else tuple(b) for b in boxes}
         if len(picks) > 1:
             raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
@@ -97,7 +101,7 @@ class Frames(PerTile):
     def take_rows(self, rows, n_rows, repeats):
         return Frames(self.value, self.name, (rows, n_rows), repeats, self.axis)
 
-    def for_tiles(self, lay, boxes) -> Any:
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
         v = self.value
         if not isinstance(v, torch.Tensor) or v.ndim <= self.axis or len(lay.sides) != 3 \
                 or v.shape[self.axis] != lay.sides[0]:
@@ -105,3 +109,25 @@ class Frames(PerTile):
         v = self._selected(v)
         return torch.cat([v.narrow(self.axis, b[0], b[1] - b[0]) for b in boxes])
 
+
+
+class RowsAt(PerTile):
+    """A per-row input whose batch axis is `axis`, not the first (HiDream's Llama embeddings, one per layer
+    ahead of the batch: (layers, B, tokens, D)): the call's rows of it, for every tile."""
+
+    def __init__(self, value, name, rows=None, repeats=1, axis: int = 1):
+        super().__init__(value, name, rows, repeats)
+        self.axis = axis
+
+    def take_rows(self, rows, n_rows, repeats):
+        return RowsAt(self.value, self.name, (rows, n_rows), repeats, self.axis)
+
+    def for_tiles(self, lay, boxes, positions: str = "global") -> Any:
+        v = self.value
+        if self.rows is None or not isinstance(v, torch.Tensor):
+            return v
+        rows, n_rows = self.rows
+        if v.shape[self.axis] != n_rows:
+            raise ValueError(f"{self.name}: expected the batch ({n_rows} rows) along axis {self.axis}, got "
+                             f"shape {tuple(v.shape)}")
+        return take_rows(v.movedim(self.axis, 0), rows, n_rows, len(boxes)).movedim(0, self.axis)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .positions import ModuleSource
+from .positions import MethodSource, ModuleSource
 
 LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
 
@@ -37,3 +37,5 @@ class Spec:
     one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
     refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
     resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
+    method: MethodSource | None = None  # a model method making forward's inputs, positions among them
+    rows_at: dict[str, int] = field(default_factory=dict)  # per-row arguments whose batch axis is not 0
