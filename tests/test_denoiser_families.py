@@ -188,3 +188,37 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
                 if method is not None and key == method.positions:  # padded to max_seq: tokens first
                     value, tile = value[:, :n_whole], tile[:, : len(idx)]
                 same_at(value, tile, idx, n_whole, where.get(key, "after"))
+
+
+def test_qwen_image_21_prefix_cache_keeps_every_tile_exact():
+    """Qwen-Image 2.1's prefix KV cache (its pipeline's default): the first step's calls fill it ("extract"),
+    the next's read it ("cached": the output is the target's tokens only). Through one tile as stock; through
+    several tiles equal to the same tiles without the cache (it holds only what every tile shares)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    _, holder, kw = built("qwen-image-2.1")
+    model = holder.transformer
+
+    def steps(m):
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        with torch.no_grad():
+            return [m(**kw, kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0]
+                    for mode in ("extract", "cached")]
+
+    for got, want in zip(steps(TiledDenoiser(model, tile_size=256)), steps(model), strict=True):
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+    tiled = TiledDenoiser(model, **SMALL)
+    with torch.no_grad():
+        plain = tiled(**kw, return_dict=False)[0]
+    extract, cached = steps(tiled)
+    n = kw["hidden_states"].shape[1] - 8  # the target's tokens (after the condition image's 8)
+    assert extract.shape == plain.shape and (extract - plain).abs().max() <= 1e-5
+    assert cached.shape == (1, n, 4) and (cached - plain[:, -n:]).abs().max() <= 1e-5
+    import tilewise
+
+    region = tilewise.Region(box=(0, 0, 4, 4), prompt_embeds=kw["encoder_hidden_states"])
+    with pytest.raises(ValueError, match="qwen-image-2.1 family cannot take regional prompts"):
+        TiledDenoiser(model, **SMALL, regions=[region])
+    tiled.regions = [region]
+    with pytest.raises(ValueError, match="img_mask"):
+        tiled(**kw)

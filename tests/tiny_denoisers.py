@@ -407,6 +407,24 @@ def hidream():
                       width=40)
 
 
+def qwen_image21():
+    """Qwen-Image 2.1 as its pipeline calls the transformer for one prompt (its text encoder is Qwen3-VL):
+    one condition image (2 x 4 tokens, two vision-language slots) and a 6 x 10 target, the text's last
+    token padded; no prefix cache (see test_denoiser_families for the cache's extract / cached calls)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    tr = seeded(QwenImage21Transformer2DModel, patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+                attention_head_dim=8, num_attention_heads=2, context_in_dim=D, mlp_ratio=2,
+                axes_dims_rope=(2, 2, 4))
+    h, w = 6, 10
+    vlm = torch.tensor([False, False, True, True, False, False, False])  # 5 text tokens, 2 image slots
+    return tr, dict(hidden_states=torch.cat([rand(1, 8, 4, seed=2), rand(1, h * w, 4, seed=3)], dim=1),
+                    encoder_hidden_states=rand(1, 7, D), timestep=torch.tensor([0.7]),
+                    img_shapes=[[(1, 2, 4), (1, h, w)]],
+                    img_mask=torch.cat([vlm, torch.ones(h * w // 4, dtype=torch.bool)])[None],
+                    encoder_hidden_states_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool))
+
+
 # ---- Flux-like token layouts (img_ids) ---------------------------------------------------------------------
 def flux_like(cls_name: str, **config):
     import diffusers
@@ -657,6 +675,7 @@ CASES: dict[str, Case] = {
     "cogview4": Case(cogview4, video=False),
     "hunyuan-image-2.1": Case(hunyuan_image, video=False),
     "lumina2": Case(lumina2, video=False),
+    "qwen-image-2.1": Case(qwen_image21, video=False, direct=True),
     "hidream": Case(hidream, video=False, tiles=dict(tile_size=(4, 6))),  # non-square tiles: padded
     "chroma": Case(chroma, video=False),
     "bria": Case(bria, video=False),

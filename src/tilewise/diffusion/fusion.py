@@ -215,6 +215,7 @@ class TiledDenoiser(ModelWrapper):
         """The wrapped model's call: predict on every tile (batched), fuse into one prediction for the whole
         latent, returned as the model returns it."""
         checks.check_caches(self.unet)  # a cache enabled after wrapping (pipe.transformer.enable_cache(...))
+        checks.check_regions(self)  # regions set after wrapping
         call = self.adapter.parse(self.unet, args, kwargs)
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":

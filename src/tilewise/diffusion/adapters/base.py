@@ -33,6 +33,7 @@ class Adapter:
     family = ""
     classes: tuple[str, ...] = ()  # model class names this adapter calls
     align_name = "the model's alignment"  # what `align` is, for error messages
+    no_regions: str | None = None  # why regional prompts cannot apply to this family (None: they can)
 
     def __init__(self, positions: str = "global", **options: Any) -> None:
         # options meant for other families (micro_conditioning, vae_scale_factor) are not this one's

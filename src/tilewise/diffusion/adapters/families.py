@@ -8,6 +8,7 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 
 from __future__ import annotations
 
+from .joint import Joint
 from .positions import MethodSource, ModuleSource
 from .spec import Spec
 
@@ -112,6 +113,14 @@ SPECS: tuple[Spec, ...] = (
          rows_at={"encoder_hidden_states_llama3": 1},
          method=MethodSource("patchify", ("hidden_states", "hidden_states_masks", "img_sizes", "img_ids"),
                              positions="img_ids", mask="hidden_states_masks")),
+    # Qwen-Image 2.1: one block-causal sequence of the vision-language tokens (text, condition images' slots
+    # filled with their latents), then the target's tokens, last (`adapters.joint`); one slot of img_mask per
+    # 2 x 2 target tokens (tile sides even); its rotary table over the whole sequence from `pos_embed`; its
+    # prefix KV cache (kv_cache) holds only what every tile shares, as does each call on all rows
+    Spec("qwen-image-2.1", ("QwenImage21Transformer2DModel",), _square, layout="tokens", align=2,
+         joint=Joint("img_shapes", slots={"img_mask": 4}), one_call_per_tile=True,
+         sources=(ModuleSource("pos_embed", arg=None, grids="img_shapes", mask="image_pad_mask",
+                               others="before"),)),
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )
@@ -157,8 +166,6 @@ REFUSED: dict[str, str] = {
     "HunyuanVideoFramepackTransformer3DModel": "its history latents (clean, 2x, 4x) are packed with their "
                                                "own rotary positions beside the latent's tokens; not tiled "
                                                "yet",
-    "QwenImage21Transformer2DModel": "its target image sits last in a joint sequence of VLM slots "
-                                     "(img_shapes, img_mask); not tiled yet",
     "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "
                                    "not tiled yet (LTX-Video 0.9 is)",
     "MotionAdapter": "it holds AnimateDiff's motion modules; wrap the UNetMotionModel the pipeline builds "

@@ -19,11 +19,13 @@ untiled call's at the tile placed at the origin), tiles batched.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import joint
 from .base import Call
 from .inputs import AxisPositions, Frames, PerTile, RowsAt, Spatial, Tokens
 from .positions import Geometry, method_inputs, module_hooks, take_tokens, token_index
@@ -45,6 +47,7 @@ class GridLayout:
     out_type: Any = None
     names: tuple[str, ...] = ()  # the model's sample and timestep arguments (UNets)
     config: Any = None  # the model's config (a resampled input's patch)
+    prefix_out: Any = None  # a joint sequence's output before the target's tokens (`adapters.joint`)
 
     @property
     def post(self) -> tuple[int, ...]:
@@ -70,12 +73,13 @@ class GridLayout:
             return v.permute(0, 4, 1, 2, 3)
         if layout == "tokens":
             B, S, D = v.shape
-            pt, p, q = self.patch
-            t, h, w = (-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
-            if S != t * h * w:
-                raise ValueError(f"{name}: {S} tokens, but the sizes given make {(t, h, w)}")
-            g = v.reshape(B, t, h, w, D // (pt * p * q), pt, p, q).permute(0, 4, 1, 5, 2, 6, 3, 7)
-            return g.reshape(B, D // (pt * p * q), t * pt, h * p, w * q)
+            post = tuple(-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
+            if S != math.prod(post):
+                raise ValueError(f"{name}: {S} tokens, but the sizes given make {post}")
+            k, c = len(post), D // math.prod(self.patch)
+            g = v.reshape(B, *post, c, *self.patch)
+            g = g.permute(0, k + 1, *(a for i in range(k) for a in (1 + i, k + 2 + i)))
+            return g.reshape(B, c, *(n * p for n, p in zip(post, self.patch, strict=True)))
         return v
 
     def to_model(self, grid):
@@ -86,10 +90,12 @@ class GridLayout:
         if layout == "bthwc":
             return grid.permute(0, 2, 3, 4, 1)
         if layout == "tokens":
-            B, C, T, H, W = grid.shape
-            pt, p, q = self.patch
-            g = grid.reshape(B, C, T // pt, pt, H // p, p, W // q, q).permute(0, 2, 4, 6, 1, 3, 5, 7)
-            return g.reshape(B, (T // pt) * (H // p) * (W // q), C * pt * p * q)
+            B, C, *sides = grid.shape
+            post = [n // p for n, p in zip(sides, self.patch, strict=True)]
+            k = len(post)
+            g = grid.reshape(B, C, *(a for n, p in zip(post, self.patch, strict=True) for a in (n, p)))
+            g = g.permute(0, *(2 + 2 * i for i in range(k)), 1, *(3 + 2 * i for i in range(k)))
+            return g.reshape(B, math.prod(post), C * math.prod(self.patch))
         return grid
 
     def geometry(self, grid, box) -> Geometry:
@@ -117,9 +123,12 @@ class GridAdapter(TransformerAdapter):
         # one set of positions per model call: tiles at different places each get their own call
         inside = positions == "global" and bool(spec.sources or unbatched)
         self.shares_positions = spec.one_call_per_tile or inside
+        if spec.joint is not None:
+            self.no_regions = ("its prompt is a vision-language sequence whose slots and mask (img_mask) "
+                               "belong to that prompt; a region's embeddings have neither")
 
     def align(self, model) -> int:
-        return int(self.spec.patch(model.config)[-1])
+        return int(self.spec.align or self.spec.patch(model.config)[-1])
 
     def frame_align(self, model) -> int:
         p = self.spec.patch(model.config)
@@ -135,12 +144,15 @@ class GridAdapter(TransformerAdapter):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name}: TiledDenoiser tiles {spec.sample} as its pipeline passes it, a "
                              f"{ndim}-D tensor ({spec.layout}); got {shape}")
-        lay = self._layout(model, given, x)
+        post, per_tile = None, {}
+        if spec.joint is not None:  # the target's tokens; the rest of the sequence kept for every tile
+            x, post, per_tile = joint.split(spec.joint, spec.sample, given, x, name)
+        lay = self._layout(model, given, x, post)
         grid = lay.canonical(x, spec.sample)
         lay.sides = tuple(grid.shape[2:])
-        cond = {}
+        cond = dict(per_tile)
         for k, v in given.items():
-            if k in (spec.sample, spec.timestep, "return_dict", *spec.sizes) or v is None:
+            if k in (spec.sample, spec.timestep, "return_dict", *spec.sizes, *per_tile) or v is None:
                 continue
             if k in spec.spatial:
                 v = Spatial(v, k)
@@ -167,8 +179,11 @@ class GridAdapter(TransformerAdapter):
             if given.get(arg) is None:
                 raise TypeError(f"TiledDenoiser.forward() for {name} needs {arg}")
 
-    def _layout(self, model, given: dict, x) -> GridLayout:
+    def _layout(self, model, given: dict, x, post=None) -> GridLayout:
         patch = tuple(int(p) for p in self.spec.patch(model.config))
+        if self.spec.layout == "tokens" and post is not None:  # a joint sequence's target grid
+            post = post[-len(patch):]
+            return GridLayout(self.spec, patch, tuple(s * p for s, p in zip(post, patch, strict=True)))
         if self.spec.layout == "tokens":
             post = [given.get(s) for s in self.spec.sizes]
             if any(not isinstance(s, int) for s in post):
@@ -187,10 +202,14 @@ class GridAdapter(TransformerAdapter):
         for k, v in cond.items():
             kw[k] = v.for_tiles(lay, boxes, self.positions) if isinstance(v, PerTile) else v
         t = self._tile_timestep(lay, t, boxes)
-        if spec.layout == "tokens":
+        if spec.sizes:
             kw.update(zip(spec.sizes, (-(-s // p) for s, p in zip(x.shape[2:], lay.patch, strict=True)),
                           strict=True))
+        prefix = kw.pop(spec.sample, None)  # a joint sequence's tokens before the target's
         inputs = {spec.sample: lay.to_model(x)}
+        n = inputs[spec.sample].shape[1]
+        if prefix is not None:
+            inputs[spec.sample] = torch.cat([prefix, inputs[spec.sample]], dim=1)
         if spec.method is not None and self._global(lay, boxes):  # the model's method, the whole's positions
             geos = [lay.geometry(x[:1], b) for b in boxes]
             inputs = method_inputs(model, spec.method, inputs[spec.sample], geos, lay.cache)
@@ -198,9 +217,11 @@ class GridAdapter(TransformerAdapter):
             out = model(**inputs, **{spec.timestep: t}, **kw, return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
-        if isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
-            return lay.canonical(out, "the prediction", x.shape[2:])
-        return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction", x.shape[2:])
+        if not isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
+            out = out[0] if isinstance(out, tuple) else out.sample
+        if spec.joint is not None:
+            out = joint.target(lay, out, n, rows, call.sample.shape[0])
+        return lay.canonical(out, "the prediction", x.shape[2:])
 
     def _tile_timestep(self, lay: GridLayout, t, boxes):
         """Per-token timesteps at the tiles' tokens, per-frame ones for their frame window."""
@@ -234,6 +255,8 @@ class GridAdapter(TransformerAdapter):
     def output(self, call: Call, fused):
         lay = call.layout
         value = lay.to_model(fused)
+        if self.spec.joint is not None:
+            value = joint.with_prefix(lay, value)
         if issubclass(lay.out_type, torch.Tensor):
             return value
         if not call.return_dict:

@@ -112,7 +112,9 @@ class ModuleSource:
     `module`: its attribute path on the model; `kind`: "table" or "additive"; `arg`: which of its call's
     arguments is the latent (in the model's sample layout, or its tokens for a token layout), by index or
     name (None: none is); `sizes`: its arguments that are the post-patch ([frames,] height, width) sizes,
-    by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before")."""
+    by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before");
+    `grids` and `mask`: for a joint sequence (`adapters.joint`), its arguments that are the sequence's image
+    token grids and its image-token mask, the target last in both (for the whole: the whole target's)."""
 
     module: str
     kind: str = "table"
@@ -122,6 +124,8 @@ class ModuleSource:
     optional: bool = False  # a model of the family may have none (Cosmos without its learned embedding)
     unless: str | None = None  # its argument that, when given, carries the positions already (then no hook)
     take: Any = None  # (full, local, idx) -> the tile's output, where `select` cannot read it (Lumina 2)
+    grids: str | None = None  # its argument listing a joint sequence's image token grids, the target's last
+    mask: str | None = None  # its argument marking a joint sequence's image tokens, the target's last
 
     def find(self, model) -> torch.nn.Module | None:
         """The submodule (None for an optional one the model lacks); a ValueError naming the path when a
@@ -160,7 +164,8 @@ def _with(module, args: tuple, kwargs: dict, src: ModuleSource, value_of, zero_o
     bound = _bound(module, args, kwargs)
     names = list(bound.arguments)
     key = names[src.arg] if isinstance(src.arg, int) else src.arg
-    for name in ((key,) if key is not None else ()) + src.sizes:
+    joint = tuple(a for a in (src.grids, src.mask) if a is not None)
+    for name in ((key,) if key is not None else ()) + src.sizes + joint:
         if name not in bound.arguments:
             raise RuntimeError(f"positions='global': {type(module).__name__} was called without {name}")
         bound.arguments[name] = value_of(name, bound.arguments[name])
@@ -192,6 +197,10 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
         def value(name, v):
             if name in sizes:
                 return sizes[name]
+            if name == src.grids:  # the target's grid, last, of the whole's size
+                return [*v[:-1], (*v[-1][: len(v[-1]) - len(geo.sizes)], *geo.sizes)]
+            if name == src.mask:  # the target's tokens, last: the whole's count of them
+                return torch.cat([v[: len(v) - len(geo.idx)], v.new_ones(geo.n_whole)])
             return _stand_in(geo, v, zeros)
 
         return _with(module, args, kwargs, src, value, zero_others=zeros)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .joint import Joint
 from .positions import MethodSource, ModuleSource
 
 LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
@@ -39,3 +40,5 @@ class Spec:
     resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
     method: MethodSource | None = None  # a model method making forward's inputs, positions among them
     rows_at: dict[str, int] = field(default_factory=dict)  # per-row arguments whose batch axis is not 0
+    joint: Joint | None = None  # a joint sequence with the target latent last (`adapters.joint`)
+    align: int | None = None  # tile sides a multiple of this many latent pixels (default: the patch)
