@@ -46,6 +46,18 @@ def check_settings(td: Any) -> None:
         raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, got {td.process_group!r}")
 
 
+def check_frame_inputs(td: Any, model, call: Any = None) -> None:
+    """Frame windows where the model (call None: when wrapped) and the call's inputs allow them: inputs
+    that every window would need whole (reference frames, an image frame the model marks by position) are
+    refused by the family's table entry, with the reason."""
+    if td.tile_frames is None:
+        return
+    why = td.adapter.frames_refused(model, call)
+    if why:
+        raise ValueError(f"tile_frames={td.tile_frames}: {type(model).__name__} {why}; use tile_frames=None "
+                         "(tiles over space, every frame in each)")
+
+
 def check_regions(td: Any) -> None:
     """Regional prompts, where the model's family can take a region's embeddings."""
     if td.regions and td.adapter.no_regions:

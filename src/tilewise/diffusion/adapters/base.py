@@ -54,6 +54,11 @@ class Adapter:
         """Frame windows of a video must be multiples of this many latent frames (the temporal patch)."""
         return 1
 
+    def frames_refused(self, model, call: Call | None = None) -> str | None:
+        """Why frame windows (tile_frames) cannot be used with this model (call None: when the wrapper is
+        built) or with this call's inputs; None where they can."""
+        return None
+
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
         raise NotImplementedError
 

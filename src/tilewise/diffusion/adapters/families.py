@@ -35,6 +35,28 @@ def _lumina2(full, local, idx):
     return local[0], local[1], img, joint, local[4], local[5]
 
 
+def _vace_references(c, inputs):
+    """WanVACEPipeline's reference images: latent frames before the video's, their control inputs beyond
+    the latent's channels (reactive latents, mask) exactly zero, which no encoded video frame is."""
+    control = (inputs or {}).get("control_hidden_states")
+    if control is None:
+        return None
+    rest = control[:, c.in_channels :].flatten(3).abs().amax(dim=(0, 1, 3))  # per latent frame
+    n = int((rest == 0).long().cumprod(0).sum())
+    if n:
+        return (f"has {n} reference frame(s) first in the latent (control_hidden_states: reactive latents "
+                "and mask zero, reference_images=), which every frame window would need; a window without "
+                "them loses them")
+    return None
+
+
+def _token_replace(c, inputs):
+    if getattr(c, "image_condition_type", None) == "token_replace":
+        return ("(image_condition_type='token_replace', HunyuanVideo I2V) modulates the first latent frame's "
+                "tokens as the image's; every frame window would take its own first frame for it")
+    return None
+
+
 ADDITIVE = (ModuleSource("pos_embed", kind="additive"),)  # a patch embedding that adds a position table
 
 
@@ -45,10 +67,10 @@ SPECS: tuple[Spec, ...] = (
          _wan_patch, tokens={"timestep": 1}, batched_tokens=("timestep",), sources=ROPE),
     # Wan VACE: the control video's latents (and masks) on the latent's grid
     Spec("wan-vace", ("WanVACETransformer3DModel",), _wan_patch, spatial=("control_hidden_states",),
-         sources=ROPE),
+         sources=ROPE, refuse_frames=_vace_references),
     # HunyuanVideo (1.0) and 1.5, Sana-Video: (B, C, T, H, W), a 3-D rotary table from `rope`
     Spec("hunyuan-video", ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel"),
-         lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE),
+         lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE, refuse_frames=_token_replace),
     Spec("sana-video", ("SanaVideoTransformer3DModel",), _wan_patch, sources=ROPE),
     # Mochi: a rotary table `rope(pos_frequencies, frames, rows, columns)`, centred and scaled by the size
     # Cosmos (1.0, Predict 2 / 2.5): the conditioning frames' mask on the latent's grid, the padding mask at

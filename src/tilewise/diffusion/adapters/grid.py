@@ -134,6 +134,12 @@ class GridAdapter(TransformerAdapter):
         p = self.spec.patch(model.config)
         return int(p[0]) if len(p) == 3 else 1
 
+    def frames_refused(self, model, call: Call | None = None) -> str | None:
+        if self.spec.refuse_frames is None:
+            return None
+        inputs = None if call is None else {k: getattr(v, "value", v) for k, v in call.cond.items()}
+        return self.spec.refuse_frames(model.config, inputs)
+
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
         name, spec = type(model).__name__, self.spec
         given = bind_call(model, args, kwargs)

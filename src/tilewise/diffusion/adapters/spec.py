@@ -42,3 +42,6 @@ class Spec:
     rows_at: dict[str, int] = field(default_factory=dict)  # per-row arguments whose batch axis is not 0
     joint: Joint | None = None  # a joint sequence with the target latent last (`adapters.joint`)
     align: int | None = None  # tile sides a multiple of this many latent pixels (default: the patch)
+    # (config, the call's inputs by name, None when the wrapper is built) -> why frame windows (tile_frames)
+    # cannot be used with this model or these inputs (None: they can)
+    refuse_frames: Callable[[Any, dict | None], str | None] | None = None
