@@ -621,6 +621,25 @@ def chronoedit():
                     encoder_hidden_states_image=rand(1, 3, 8, seed=5))
 
 
+def wan_animate():
+    """Wan 2.2 Animate as its pipeline calls the transformer (the pipeline needs a CLIP image encoder): the
+    reference image's latent frame first, pose latents one frame fewer, a face video in pixels."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    tr = seeded(WanAnimateTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2,
+                attention_head_dim=8, latent_channels=4, in_channels=12, out_channels=4, text_dim=D,
+                freq_dim=16, ffn_dim=32, num_layers=1, image_dim=8, rope_max_seq_len=32,
+                motion_encoder_size=16, motion_encoder_channel_sizes={"4": 8, "8": 8, "16": 8},
+                motion_style_dim=8, motion_dim=4,
+                motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2,
+                inject_face_latents_blocks=1, motion_encoder_batch_size=4)
+    T, H, W = 3, 6, 10
+    return tr, dict(hidden_states=rand(1, 12, T + 1, H, W, seed=3), timestep=torch.tensor([700]),
+                    encoder_hidden_states=rand(1, 5, D), encoder_hidden_states_image=rand(1, 3, 8, seed=5),
+                    pose_hidden_states=rand(1, 4, T, H, W, seed=6),
+                    face_pixel_values=rand(1, 3, 9, 16, 16, seed=7))
+
+
 def consisid():
     """ConsisID (CogVideoX with identity conditioning, off here) as its pipeline calls the transformer (its
     pipeline needs face models): the 2B-like sinusoidal table in the patch embedding."""
@@ -682,6 +701,7 @@ CASES: dict[str, Case] = {
     "longcat-image": Case(longcat, video=False, direct=True),
     "ovis-image": Case(ovis, video=False),
     "chronoedit": Case(chronoedit, direct=True),
+    "wan-animate": Case(wan_animate, direct=True, tile_frames=None),  # its reference frame: no windows
     "consisid": Case(consisid, direct=True),
     "easyanimate": Case(easyanimate, direct=True),
     "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),

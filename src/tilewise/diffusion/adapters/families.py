@@ -57,6 +57,11 @@ def _token_replace(c, inputs):
     return None
 
 
+def _animate_reference(c, inputs):
+    return ("takes the reference image as its first latent frame (and the pose video one frame behind the "
+            "latent's); every frame window would need it")
+
+
 ADDITIVE = (ModuleSource("pos_embed", kind="additive"),)  # a patch embedding that adds a position table
 
 
@@ -68,6 +73,10 @@ SPECS: tuple[Spec, ...] = (
     # Wan VACE: the control video's latents (and masks) on the latent's grid
     Spec("wan-vace", ("WanVACETransformer3DModel",), _wan_patch, spatial=("control_hidden_states",),
          sources=ROPE, refuse_frames=_vace_references),
+    # Wan 2.2 Animate: the reference image's latent frame first (T + 1 frames), the pose video's latents
+    # (T frames, on the latent's grid) cropped per tile, the face video (pixels, motion-encoded) per row
+    Spec("wan-animate", ("WanAnimateTransformer3DModel",), _wan_patch, spatial=("pose_hidden_states",),
+         sources=ROPE, refuse_frames=_animate_reference),
     # HunyuanVideo (1.0) and 1.5, Sana-Video: (B, C, T, H, W), a 3-D rotary table from `rope`
     Spec("hunyuan-video", ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel"),
          lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE, refuse_frames=_token_replace),
@@ -190,6 +199,9 @@ REFUSED: dict[str, str] = {
                                                "yet",
     "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "
                                    "not tiled yet (LTX-Video 0.9 is)",
+    "WanAnimate2Transformer3DModel": "its call takes lists of per-sample latents with a KV cache of "
+                                     "reference segments (offset_grid_sizes, origin_area); not tiled yet "
+                                     "(Wan 2.2 Animate, WanAnimateTransformer3DModel, is)",
     "MotionAdapter": "it holds AnimateDiff's motion modules; wrap the UNetMotionModel the pipeline builds "
                      "(pipe.unet)",
 }
