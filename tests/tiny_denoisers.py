@@ -640,6 +640,22 @@ def wan_animate():
                     face_pixel_values=rand(1, 3, 9, 16, 16, seed=7))
 
 
+def allegro():
+    """Allegro as its pipeline calls the transformer (its text encoder is T5-XXL, its VAE large): the
+    pipeline's rotary positions for the whole latent."""
+    from diffusers import AllegroPipeline, AllegroTransformer3DModel
+
+    tr = seeded(AllegroTransformer3DModel, num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                out_channels=4, num_layers=1, cross_attention_dim=24, sample_height=6, sample_width=10,
+                sample_frames=3, caption_channels=D)
+    T, H, W = 3, 6, 10
+    holder = type("Pipe", (), {"transformer": tr, "vae_scale_factor_spatial": 8})()
+    rope = AllegroPipeline._prepare_rotary_positional_embeddings(holder, 1, H * 8, W * 8, T, "cpu")
+    return tr, dict(hidden_states=rand(1, 4, T, H, W, seed=3), encoder_hidden_states=rand(1, 5, D),
+                    timestep=torch.tensor([700]), encoder_attention_mask=torch.ones(1, 5),
+                    image_rotary_emb=rope)
+
+
 def consisid():
     """ConsisID (CogVideoX with identity conditioning, off here) as its pipeline calls the transformer (its
     pipeline needs face models): the 2B-like sinusoidal table in the patch embedding."""
@@ -703,6 +719,7 @@ CASES: dict[str, Case] = {
     "chronoedit": Case(chronoedit, direct=True),
     "wan-animate": Case(wan_animate, direct=True, tile_frames=None),  # its reference frame: no windows
     "consisid": Case(consisid, direct=True),
+    "allegro": Case(allegro, direct=True),
     "easyanimate": Case(easyanimate, direct=True),
     "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),
     "animatediff": Case(animatediff, slot="unet", positions=False),

@@ -9,7 +9,7 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 from __future__ import annotations
 
 from .joint import Joint
-from .positions import MethodSource, ModuleSource
+from .positions import MethodSource, ModuleSource, take_tokens
 from .spec import Spec
 
 ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
@@ -57,6 +57,13 @@ def _token_replace(c, inputs):
     return None
 
 
+def _allegro_rope(v, idx, n):
+    """Allegro's image_rotary_emb, ((t, h, w) frequency tables, (t, h, w) indices per token, (1, N)): the
+    tables whole, the indices at the tile's tokens."""
+    freqs, grids = v
+    return freqs, tuple(take_tokens(g, idx, 1, n, "image_rotary_emb") for g in grids)
+
+
 def _animate_reference(c, inputs):
     return ("takes the reference image as its first latent frame (and the pose video one frame behind the "
             "latent's); every frame window would need it")
@@ -101,6 +108,9 @@ SPECS: tuple[Spec, ...] = (
          refuse_config=lambda c: "its learned position embedding exists for one size only "
                                  "(use_learned_positional_embeddings: CogVideoX-5b-I2V); no tile has that "
                                  "size" if c.use_learned_positional_embeddings else None),
+    # Allegro: the pipeline's rotary positions, per-axis tables indexed by (t, h, w) per token
+    Spec("allegro", ("AllegroTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
+         tokens={"image_rotary_emb": _allegro_rope}),
     # LTX-Video: the packed tokens with their grid sizes; the rotary table from those sizes (or the tile's
     # rows of `video_coords`, when the pipeline passes them); per-token timesteps (image / condition frames)
     Spec("ltx-video", ("LTXVideoTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),

@@ -56,7 +56,8 @@ class Spatial(PerTile):
 
 
 class Tokens(PerTile):
-    """An input with one entry per image token along `axis` (batched: a batch dim comes first)."""
+    """An input with one entry per image token along `axis` (batched: a batch dim comes first); `axis` a
+    function (value, token indices, tokens of the whole) -> the tiles' value, where the value holds more."""
 
     def __init__(self, value, name, rows=None, repeats=1, axis: int = 0, batched: bool = False):
         super().__init__(value, name, rows, repeats)
@@ -72,8 +73,15 @@ class Tokens(PerTile):
         if not self.batched:
             if len({tuple(p.tolist()) for p in picks}) > 1:
                 raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
-            return take_tokens(v, picks[0], self.axis, lay.n_tokens, self.name)
-        return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
+            return self._take(v, picks[0], lay.n_tokens)
+        return torch.cat([self._take(v, p, lay.n_tokens) for p in picks])
+
+    def _take(self, v, idx, n: int):
+        """The entries at tokens `idx`: along the token axis, or by the family's own function of the value
+        (a value of tables and per-token indices: Allegro's image_rotary_emb)."""
+        if callable(self.axis):
+            return self.axis(v, idx, n)
+        return take_tokens(v, idx, self.axis, n, self.name)
 
 
 class AxisPositions(PerTile):

@@ -28,7 +28,7 @@ class Spec:
     prompt: str = "encoder_hidden_states"
     pooled: str | None = None
     spatial: tuple[str, ...] = ()
-    tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
+    tokens: dict[str, Any] = field(default_factory=dict)  # argument -> its token axis (or a taking function)
     frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
     axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
     batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
