@@ -386,6 +386,27 @@ def lumina2():
                       system_prompt="")
 
 
+def hunyuan_dit():
+    """HunyuanDiT as its pipeline calls the transformer (its text encoders are BERT and mT5, and its pipeline
+    sizes the rotary grid for an 8x VAE): the 2-D rotary table of the whole latent, its crop region as the
+    pipeline computes it, image_meta_size and style per row, CFG."""
+    from diffusers import HunyuanDiT2DModel
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+    from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
+
+    tr = seeded(HunyuanDiT2DModel, num_attention_heads=2, attention_head_dim=8, in_channels=4, patch_size=2,
+                sample_size=8, hidden_size=16, num_layers=4, cross_attention_dim=D, cross_attention_dim_t5=D,
+                pooled_projection_dim=8, text_len=5, text_len_t5=5)
+    h, w = 6, 10  # tokens of a 12 x 20 latent
+    rope = get_2d_rotary_pos_embed(8, get_resize_crop_region_for_grid((h, w), 8), (h, w), output_type="pt")
+    ones = torch.ones(2, 5, dtype=torch.long)
+    return tr, dict(hidden_states=rand(1, 4, 2 * h, 2 * w, seed=3).expand(2, -1, -1, -1),
+                    timestep=torch.tensor([700.0, 700.0]), encoder_hidden_states=rand(2, 5, D),
+                    text_embedding_mask=ones, encoder_hidden_states_t5=rand(2, 5, D, seed=4),
+                    text_embedding_mask_t5=ones, style=torch.tensor([0, 0]), image_rotary_emb=rope,
+                    image_meta_size=torch.tensor([[96.0, 160, 96, 160, 0, 0]] * 2))
+
+
 def hidream():
     """HiDream-I1 with prompt embeddings (T5, two Llama layers, pooled CLIP); max_resolution 16 x 16 latent
     px (64 tokens), and the pipeline's default size scaled to match (it resizes every request to the area
@@ -710,6 +731,7 @@ CASES: dict[str, Case] = {
     "cogview4": Case(cogview4, video=False),
     "hunyuan-image-2.1": Case(hunyuan_image, video=False),
     "lumina2": Case(lumina2, video=False),
+    "hunyuan-dit": Case(hunyuan_dit, video=False, direct=True),
     "qwen-image-2.1": Case(qwen_image21, video=False, direct=True),
     "hidream": Case(hidream, video=False, tiles=dict(tile_size=(4, 6))),  # non-square tiles: padded
     "chroma": Case(chroma, video=False),

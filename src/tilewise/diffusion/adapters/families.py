@@ -147,6 +147,10 @@ SPECS: tuple[Spec, ...] = (
     # Lumina 2: caption positions, then the image's (row, column) from the caption's length
     Spec("lumina2", ("Lumina2Transformer2DModel",), _square, layout="bchw",
          sources=(ModuleSource("rope_embedder", take=_lumina2, others="before"),)),
+    # HunyuanDiT: the pipeline's 2-D rotary table (cos, sin) per image token; size and crop conditioning
+    # (image_meta_size) and style per row, as the pipeline gives them
+    Spec("hunyuan-dit", ("HunyuanDiT2DModel",), _square, layout="bchw", tokens={"image_rotary_emb": 0},
+         refused={"controlnet_block_samples": CONTROL}),
     # HiDream-I1 / E1: positions (img_ids), token mask and grid sizes made by its `patchify` method (tokens
     # padded to max_seq for a non-square latent); its Llama embeddings are (layers, batch, tokens, D)
     Spec("hidream", ("HiDreamImageTransformer2DModel",), _square, layout="bchw", timestep="timesteps",
