@@ -1,8 +1,9 @@
 """TiledDenoiser's refusals and what diffusers hangs on a denoiser (issues 29 and 33).
 
 Refused when built, by name and with the reason: classes no family tiles, a config whose positions exist
-for one size only, a module that is not a denoiser, a step cache. Refused when called, before any tile
-runs: a model or latent on the meta device, a dtype mismatch, NaN in the sample. Kept working through the
+for one size only, a module that is not a denoiser, a step cache, frame windows for HunyuanVideo's
+token-replace I2V. Refused when called, before any tile runs: a model or latent on the meta device, a
+dtype mismatch, NaN in the sample, frame windows over Wan VACE's reference frames. Kept working through the
 wrapper: IP-Adapter image embeddings (stock FluxPipeline with IP-Adapter processors), a forward replaced
 on the instance by a (*args, **kwargs) wrapper.
 """
@@ -78,6 +79,20 @@ def test_a_step_cache_is_refused_when_built_and_when_enabled_later():
         pipe(**kw, height=32, width=32, num_inference_steps=1, output_type="latent")
 
 
+def test_frame_windows_are_refused_for_hunyuan_video_token_replace_when_built():
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    tr = td.seeded(HunyuanVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1,
+                   patch_size=2, patch_size_t=1, text_embed_dim=td.D, pooled_projection_dim=8,
+                   rope_axes_dim=(2, 2, 4), image_condition_type="token_replace")
+    TiledDenoiser(tr, tile_size=4, overlap=2)  # tiles over space: the first frame is every tile's first
+    with pytest.raises(ValueError) as e:
+        TiledDenoiser(tr, tile_size=4, overlap=2, tile_frames=2)
+    assert one_line(e).startswith("tile_frames=2: HunyuanVideoTransformer3DModel "
+                                  "(image_condition_type='token_replace', HunyuanVideo I2V) modulates")
+
+
 # ---- refused when called -----------------------------------------------------------------------------------
 def test_meta_device_plans_but_does_not_run():
     from diffusers import WanTransformer3DModel
@@ -111,6 +126,21 @@ def test_a_broken_sample_is_named_before_any_tile_runs(broken):
         TiledDenoiser(model, tile_size=4, overlap=2)(hidden_states=x, timestep=torch.tensor([1]),
                                                     encoder_hidden_states=td.rand(1, 5, td.D))
     assert calls == []  # refused before the model ran
+
+
+def test_frame_windows_are_refused_for_wan_vace_reference_frames_before_any_tile_runs():
+    """WanVACEPipeline with reference_images prepends their latents as frames: refused with tile_frames
+    (the same pipeline without them runs frame windows: test_denoiser_families' wan-vace case)."""
+    pipe, kw = td.wan_vace()
+    pipe.set_progress_bar_config(disable=True)
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a: calls.append(1))
+    pipe.transformer = TiledDenoiser(pipe.transformer, tile_size=4, overlap=2, tile_frames=2)
+    with pytest.raises(ValueError) as e, torch.no_grad():
+        pipe(**kw, reference_images=[td.image(48, 80, seed=9)], num_inference_steps=1, output_type="latent")
+    assert one_line(e).startswith("tile_frames=2: WanVACETransformer3DModel has 1 reference frame(s) first "
+                                  "in the latent (control_hidden_states: reactive latents and mask zero")
+    assert not calls
 
 
 # ---- what diffusers hangs on a denoiser keeps working -----------------------------------------------------

@@ -67,7 +67,7 @@ def test_one_tile_equals_stock_and_several_tiles_keep_its_shape(name):
     one = run(case, pipe, kw)
     assert one.shape == ref.shape and (one - ref).abs().max() <= 1e-5
     assert ref.std() > 1e-3  # a real prediction, not a constant
-    wrap(case, pipe, **SMALL)
+    wrap(case, pipe, **{**SMALL, **case.tiles})
     tiled = run(case, pipe, kw)
     assert tiled.shape == ref.shape and torch.isfinite(tiled).all()
     assert (tiled - ref).abs().max() > 1e-5  # tiled: not the untiled result
@@ -80,6 +80,8 @@ def declared(den):
     if isinstance(a, GridAdapter):
         spec = a.spec
         names = [k for k in (*spec.tokens, spec.axis_positions) if k and k != spec.timestep]
+        if spec.method is not None:
+            names.append(spec.method.positions)
         return spec.sources, names, spec.axis_positions, tuple(spec.patch(den.unet.config))
     if isinstance(a, FluxAdapter):  # Flux's token layout: positions in img_ids, one row per 2x2 token
         return (), ["img_ids"], None, (2, 2)
@@ -97,9 +99,14 @@ def record(den, log: list) -> list:
         if module is not None:
             handles.append(module.register_forward_hook(
                 lambda m, a, out, key=src.module: log.append({key: out})))
+    method = getattr(getattr(den.adapter, "spec", None), "method", None)
     if names:
         def args(m, a, kwargs):
-            log.append({k: kwargs.get(k) for k in names})
+            got = {k: kwargs.get(k) for k in names}
+            if method is not None and got[method.positions] is None:  # the untiled call: the model's own
+                made = getattr(model, method.method)(kwargs[den.adapter.spec.sample])
+                got[method.positions] = made[method.returns.index(method.positions)]
+            log.append(got)
         handles.append(model.register_forward_pre_hook(args, with_kwargs=True))
     return handles
 
@@ -163,6 +170,7 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
     pieces = den.plan(*sample[-2:], frames=sample[0] if len(sample) == 3 else None)
     assert len(calls) == len(whole) * len(pieces) and len(pieces) > 1
     sources, _, axis_positions, patch = declared(den)
+    method = getattr(den.adapter, "spec", None) and den.adapter.spec.method
     patch = patch[-len(sample):]
     n_whole = int(tile_indices(tuple(c for s in sample for c in (0, s)), sample, patch).numel())
     for j, untiled in enumerate(whole):
@@ -176,4 +184,41 @@ def test_each_tile_gets_the_positions_of_its_tokens(name):
                     for i, (v, p) in enumerate(zip(value, patch)):
                         assert torch.equal(call[key][i], v[box[2 * i] // p:-(-box[2 * i + 1] // p)])
                     continue
-                same_at(value, call[key], idx, n_whole, where.get(key, "after"))
+                tile = call[key]
+                if method is not None and key == method.positions:  # padded to max_seq: tokens first
+                    value, tile = value[:, :n_whole], tile[:, : len(idx)]
+                same_at(value, tile, idx, n_whole, where.get(key, "after"))
+
+
+def test_qwen_image_21_prefix_cache_keeps_every_tile_exact():
+    """Qwen-Image 2.1's prefix KV cache (its pipeline's default): the first step's calls fill it ("extract"),
+    the next's read it ("cached": the output is the target's tokens only). Through one tile as stock; through
+    several tiles equal to the same tiles without the cache (it holds only what every tile shares)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    _, holder, kw = built("qwen-image-2.1")
+    model = holder.transformer
+
+    def steps(m):
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        with torch.no_grad():
+            return [m(**kw, kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0]
+                    for mode in ("extract", "cached")]
+
+    for got, want in zip(steps(TiledDenoiser(model, tile_size=256)), steps(model), strict=True):
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+    tiled = TiledDenoiser(model, **SMALL)
+    with torch.no_grad():
+        plain = tiled(**kw, return_dict=False)[0]
+    extract, cached = steps(tiled)
+    n = kw["hidden_states"].shape[1] - 8  # the target's tokens (after the condition image's 8)
+    assert extract.shape == plain.shape and (extract - plain).abs().max() <= 1e-5
+    assert cached.shape == (1, n, 4) and (cached - plain[:, -n:]).abs().max() <= 1e-5
+    import tilewise
+
+    region = tilewise.Region(box=(0, 0, 4, 4), prompt_embeds=kw["encoder_hidden_states"])
+    with pytest.raises(ValueError, match="qwen-image-2.1 family cannot take regional prompts"):
+        TiledDenoiser(model, **SMALL, regions=[region])
+    tiled.regions = [region]
+    with pytest.raises(ValueError, match="img_mask"):
+        tiled(**kw)

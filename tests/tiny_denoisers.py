@@ -37,6 +37,7 @@ class Case:
     positions: bool = True  # the denoiser has positional inputs (test_each_tile_gets_the_positions...)
     tile_frames: int | None = 2  # frame windows in the positions test (video)
     extra: dict = field(default_factory=dict)  # keyword arguments of the pipeline call beyond build's
+    tiles: dict = field(default_factory=dict)  # TiledDenoiser options of the several-tiles run, beyond SMALL
 
 
 def seeded(cls, seed: int = 0, **config):
@@ -385,6 +386,66 @@ def lumina2():
                       system_prompt="")
 
 
+def hunyuan_dit():
+    """HunyuanDiT as its pipeline calls the transformer (its text encoders are BERT and mT5, and its pipeline
+    sizes the rotary grid for an 8x VAE): the 2-D rotary table of the whole latent, its crop region as the
+    pipeline computes it, image_meta_size and style per row, CFG."""
+    from diffusers import HunyuanDiT2DModel
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+    from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
+
+    tr = seeded(HunyuanDiT2DModel, num_attention_heads=2, attention_head_dim=8, in_channels=4, patch_size=2,
+                sample_size=8, hidden_size=16, num_layers=4, cross_attention_dim=D, cross_attention_dim_t5=D,
+                pooled_projection_dim=8, text_len=5, text_len_t5=5)
+    h, w = 6, 10  # tokens of a 12 x 20 latent
+    rope = get_2d_rotary_pos_embed(8, get_resize_crop_region_for_grid((h, w), 8), (h, w), output_type="pt")
+    ones = torch.ones(2, 5, dtype=torch.long)
+    return tr, dict(hidden_states=rand(1, 4, 2 * h, 2 * w, seed=3).expand(2, -1, -1, -1),
+                    timestep=torch.tensor([700.0, 700.0]), encoder_hidden_states=rand(2, 5, D),
+                    text_embedding_mask=ones, encoder_hidden_states_t5=rand(2, 5, D, seed=4),
+                    text_embedding_mask_t5=ones, style=torch.tensor([0, 0]), image_rotary_emb=rope,
+                    image_meta_size=torch.tensor([[96.0, 160, 96, 160, 0, 0]] * 2))
+
+
+def hidream():
+    """HiDream-I1 with prompt embeddings (T5, two Llama layers, pooled CLIP); max_resolution 16 x 16 latent
+    px (64 tokens), and the pipeline's default size scaled to match (it resizes every request to the area
+    of default_sample_size): a 24 x 40 image, a non-square 12 x 20 latent padded to max_seq."""
+    from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
+
+    tr = seeded(HiDreamImageTransformer2DModel, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                num_single_layers=1, attention_head_dim=8, num_attention_heads=2, caption_channels=[D, D],
+                text_emb_dim=8, num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(4, 2, 2),
+                max_resolution=(16, 16), llama_layers=[0, 1])
+    none = dict.fromkeys([f"{k}{i}" for k in ("text_encoder", "tokenizer") for i in ("", "_2", "_3", "_4")])
+    pipe = HiDreamImagePipeline(scheduler=flow(), vae=kl_vae(), transformer=tr, **none)
+    pipe.default_sample_size = 16
+    return pipe, dict(prompt_embeds_t5=rand(1, 5, D), prompt_embeds_llama3=rand(2, 1, 4, D, seed=3),
+                      pooled_prompt_embeds=rand(1, 8, seed=4),
+                      negative_prompt_embeds_t5=rand(1, 5, D, seed=8),
+                      negative_prompt_embeds_llama3=rand(2, 1, 4, D, seed=9),
+                      negative_pooled_prompt_embeds=rand(1, 8, seed=10), guidance_scale=2.0, height=24,
+                      width=40)
+
+
+def qwen_image21():
+    """Qwen-Image 2.1 as its pipeline calls the transformer for one prompt (its text encoder is Qwen3-VL):
+    one condition image (2 x 4 tokens, two vision-language slots) and a 6 x 10 target, the text's last
+    token padded; no prefix cache (see test_denoiser_families for the cache's extract / cached calls)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    tr = seeded(QwenImage21Transformer2DModel, patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+                attention_head_dim=8, num_attention_heads=2, context_in_dim=D, mlp_ratio=2,
+                axes_dims_rope=(2, 2, 4))
+    h, w = 6, 10
+    vlm = torch.tensor([False, False, True, True, False, False, False])  # 5 text tokens, 2 image slots
+    return tr, dict(hidden_states=torch.cat([rand(1, 8, 4, seed=2), rand(1, h * w, 4, seed=3)], dim=1),
+                    encoder_hidden_states=rand(1, 7, D), timestep=torch.tensor([0.7]),
+                    img_shapes=[[(1, 2, 4), (1, h, w)]],
+                    img_mask=torch.cat([vlm, torch.ones(h * w // 4, dtype=torch.bool)])[None],
+                    encoder_hidden_states_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool))
+
+
 # ---- Flux-like token layouts (img_ids) ---------------------------------------------------------------------
 def flux_like(cls_name: str, **config):
     import diffusers
@@ -581,6 +642,41 @@ def chronoedit():
                     encoder_hidden_states_image=rand(1, 3, 8, seed=5))
 
 
+def wan_animate():
+    """Wan 2.2 Animate as its pipeline calls the transformer (the pipeline needs a CLIP image encoder): the
+    reference image's latent frame first, pose latents one frame fewer, a face video in pixels."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    tr = seeded(WanAnimateTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2,
+                attention_head_dim=8, latent_channels=4, in_channels=12, out_channels=4, text_dim=D,
+                freq_dim=16, ffn_dim=32, num_layers=1, image_dim=8, rope_max_seq_len=32,
+                motion_encoder_size=16, motion_encoder_channel_sizes={"4": 8, "8": 8, "16": 8},
+                motion_style_dim=8, motion_dim=4,
+                motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2,
+                inject_face_latents_blocks=1, motion_encoder_batch_size=4)
+    T, H, W = 3, 6, 10
+    return tr, dict(hidden_states=rand(1, 12, T + 1, H, W, seed=3), timestep=torch.tensor([700]),
+                    encoder_hidden_states=rand(1, 5, D), encoder_hidden_states_image=rand(1, 3, 8, seed=5),
+                    pose_hidden_states=rand(1, 4, T, H, W, seed=6),
+                    face_pixel_values=rand(1, 3, 9, 16, 16, seed=7))
+
+
+def allegro():
+    """Allegro as its pipeline calls the transformer (its text encoder is T5-XXL, its VAE large): the
+    pipeline's rotary positions for the whole latent."""
+    from diffusers import AllegroPipeline, AllegroTransformer3DModel
+
+    tr = seeded(AllegroTransformer3DModel, num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                out_channels=4, num_layers=1, cross_attention_dim=24, sample_height=6, sample_width=10,
+                sample_frames=3, caption_channels=D)
+    T, H, W = 3, 6, 10
+    holder = type("Pipe", (), {"transformer": tr, "vae_scale_factor_spatial": 8})()
+    rope = AllegroPipeline._prepare_rotary_positional_embeddings(holder, 1, H * 8, W * 8, T, "cpu")
+    return tr, dict(hidden_states=rand(1, 4, T, H, W, seed=3), encoder_hidden_states=rand(1, 5, D),
+                    timestep=torch.tensor([700]), encoder_attention_mask=torch.ones(1, 5),
+                    image_rotary_emb=rope)
+
+
 def consisid():
     """ConsisID (CogVideoX with identity conditioning, off here) as its pipeline calls the transformer (its
     pipeline needs face models): the 2B-like sinusoidal table in the patch embedding."""
@@ -635,12 +731,17 @@ CASES: dict[str, Case] = {
     "cogview4": Case(cogview4, video=False),
     "hunyuan-image-2.1": Case(hunyuan_image, video=False),
     "lumina2": Case(lumina2, video=False),
+    "hunyuan-dit": Case(hunyuan_dit, video=False, direct=True),
+    "qwen-image-2.1": Case(qwen_image21, video=False, direct=True),
+    "hidream": Case(hidream, video=False, tiles=dict(tile_size=(4, 6))),  # non-square tiles: padded
     "chroma": Case(chroma, video=False),
     "bria": Case(bria, video=False),
     "longcat-image": Case(longcat, video=False, direct=True),
     "ovis-image": Case(ovis, video=False),
     "chronoedit": Case(chronoedit, direct=True),
+    "wan-animate": Case(wan_animate, direct=True, tile_frames=None),  # its reference frame: no windows
     "consisid": Case(consisid, direct=True),
+    "allegro": Case(allegro, direct=True),
     "easyanimate": Case(easyanimate, direct=True),
     "ddpm": Case(ddpm, slot="unet", video=False, positions=False, extra=dict(batch_size=1)),
     "animatediff": Case(animatediff, slot="unet", positions=False),

@@ -1,9 +1,10 @@
 """Tiny transformer pipelines saved as diffusers folders, with real text encoders and tokenizers (offline).
 
 What `tilewise generate --model FOLDER` reads: SD3 with two CLIPTextModelWithProjection encoders and no T5
-(the pipeline's own default: zero T5 embeddings), Flux with a CLIPTextModel and a T5EncoderModel. The
-tokenizers are real classes over a letter vocabulary (`tiny_sd.char_tokenizer`, a T5 Unigram over
-letters). VAEs of two levels (2 px per latent pixel), seeded random weights.
+(the pipeline's own default: zero T5 embeddings), Flux with a CLIPTextModel and a T5EncoderModel, Wan 2.1
+(text to video) with a UMT5EncoderModel. The tokenizers are real classes over a letter vocabulary
+(`tiny_sd.char_tokenizer`, a T5 Unigram over letters). VAEs of two levels (2 px per latent pixel; Wan's:
+its 3-D VAE, 8 px and 4 frames per latent pixel and frame), seeded random weights.
 """
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ def sd3_folder(root: Path) -> Path:
     return root / "sd3"
 
 
+def _t5_vocab():
+    return [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [(c, -1.0) for c in LETTERS]
+
+
+def wan_folder(root: Path) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from tiny_denoisers import wan_transformer
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    from video_vae_support import wan
+
+    torch.manual_seed(0)
+    vocab = _t5_vocab()
+    text = UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                       num_heads=2))
+    pipe = WanPipeline(tokenizer=T5TokenizerFast(vocab=vocab, extra_ids=0), text_encoder=text,
+                       transformer=wan_transformer(), vae=wan(), scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe.save_pretrained(root / "wan")
+    return root / "wan"
+
+
 def flux_folder(root: Path) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
@@ -61,7 +82,7 @@ def flux_folder(root: Path) -> Path:
                                          joint_attention_dim=16, pooled_projection_dim=16,
                                          axes_dims_rope=(4, 6, 6))
     (root / "tok").mkdir(parents=True, exist_ok=True)
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [(c, -1.0) for c in LETTERS]
+    vocab = _t5_vocab()
     t5 = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                  num_heads=2))
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(),

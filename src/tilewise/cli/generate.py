@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 def generate(
     prompt: Annotated[str, typer.Option(help="prompt for the whole image")],
-    out: Annotated[Path, typer.Option(help="output .png / .tif / .npy (streamed, written atomically)")],
+    out: Annotated[Path, typer.Option(help="output .png / .tif / .npy (streamed, written atomically); with "
+                                      "--frames a frame pattern 'frames/f{:04d}.png', a .npy or .tif stack")],
     width: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 1024,
     height: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 512,
     region: Annotated[
@@ -48,6 +49,14 @@ def generate(
     vae_mode: Annotated[
         Mode, typer.Option(help="exact = equals the untiled decode; fast = estimated statistics")
     ] = Mode.exact,
+    frames: Annotated[
+        int | None, typer.Option(min=1, help="video pipelines (Wan 2.x, ...): frames to generate, e.g. 81")
+    ] = None,
+    tile_frames: Annotated[
+        int | None, typer.Option(min=1, help="video: overlapping frame windows of this many latent frames "
+                                 "(default: every frame in each tile)")
+    ] = None,
+    frame_overlap: Annotated[int, typer.Option(min=0, help="video: latent frames shared by windows")] = 0,
     model: Model = None,
     config: Config = None,
     device: Device = "auto",
@@ -61,12 +70,15 @@ def generate(
 
     Example: tilewise generate --prompt grass --width 2048 --height 512
     --region "0,0,1024,512:brick" --region "1024,0,2048,512:gravel" --out wide.png
+
+    Example (text to video, the decode streamed frame by frame): tilewise generate --model wan-folder
+    --prompt "a fox in snow" --width 1280 --height 720 --frames 81 --tile 64 --out "frames/f{:04d}.png"
     """
     from ..pipelines import GenerateOptions, load_pipeline, parse_region, run_generate
 
     regions = [parse_region(r) for r in region or []]
     checks.regions(regions, width, height)
-    checks.output(out, no_clobber=no_clobber, bits=8)
+    _check_output(out, frames, no_clobber)
     checks.report_folder(report)
     checks.model_paths(model, config)
     device = options.resolve_device(device)
@@ -78,7 +90,7 @@ def generate(
         prompt, width, height, negative=negative, regions=regions, method=method.value, tile_size=tile,
         overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance, vae_tile=vae_tile,
         vae_mode=vae_mode.value, out=str(out), progress=not (quiet or rank != 0), process_group=group,
-        replace=not no_clobber,
+        replace=not no_clobber, frames=frames, tile_frames=tile_frames, frame_overlap=frame_overlap,
     )
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
     t0 = time.perf_counter()
@@ -105,23 +117,39 @@ def _check_size(model, config, width: int, height: int, dtype: str, device: str,
     check_generate_room(channels, dtype, device, width, height, f, regions)
 
 
+def _check_output(out: Path, frames: int | None, no_clobber: bool) -> None:
+    """An image output, or for --frames one that takes that many frames (a pattern or a stack)."""
+    if frames is None:
+        checks.output(out, no_clobber=no_clobber, bits=8)
+        return
+    from ..pipelines.video import check_video_output
+
+    checks.video_output(out, no_clobber=no_clobber, bits=8)
+    check_video_output(str(out), 8, frames, replace=not no_clobber)
+
+
 def _report_generate(job: GenerateOptions, region_texts: list[str], loaded: Loaded, res: GenerateResult,
                      total: float, report: Path | None) -> None:
     """The line of what `generate` wrote, and its run folder: tiles, VAE plan, the UNet's cost curve."""
     from ..geometry import TileGrid
 
+    size = f"{job.width}x{job.height}"
+    size = size if job.frames is None else f"{job.frames} frames of {size}"
     typer.echo(
-        f"wrote {job.out} ({job.width}x{job.height}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
+        f"wrote {job.out} ({size}) in {total:.1f}s: denoise {res.seconds['denoise']:.1f}s "
         f"({res.unet_tiles_per_call} {'UNet' if loaded.denoiser == 'unet' else 'transformer'} tiles per "
         f"call), decode {res.seconds['decode']:.1f}s"
     )
     run_dir = run_folder(report, {
         "command": "generate", "prompt": job.prompt, "regions": region_texts, "size": [job.width, job.height],
         "method": job.method, "tile": job.tile_size, "overlap": job.overlap, "steps": job.steps,
+        "frames": job.frames, "tile_frames": job.tile_frames, "frame_overlap": job.frame_overlap,
         "seed": job.seed, "model": loaded.source, "seconds": res.seconds, "output": job.out,
     })
     if run_dir is not None:
-        f, tile = int(getattr(loaded.pipe, "vae_scale_factor", 8)), job.tile_size
+        pipe = loaded.pipe
+        f = int(getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8))
+        tile = job.tile_size
         grid = TileGrid(job.height // f, job.width // f, tile, overlap=job.overlap)
         grid.draw(str(run_dir / "tiles.png"), scale=f)
         write_plan(run_dir, res.vae_plan)

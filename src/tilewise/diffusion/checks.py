@@ -41,8 +41,28 @@ def check_settings(td: Any) -> None:
     if td.method == "mixture" and not td.var > 0:
         raise ValueError(f"var (Gaussian variance in tile-side units) must be > 0, got {td.var}")
     check_frames(td.tile_frames, td.frame_overlap, td.method, td.frame_align)
+    check_regions(td)
     if isinstance(td.process_group, str) and td.process_group != "default":
         raise ValueError(f"process_group must be None, 'default' or a ProcessGroup, got {td.process_group!r}")
+
+
+def check_frame_inputs(td: Any, model, call: Any = None) -> None:
+    """Frame windows where the model (call None: when wrapped) and the call's inputs allow them: inputs
+    that every window would need whole (reference frames, an image frame the model marks by position) are
+    refused by the family's table entry, with the reason."""
+    if td.tile_frames is None:
+        return
+    why = td.adapter.frames_refused(model, call)
+    if why:
+        raise ValueError(f"tile_frames={td.tile_frames}: {type(model).__name__} {why}; use tile_frames=None "
+                         "(tiles over space, every frame in each)")
+
+
+def check_regions(td: Any) -> None:
+    """Regional prompts, where the model's family can take a region's embeddings."""
+    if td.regions and td.adapter.no_regions:
+        raise ValueError(f"regions: the {td.adapter.family} family cannot take regional prompts: "
+                         f"{td.adapter.no_regions}; give regions=None")
 
 
 def check_frames(tile_frames, frame_overlap, method: str, frame_align: int) -> None:

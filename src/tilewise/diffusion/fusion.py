@@ -119,6 +119,7 @@ class TiledDenoiser(ModelWrapper):
         self.tile_frames, self.frame_overlap = tile_frames, frame_overlap
         self.align = self.adapter.align(unet) if align is None else align
         self.frame_align = self.adapter.frame_align(unet)
+        checks.check_frame_inputs(self, unet)
         self._region_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.regions = regions
         self.progress = progress
@@ -215,7 +216,9 @@ class TiledDenoiser(ModelWrapper):
         """The wrapped model's call: predict on every tile (batched), fuse into one prediction for the whole
         latent, returned as the model returns it."""
         checks.check_caches(self.unet)  # a cache enabled after wrapping (pipe.transformer.enable_cache(...))
+        checks.check_regions(self)  # regions set after wrapping
         call = self.adapter.parse(self.unet, args, kwargs)
+        checks.check_frame_inputs(self, self.unet, call)
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
             self.halo = self._probe_halo(call)

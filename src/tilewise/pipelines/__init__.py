@@ -5,9 +5,10 @@ Every recipe is a plain function the CLI calls; each keeps the denoiser and the 
 
 One file per job: `loading` (`load_pipeline`, `load_vae`, `Loaded`), `single_file` (a checkpoint file
 configured by a local folder), `recipes` (generate, decode_file, encode_file, and their `run_*` forms
-that take the options as one record of `options`: GenerateOptions, VaeFileOptions), `video` (their 3-D VAE
-forms: latents of (B, C, T, H, W), video sinks) and `frames` (reading a video to encode); this package
-re-exports them.
+that take the options as one record of `options`: GenerateOptions, VaeFileOptions), `denoise` (the tiled
+denoiser in the pipeline's own loop, for both generates), `generate_video` (text to video: a video
+pipeline's latents decoded by its 3-D VAE), `video` (the 3-D VAE forms of decode and encode: latents of
+(B, C, T, H, W), video sinks) and `frames` (reading a video to encode); this package re-exports them.
 """
 
 from .frames import load_video

@@ -42,28 +42,30 @@ def check_latents_output(out: str | os.PathLike, replace: bool) -> None:
     check_target(out, "output", replace=replace)
 
 
-def check_generate_fits(unet, width: int, height: int, factor: int, regions: int = 0) -> None:
-    """Refuse a generation whose full-size latents alone cannot fit the UNet's device (WontFit naming the
-    figure and the largest size of the same aspect that would)."""
+def check_generate_fits(unet, width: int, height: int, factor: int, regions: int = 0,
+                        frames: int = 1) -> None:
+    """Refuse a generation whose full-size latents (of `frames` latent frames) alone cannot fit the UNet's
+    device (WontFit naming the figure and the largest size of the same aspect that would)."""
     c = int(getattr(getattr(unet, "config", None), "in_channels", 4) or 4)
     check_generate_room(c, getattr(unet, "dtype", "float32"), getattr(unet, "device", "cpu"), width, height,
-                        factor, regions)
+                        factor, regions, frames)
 
 
 def check_generate_room(channels: int, dtype, device, width: int, height: int, factor: int,
-                        regions: int = 0) -> None:
+                        regions: int = 0, frames: int = 1) -> None:
     """`check_generate_fits` from the denoiser's latent channels, dtype and device (what its config and
     the command's options say, before it loads)."""
-    c, h, w = channels, height // factor, width // factor
+    c, h, w = channels * frames, height // factor, width // factor
     per = c * h * w * dtype_itemsize(dtype)
-    need = LATENT_COPIES * per + (regions + 1) * h * w * 4  # and one float32 weight plane per region
+    need = LATENT_COPIES * per + (regions + 1) * h * w * 4 * frames  # and one float32 weight per region
     room = device_memory_available(device)
     if need <= room:
         return
     fw, fh = fitting_size(width, height, need, room // 2, multiple=factor)
+    dims = f"{c // frames}x{frames}x{h}x{w}" if frames > 1 else f"{c}x{h}x{w}"
     where = "host" if str(device).startswith("cpu") else str(device)
     raise WontFit(f"generate {width}x{height}: denoising holds at least {LATENT_COPIES} latent-sized tensors "
-                  f"of {c}x{h}x{w} {str(dtype).removeprefix('torch.')} ({format_bytes(per)} each: the "
+                  f"of {dims} {str(dtype).removeprefix('torch.')} ({format_bytes(per)} each: the "
                   f"latents, the guidance batch of two, the fusion, the predictions), {format_bytes(need)} "
                   f"in all, but {format_bytes(room)} of {where} memory is available; about {fw}x{fh} would "
                   "fit")

@@ -130,7 +130,7 @@ def _load_local(model: str | os.PathLike, config: str | os.PathLike | None, loca
                 f"--config {str(config)!r} applies to a single-file --model only, but --model "
                 f"{str(path)!r} is a folder (it carries its own configs)"
             )
-        read_model_index(path, "--model")
+        _check_accelerate(read_model_index(path, "--model"), path)
         from diffusers import DiffusionPipeline
 
         nones = _saved_as_none(path)
@@ -142,6 +142,26 @@ def _load_local(model: str | os.PathLike, config: str | os.PathLike | None, loca
     else:
         raise BadRequest(f"--model {str(model)!r}: expected a folder or a .safetensors/.ckpt file")
     return pipe
+
+
+def _check_accelerate(index: dict, path: Path) -> None:
+    """Refuse, before loading, a folder with a model diffusers loads only with the accelerate package: one
+    keeping modules in float32 (Wan 2.x, SkyReels-V2, Cosmos, Kandinsky 5: `_keep_in_fp32_modules`), which
+    diffusers 0.42's from_pretrained refuses without low_cpu_mem_usage, itself needing accelerate."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return
+    import diffusers
+
+    classes = {k: getattr(diffusers, str(v[1]), None) for k, v in index.items()
+               if isinstance(v, list) and len(v) == 2 and v[0] == "diffusers"}
+    need = [f"{k} ({type_.__name__})" for k, type_ in classes.items()
+            if getattr(type_, "_keep_in_fp32_modules", None)]
+    if need:
+        raise ModelProblem(f"--model {str(path)!r}: diffusers loads {', '.join(need)} only with the "
+                           "accelerate package (its float32-kept modules need low_cpu_mem_usage); install "
+                           "it: pip install accelerate (or tilewise[video])")
 
 
 def _check_parts(pipe: Any, path: Path, scheduler: str) -> None:

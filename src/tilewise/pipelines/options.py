@@ -10,7 +10,7 @@ recipe, in the order it always has been. Upscale's record, `UpscaleOptions`, liv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -20,7 +20,10 @@ class GenerateOptions:
 
     `regions` are (box (x0, y0, x1, y1) in pixels, prompt); `batch_size` None: 32 tiles per call for the
     embedded model, else 4; `out` None: the image stays in memory; `process_group` ("default" under
-    torchrun) splits both stages' tiles over the ranks, rank 0 writes `out`."""
+    torchrun) splits both stages' tiles over the ranks, rank 0 writes `out`. `frames` (video pipelines:
+    Wan 2.x, SkyReels-V2, ...): frames to generate, `out` then a frame pattern, .npy or .tif stack;
+    `tile_frames` / `frame_overlap`: the denoiser's overlapping frame windows, in latent frames.
+    Text to video is `pipelines.generate_video`."""
 
     prompt: str
     width: int
@@ -41,9 +44,24 @@ class GenerateOptions:
     progress: bool = True
     process_group: Any = None
     replace: bool = True
+    frames: int | None = None
+    tile_frames: int | None = None
+    frame_overlap: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions or ()))  # a list or None given: a tuple kept
+
+
+@dataclass
+class GenerateResult:
+    """What a generation did: output path or image tensor (None for a video, streamed), timings, tile counts,
+    the VAE plan."""
+
+    out: str | None
+    image: Any
+    seconds: dict[str, float] = field(default_factory=dict)
+    unet_tiles_per_call: int = 0
+    vae_plan: Any = None
 
 
 @dataclass(frozen=True)

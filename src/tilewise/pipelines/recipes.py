@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic import atomic_path
@@ -21,9 +20,11 @@ from ..errors import BadInputFile, BadRequest, WontFit
 from ..locality.lowering3d import is_video_vae
 from ..sinks import open_sink
 from ..sources import read_image, read_latents
+from .denoise import denoise, tiled_denoiser
 from .fits import check_generate_fits, check_image_output, check_latents_output
+from .generate_video import frames_arg, run_generate_video
 from .loading import Loaded
-from .options import GenerateOptions, VaeFileOptions
+from .options import GenerateOptions, GenerateResult, VaeFileOptions
 from .video import decode_video_file, encode_video_file
 
 logger = logging.getLogger(__name__)
@@ -41,17 +42,6 @@ def parse_region(text: str) -> tuple[tuple[int, int, int, int], str]:
             f"region {text!r} must look like 'x0,y0,x1,y1:prompt' (pixels, e.g. '0,0,512,512:brick')"
         )
     return coords, prompt.strip()  # type: ignore[return-value]
-
-
-@dataclass
-class GenerateResult:
-    """What a generation did: output path or image tensor, timings, tile counts, the VAE plan."""
-
-    out: str | None
-    image: Any
-    seconds: dict[str, float] = field(default_factory=dict)
-    unet_tiles_per_call: int = 0
-    vae_plan: Any = None
 
 
 def latent_scale(vae) -> tuple[float, float]:
@@ -82,20 +72,25 @@ def generate(
     progress: bool = True,
     process_group: Any = None,
     replace: bool = True,
+    frames: int | None = None,
+    tile_frames: int | None = None,
+    frame_overlap: int = 0,
 ) -> GenerateResult:
     """Text to image at any size: tiled denoising (TiledDenoiser) then tiled decoding (TiledVAE).
 
     With `process_group` ("default" under torchrun) the tiles of both stages are split over the ranks;
     every rank calls this, rank 0 writes `out`. Before anything runs, `out` is checked (suffix, folder,
     replace=False: must not exist) and the full-size buffers of denoising and decoding are estimated
-    against the memory (and staging disk) there is (`WontFit` with the figure otherwise).
+    against the memory (and staging disk) there is (`WontFit` with the figure otherwise). A video
+    pipeline (`frames`: Wan 2.x, ...) generates a video to a frame pattern or stack (`generate_video`).
     The options are those of `GenerateOptions`; `run_generate` takes them as that record.
     """
     options = GenerateOptions(
         prompt, width, height, negative=negative, regions=regions, method=method, tile_size=tile_size,
         overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance,
         vae_tile=vae_tile, vae_mode=vae_mode, out=out, bits=bits, progress=progress,
-        process_group=process_group, replace=replace,
+        process_group=process_group, replace=replace, frames=frames, tile_frames=tile_frames,
+        frame_overlap=frame_overlap,
     )
     return run_generate(loaded, options)
 
@@ -105,6 +100,8 @@ def run_generate(loaded: Loaded, options: GenerateOptions) -> GenerateResult:
     from ..vae import TiledVAE  # (lazy: torch and the layers that import it, see the module docstring)
 
     o = options
+    if o.frames is not None or frames_arg(loaded.pipe) is not None:  # a video pipeline: text to video
+        return run_generate_video(loaded, o)
     pipe, attr = loaded.pipe, loaded.denoiser  # "unet", or "transformer" (SD3, Flux, ...)
     f = int(getattr(pipe, "vae_scale_factor", 8))
     # 1. check the request (size, output, regions) and that the full-size buffers fit, before any work
@@ -121,13 +118,13 @@ def run_generate(loaded: Loaded, options: GenerateOptions) -> GenerateResult:
     cond = loaded.encode(o.prompt, o.negative)
     regions = _region_embeds(loaded, o.regions, o.negative)
     # 3. tile the denoiser
-    denoiser = _tiled_denoiser(loaded, o, regions, f)
+    denoiser = tiled_denoiser(loaded, o, regions, f)
     tiles = denoiser.count(o.height // f, o.width // f)
     logger.info("generate %dx%d: %s over %d %s tiles of %d latent px per call, %d steps", o.width, o.height,
                 o.method, tiles, type(getattr(pipe, attr)).__name__, o.tile_size, o.steps)
     # 4. denoise with the pipeline's own loop, its denoiser swapped for the tiled one
     t0 = time.perf_counter()
-    latents = _denoise(pipe, attr, denoiser, cond, o)
+    latents = denoise(pipe, {attr: denoiser}, o, **cond).images
     seconds = {"denoise": time.perf_counter() - t0}
     # 5. decode: streamed to `out` (rank 0 writes), or in memory
     z = _vae_latents(pipe, latents, o.height, o.width, f)
@@ -172,39 +169,6 @@ def _region_embeds(loaded: Loaded, regions, negative: str) -> list:
         out.append(Region(box=box, prompt_embeds=emb["prompt_embeds"],
                           pooled_prompt_embeds=emb.get("pooled_prompt_embeds")))
     return out
-
-
-def _tiled_denoiser(loaded: Loaded, o: GenerateOptions, regions: list, f: int):
-    """The pipeline's denoiser wrapped in a TiledDenoiser with the options' tiles, fusion and regions."""
-    from ..diffusion import TiledDenoiser  # (lazy: torch, see the module docstring)
-
-    batch_size = o.batch_size
-    if batch_size is None:  # the embedded UNet is tiny: per-call overhead dominates, batch many tiles
-        batch_size = 32 if loaded.embedded else 4
-    return TiledDenoiser(getattr(loaded.pipe, loaded.denoiser), tile_size=o.tile_size, overlap=o.overlap,
-                         method=o.method, batch_size=batch_size, regions=regions or None, seed=o.seed,
-                         vae_scale_factor=f, progress=False, process_group=o.process_group)
-
-
-def _denoise(pipe, attr: str, denoiser, cond: dict, o: GenerateOptions):
-    """The pipeline's sampling loop with `denoiser` in place of its own (put back after): the latents."""
-    import torch  # (lazy: see the module docstring)
-
-    model = getattr(pipe, attr)
-    setattr(pipe, attr, denoiser)
-    try:
-        pipe.set_progress_bar_config(disable=not o.progress, desc="denoise")
-        return pipe(
-            **cond,
-            height=o.height,
-            width=o.width,
-            num_inference_steps=o.steps,
-            guidance_scale=o.guidance,
-            generator=torch.Generator("cpu").manual_seed(o.seed),
-            output_type="latent",
-        ).images
-    finally:
-        setattr(pipe, attr, model)
 
 
 def _vae_latents(pipe, latents, height: int, width: int, f: int):

@@ -78,19 +78,28 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
                       replace: bool = True):
     """Decode a latents .safetensors with a 3-D VAE, streamed: one frame to an image file, several to a
     frame sequence or a .npy / TIFF stack. Returns the plan it ran."""
+    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
+    z = _latents(latents_path, tv.program("decode").in_channels)
+    return decode_to_file(tv, denormalised(vae, z), out, bits=bits, replace=replace)
+
+
+def denormalised(vae, z):
+    """Latents as the pipeline's denoiser sees them, as the VAE decodes them (raw), on its device."""
+    mean, std, sf = latent_norm(vae)
+    return (z.float() * std.to(z.device) / sf + mean.to(z.device)).to(vae.device, vae.dtype)
+
+
+def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True):
+    """Decode raw (1, C, T, H, W) latents with a TiledVAE of a 3-D VAE, streamed: one frame to an image
+    file, several to a frame sequence or a .npy / TIFF stack (checked first). Returns the plan it ran."""
     import torch
 
     from ..sinks import open_sink
     from ..sinks.video import open_video_sink
 
-    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
-    z = _latents(latents_path, tv.program("decode").in_channels)
-    mean, std, sf = latent_norm(vae)
-    z = (z.float() * std / sf + mean).to(vae.device, vae.dtype)
     shape = tuple(z.shape)
     _, c, t, h, w = tv.plan(shape, streamed=True).output_shape
-    _check_output(out, bits, t)
-    check_target(out.format(0) if "{" in out else out, "output", replace=replace)
+    check_video_output(out, bits, t, replace)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
             else open_video_sink(out, t, h, w, c, bits=bits, replace=replace))
@@ -105,6 +114,12 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)
     return plan
+
+
+def check_video_output(out: str, bits: int, frames: int, replace: bool) -> None:
+    """An output that can take `frames` decoded frames (`_check_output`), and may be written there."""
+    _check_output(out, bits, frames)
+    check_target(out.format(0) if "{" in out else out, "output", replace=replace)
 
 
 def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: str = "exact",

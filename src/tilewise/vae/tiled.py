@@ -26,7 +26,7 @@ from ..wrapper import ModelWrapper
 from . import runner
 from .checks import check_fits, check_input
 from .devices import DeviceProfile, profile, vae_device
-from .families import bind, encode_output, family_of, lower_family
+from .families import FAMILIES, bind, encode_output, family_of, lower_family
 from .plan.make import make_plan, request
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
@@ -310,11 +310,12 @@ def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "de
 
 
 def _check_vae(vae) -> None:
-    """Refuse at construction what is not a VAE this wraps (a module with an encoder and a decoder:
-    AutoencoderKL and its kin, AutoencoderTiny, the 3-D VAEs). A VAE on the meta device is not refused:
-    plans and counted runs use one (tests/test_counting.py)."""
-    if not is_video_vae(vae) and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
-                                         for part in ("encoder", "decoder")):
+    """Refuse at construction what is not a VAE this wraps: a class of the families' table (`families`:
+    those it refuses, with their reasons, later), or a module with an encoder and a decoder (traced as an
+    AutoencoderKL). A VAE on the meta device is not refused: plans and counted runs use one
+    (tests/test_counting.py)."""
+    if type(vae).__name__ not in FAMILIES and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
+                                                      for part in ("encoder", "decoder")):
         hint = (" (a denoiser: tile it with tw.TiledDenoiser)" if hasattr(vae, "time_embedding")
                 or hasattr(vae, "time_proj") else "")
         raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "

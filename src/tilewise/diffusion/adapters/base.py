@@ -33,6 +33,7 @@ class Adapter:
     family = ""
     classes: tuple[str, ...] = ()  # model class names this adapter calls
     align_name = "the model's alignment"  # what `align` is, for error messages
+    no_regions: str | None = None  # why regional prompts cannot apply to this family (None: they can)
 
     def __init__(self, positions: str = "global", **options: Any) -> None:
         # options meant for other families (micro_conditioning, vae_scale_factor) are not this one's
@@ -52,6 +53,11 @@ class Adapter:
     def frame_align(self, model) -> int:
         """Frame windows of a video must be multiples of this many latent frames (the temporal patch)."""
         return 1
+
+    def frames_refused(self, model, call: Call | None = None) -> str | None:
+        """Why frame windows (tile_frames) cannot be used with this model (call None: when the wrapper is
+        built) or with this call's inputs; None where they can."""
+        return None
 
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
         raise NotImplementedError

@@ -8,8 +8,9 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 
 from __future__ import annotations
 
-from .grid import Spec
-from .positions import ModuleSource
+from .joint import Joint
+from .positions import MethodSource, ModuleSource, take_tokens
+from .spec import Spec
 
 ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
 CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"
@@ -34,6 +35,40 @@ def _lumina2(full, local, idx):
     return local[0], local[1], img, joint, local[4], local[5]
 
 
+def _vace_references(c, inputs):
+    """WanVACEPipeline's reference images: latent frames before the video's, their control inputs beyond
+    the latent's channels (reactive latents, mask) exactly zero, which no encoded video frame is."""
+    control = (inputs or {}).get("control_hidden_states")
+    if control is None:
+        return None
+    rest = control[:, c.in_channels :].flatten(3).abs().amax(dim=(0, 1, 3))  # per latent frame
+    n = int((rest == 0).long().cumprod(0).sum())
+    if n:
+        return (f"has {n} reference frame(s) first in the latent (control_hidden_states: reactive latents "
+                "and mask zero, reference_images=), which every frame window would need; a window without "
+                "them loses them")
+    return None
+
+
+def _token_replace(c, inputs):
+    if getattr(c, "image_condition_type", None) == "token_replace":
+        return ("(image_condition_type='token_replace', HunyuanVideo I2V) modulates the first latent frame's "
+                "tokens as the image's; every frame window would take its own first frame for it")
+    return None
+
+
+def _allegro_rope(v, idx, n):
+    """Allegro's image_rotary_emb, ((t, h, w) frequency tables, (t, h, w) indices per token, (1, N)): the
+    tables whole, the indices at the tile's tokens."""
+    freqs, grids = v
+    return freqs, tuple(take_tokens(g, idx, 1, n, "image_rotary_emb") for g in grids)
+
+
+def _animate_reference(c, inputs):
+    return ("takes the reference image as its first latent frame (and the pose video one frame behind the "
+            "latent's); every frame window would need it")
+
+
 ADDITIVE = (ModuleSource("pos_embed", kind="additive"),)  # a patch embedding that adds a position table
 
 
@@ -44,10 +79,14 @@ SPECS: tuple[Spec, ...] = (
          _wan_patch, tokens={"timestep": 1}, batched_tokens=("timestep",), sources=ROPE),
     # Wan VACE: the control video's latents (and masks) on the latent's grid
     Spec("wan-vace", ("WanVACETransformer3DModel",), _wan_patch, spatial=("control_hidden_states",),
-         sources=ROPE),
+         sources=ROPE, refuse_frames=_vace_references),
+    # Wan 2.2 Animate: the reference image's latent frame first (T + 1 frames), the pose video's latents
+    # (T frames, on the latent's grid) cropped per tile, the face video (pixels, motion-encoded) per row
+    Spec("wan-animate", ("WanAnimateTransformer3DModel",), _wan_patch, spatial=("pose_hidden_states",),
+         sources=ROPE, refuse_frames=_animate_reference),
     # HunyuanVideo (1.0) and 1.5, Sana-Video: (B, C, T, H, W), a 3-D rotary table from `rope`
     Spec("hunyuan-video", ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel"),
-         lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE),
+         lambda c: (c.patch_size_t, c.patch_size, c.patch_size), sources=ROPE, refuse_frames=_token_replace),
     Spec("sana-video", ("SanaVideoTransformer3DModel",), _wan_patch, sources=ROPE),
     # Mochi: a rotary table `rope(pos_frequencies, frames, rows, columns)`, centred and scaled by the size
     # Cosmos (1.0, Predict 2 / 2.5): the conditioning frames' mask on the latent's grid, the padding mask at
@@ -69,6 +108,9 @@ SPECS: tuple[Spec, ...] = (
          refuse_config=lambda c: "its learned position embedding exists for one size only "
                                  "(use_learned_positional_embeddings: CogVideoX-5b-I2V); no tile has that "
                                  "size" if c.use_learned_positional_embeddings else None),
+    # Allegro: the pipeline's rotary positions, per-axis tables indexed by (t, h, w) per token
+    Spec("allegro", ("AllegroTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
+         tokens={"image_rotary_emb": _allegro_rope}),
     # LTX-Video: the packed tokens with their grid sizes; the rotary table from those sizes (or the tile's
     # rows of `video_coords`, when the pipeline passes them); per-token timesteps (image / condition frames)
     Spec("ltx-video", ("LTXVideoTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
@@ -105,6 +147,25 @@ SPECS: tuple[Spec, ...] = (
     # Lumina 2: caption positions, then the image's (row, column) from the caption's length
     Spec("lumina2", ("Lumina2Transformer2DModel",), _square, layout="bchw",
          sources=(ModuleSource("rope_embedder", take=_lumina2, others="before"),)),
+    # HunyuanDiT: the pipeline's 2-D rotary table (cos, sin) per image token; size and crop conditioning
+    # (image_meta_size) and style per row, as the pipeline gives them
+    Spec("hunyuan-dit", ("HunyuanDiT2DModel",), _square, layout="bchw", tokens={"image_rotary_emb": 0},
+         refused={"controlnet_block_samples": CONTROL}),
+    # HiDream-I1 / E1: positions (img_ids), token mask and grid sizes made by its `patchify` method (tokens
+    # padded to max_seq for a non-square latent); its Llama embeddings are (layers, batch, tokens, D)
+    Spec("hidream", ("HiDreamImageTransformer2DModel",), _square, layout="bchw", timestep="timesteps",
+         prompt="encoder_hidden_states_t5", pooled="pooled_embeds",
+         rows_at={"encoder_hidden_states_llama3": 1},
+         method=MethodSource("patchify", ("hidden_states", "hidden_states_masks", "img_sizes", "img_ids"),
+                             positions="img_ids", mask="hidden_states_masks")),
+    # Qwen-Image 2.1: one block-causal sequence of the vision-language tokens (text, condition images' slots
+    # filled with their latents), then the target's tokens, last (`adapters.joint`); one slot of img_mask per
+    # 2 x 2 target tokens (tile sides even); its rotary table over the whole sequence from `pos_embed`; its
+    # prefix KV cache (kv_cache) holds only what every tile shares, as does each call on all rows
+    Spec("qwen-image-2.1", ("QwenImage21Transformer2DModel",), _square, layout="tokens", align=2,
+         joint=Joint("img_shapes", slots={"img_mask": 4}), one_call_per_tile=True,
+         sources=(ModuleSource("pos_embed", arg=None, grids="img_shapes", mask="image_pad_mask",
+                               others="before"),)),
     Spec("mochi", ("MochiTransformer3DModel",), lambda c: (1, c.patch_size, c.patch_size),
          sources=(ModuleSource("rope", arg=None, sizes=("num_frames", "height", "width")),)),
 )
@@ -150,13 +211,11 @@ REFUSED: dict[str, str] = {
     "HunyuanVideoFramepackTransformer3DModel": "its history latents (clean, 2x, 4x) are packed with their "
                                                "own rotary positions beside the latent's tokens; not tiled "
                                                "yet",
-    "HiDreamImageTransformer2DModel": "its positions come from a method (patchify), not a module or an "
-                                      "argument, and non-square latents arrive pre-patchified to max_seq; "
-                                      "not tiled yet",
-    "QwenImage21Transformer2DModel": "its target image sits last in a joint sequence of VLM slots "
-                                     "(img_shapes, img_mask); not tiled yet",
     "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "
                                    "not tiled yet (LTX-Video 0.9 is)",
+    "WanAnimate2Transformer3DModel": "its call takes lists of per-sample latents with a KV cache of "
+                                     "reference segments (offset_grid_sizes, origin_area); not tiled yet "
+                                     "(Wan 2.2 Animate, WanAnimateTransformer3DModel, is)",
     "MotionAdapter": "it holds AnimateDiff's motion modules; wrap the UNetMotionModel the pipeline builds "
                      "(pipe.unet)",
 }

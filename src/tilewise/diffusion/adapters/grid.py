@@ -19,135 +19,21 @@ untiled call's at the tile placed at the origin), tiles batched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..residuals import crop_map
-from ..rows import take_rows
+from . import joint
 from .base import Call
-from .positions import Geometry, ModuleSource, module_hooks, origin_box, take_tokens, token_index
+from .inputs import AxisPositions, Frames, PerTile, RowsAt, Spatial, Tokens
+from .positions import Geometry, method_inputs, module_hooks, take_tokens, token_index
+from .spec import LAYOUTS, Spec
 from .transformer import TransformerAdapter, bind_call
 
-LAYOUTS = {"bchw": (2, 3), "bcthw": (2, 3, 4), "btchw": (1, 3, 4), "bthwc": (1, 2, 3), "tokens": (1,)}
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One family's table entry (see the module docstring)."""
-
-    family: str
-    classes: tuple[str, ...]
-    patch: Callable[[Any], tuple[int, ...]]  # config -> patch per latent axis ([frames,] rows, columns)
-    layout: str = "bcthw"
-    sample: str = "hidden_states"
-    timestep: str = "timestep"
-    prompt: str = "encoder_hidden_states"
-    pooled: str | None = None
-    spatial: tuple[str, ...] = ()
-    tokens: dict[str, int] = field(default_factory=dict)  # argument -> its token axis
-    frames: dict[str, int] = field(default_factory=dict)  # argument -> its latent-frame axis (per frame)
-    axis_positions: str | None = None  # an argument of per-axis positions ([t], [rows], [cols]) in patches
-    batched_tokens: tuple[str, ...] = ()  # of `tokens`: those with a batch dim before the token axis
-    sizes: tuple[str, ...] = ()  # layout "tokens": the arguments giving ([frames,] rows, columns) in patches
-    sources: tuple[ModuleSource, ...] = ()
-    refused: dict[str, str] = field(default_factory=dict)
-    one_call_per_tile: bool = False  # inputs broadcast over the batch (Cosmos' padding mask): never batched
-    refuse_config: Callable[[Any], str | None] | None = None  # config -> why this model cannot be tiled
-    resampled: tuple[str, ...] = ()  # of `spatial`: inputs the model resizes to its grid (Stable Cascade)
-
-
-class PerTile:
-    """An input cut per tile (a crop of a spatial input, the tile's tokens of a per-token one), bound to the
-    rows of one model call when the fusion core selects them (`take_rows`)."""
-
-    def __init__(self, value: Any, name: str, rows=None, repeats: int = 1) -> None:
-        self.value, self.name, self.rows, self.repeats = value, name, rows, repeats
-
-    def take_rows(self, rows, n_rows: int, repeats: int) -> PerTile:
-        return type(self)(self.value, self.name, (rows, n_rows), repeats)
-
-    def _selected(self, value, repeats: int = 1):
-        """The value at the call's rows (a tensor whose leading dim is the batch), `repeats` times."""
-        if self.rows is None or not isinstance(value, torch.Tensor):
-            return value
-        rows, n_rows = self.rows
-        return take_rows(value, rows, n_rows, repeats)
-
-
-class Spatial(PerTile):
-    """An input on the latent's grid (model layout, any channels, the latent's size times a factor)."""
-
-    def for_tiles(self, lay: GridLayout, boxes) -> Any:
-        v = self._selected(self.value)
-        if self.name in lay.spec.resampled:  # resized to the latent as the model resizes it to its grid
-            p = lay.spec.patch(lay.config)[-1] if lay.config is not None else 1
-            size = tuple(-(-s // p) for s in lay.sides[-2:])
-            v = torch.nn.functional.interpolate(v.float(), size=size, mode="bilinear", align_corners=True)
-            v = v.to(self.value.dtype)
-        grid = lay.canonical(v, self.name)
-        parts = []
-        for box in boxes:
-            part = grid[:, :, box[0] : box[1]] if len(box) == 6 and grid.ndim == 5 else grid
-            parts.append(crop_map(part, box[-4:], lay.sides[-2:]))
-        return lay.to_model(torch.cat(parts))
-
-
-class Tokens(PerTile):
-    """An input with one entry per image token along `axis` (batched: a batch dim comes first)."""
-
-    def __init__(self, value, name, rows=None, repeats=1, axis: int = 0, batched: bool = False):
-        super().__init__(value, name, rows, repeats)
-        self.axis, self.batched = axis, batched
-
-    def take_rows(self, rows, n_rows, repeats):
-        return Tokens(self.value, self.name, (rows, n_rows) if self.batched else None, repeats, self.axis,
-                      self.batched)
-
-    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
-        v = self._selected(self.value)
-        picks = [lay.tile_tokens(origin_box(b) if positions == "tile" else b) for b in boxes]
-        if not self.batched:
-            if len({tuple(p.tolist()) for p in picks}) > 1:
-                raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
-            return take_tokens(v, picks[0], self.axis, lay.n_tokens, self.name)
-        return torch.cat([take_tokens(v, p, self.axis, lay.n_tokens, self.name) for p in picks])
-
-
-class AxisPositions(PerTile):
-    """Per-axis positions (one 1-D tensor per grid axis, in patches): a tile's are its ranges of them."""
-
-    def take_rows(self, rows, n_rows, repeats):
-        return self
-
-    def for_tiles(self, lay: GridLayout, boxes, positions: str) -> Any:
-        picks = {origin_box(b) if positions == "tile" else tuple(b) for b in boxes}
-        if len(picks) > 1:
-            raise RuntimeError(f"{self.name}: tiles at different places share no positions in one call")
-        box = picks.pop()[-2 * len(self.value):]
-        return type(self.value)(p[box[2 * i] // a : -(-box[2 * i + 1] // a)]
-                                for i, (p, a) in enumerate(zip(self.value, lay.patch, strict=True)))
-
-
-class Frames(PerTile):
-    """An input with one entry per latent frame along `axis` (per-frame timesteps): the frame window's."""
-
-    def __init__(self, value, name, rows=None, repeats=1, axis: int = 1):
-        super().__init__(value, name, rows, repeats)
-        self.axis = axis
-
-    def take_rows(self, rows, n_rows, repeats):
-        return Frames(self.value, self.name, (rows, n_rows), repeats, self.axis)
-
-    def for_tiles(self, lay: GridLayout, boxes) -> Any:
-        v = self.value
-        if not isinstance(v, torch.Tensor) or v.ndim <= self.axis or len(lay.sides) != 3 \
-                or v.shape[self.axis] != lay.sides[0]:
-            return self._selected(v, len(boxes))  # not per frame here: as any per-row value
-        v = self._selected(v)
-        return torch.cat([v.narrow(self.axis, b[0], b[1] - b[0]) for b in boxes])
+__all__ = ["AxisPositions", "Frames", "GridAdapter", "GridLayout", "PerTile", "RowsAt", "Spatial", "Spec",
+           "Tokens"]
 
 
 @dataclass
@@ -161,6 +47,7 @@ class GridLayout:
     out_type: Any = None
     names: tuple[str, ...] = ()  # the model's sample and timestep arguments (UNets)
     config: Any = None  # the model's config (a resampled input's patch)
+    prefix_out: Any = None  # a joint sequence's output before the target's tokens (`adapters.joint`)
 
     @property
     def post(self) -> tuple[int, ...]:
@@ -186,12 +73,13 @@ class GridLayout:
             return v.permute(0, 4, 1, 2, 3)
         if layout == "tokens":
             B, S, D = v.shape
-            pt, p, q = self.patch
-            t, h, w = (-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
-            if S != t * h * w:
-                raise ValueError(f"{name}: {S} tokens, but the sizes given make {(t, h, w)}")
-            g = v.reshape(B, t, h, w, D // (pt * p * q), pt, p, q).permute(0, 4, 1, 5, 2, 6, 3, 7)
-            return g.reshape(B, D // (pt * p * q), t * pt, h * p, w * q)
+            post = tuple(-(-s // a) for s, a in zip(sides or self.sides, self.patch, strict=True))
+            if S != math.prod(post):
+                raise ValueError(f"{name}: {S} tokens, but the sizes given make {post}")
+            k, c = len(post), D // math.prod(self.patch)
+            g = v.reshape(B, *post, c, *self.patch)
+            g = g.permute(0, k + 1, *(a for i in range(k) for a in (1 + i, k + 2 + i)))
+            return g.reshape(B, c, *(n * p for n, p in zip(post, self.patch, strict=True)))
         return v
 
     def to_model(self, grid):
@@ -202,10 +90,12 @@ class GridLayout:
         if layout == "bthwc":
             return grid.permute(0, 2, 3, 4, 1)
         if layout == "tokens":
-            B, C, T, H, W = grid.shape
-            pt, p, q = self.patch
-            g = grid.reshape(B, C, T // pt, pt, H // p, p, W // q, q).permute(0, 2, 4, 6, 1, 3, 5, 7)
-            return g.reshape(B, (T // pt) * (H // p) * (W // q), C * pt * p * q)
+            B, C, *sides = grid.shape
+            post = [n // p for n, p in zip(sides, self.patch, strict=True)]
+            k = len(post)
+            g = grid.reshape(B, C, *(a for n, p in zip(post, self.patch, strict=True) for a in (n, p)))
+            g = g.permute(0, *(2 + 2 * i for i in range(k)), 1, *(3 + 2 * i for i in range(k)))
+            return g.reshape(B, math.prod(post), C * math.prod(self.patch))
         return grid
 
     def geometry(self, grid, box) -> Geometry:
@@ -233,13 +123,22 @@ class GridAdapter(TransformerAdapter):
         # one set of positions per model call: tiles at different places each get their own call
         inside = positions == "global" and bool(spec.sources or unbatched)
         self.shares_positions = spec.one_call_per_tile or inside
+        if spec.joint is not None:
+            self.no_regions = ("its prompt is a vision-language sequence whose slots and mask (img_mask) "
+                               "belong to that prompt; a region's embeddings have neither")
 
     def align(self, model) -> int:
-        return int(self.spec.patch(model.config)[-1])
+        return int(self.spec.align or self.spec.patch(model.config)[-1])
 
     def frame_align(self, model) -> int:
         p = self.spec.patch(model.config)
         return int(p[0]) if len(p) == 3 else 1
+
+    def frames_refused(self, model, call: Call | None = None) -> str | None:
+        if self.spec.refuse_frames is None:
+            return None
+        inputs = None if call is None else {k: getattr(v, "value", v) for k, v in call.cond.items()}
+        return self.spec.refuse_frames(model.config, inputs)
 
     def parse(self, model, args: tuple, kwargs: dict) -> Call:
         name, spec = type(model).__name__, self.spec
@@ -251,12 +150,15 @@ class GridAdapter(TransformerAdapter):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name}: TiledDenoiser tiles {spec.sample} as its pipeline passes it, a "
                              f"{ndim}-D tensor ({spec.layout}); got {shape}")
-        lay = self._layout(model, given, x)
+        post, per_tile = None, {}
+        if spec.joint is not None:  # the target's tokens; the rest of the sequence kept for every tile
+            x, post, per_tile = joint.split(spec.joint, spec.sample, given, x, name)
+        lay = self._layout(model, given, x, post)
         grid = lay.canonical(x, spec.sample)
         lay.sides = tuple(grid.shape[2:])
-        cond = {}
+        cond = dict(per_tile)
         for k, v in given.items():
-            if k in (spec.sample, spec.timestep, "return_dict", *spec.sizes) or v is None:
+            if k in (spec.sample, spec.timestep, "return_dict", *spec.sizes, *per_tile) or v is None:
                 continue
             if k in spec.spatial:
                 v = Spatial(v, k)
@@ -264,6 +166,8 @@ class GridAdapter(TransformerAdapter):
                 v = Tokens(v, k, axis=spec.tokens[k], batched=k in spec.batched_tokens)
             elif k in spec.frames:
                 v = Frames(v, k, axis=spec.frames[k])
+            elif k in spec.rows_at:
+                v = RowsAt(v, k, axis=spec.rows_at[k])
             cond[k] = v
         if spec.axis_positions:  # the pipeline's, or those the model makes for the whole latent
             pos = given.get(spec.axis_positions)
@@ -281,8 +185,11 @@ class GridAdapter(TransformerAdapter):
             if given.get(arg) is None:
                 raise TypeError(f"TiledDenoiser.forward() for {name} needs {arg}")
 
-    def _layout(self, model, given: dict, x) -> GridLayout:
+    def _layout(self, model, given: dict, x, post=None) -> GridLayout:
         patch = tuple(int(p) for p in self.spec.patch(model.config))
+        if self.spec.layout == "tokens" and post is not None:  # a joint sequence's target grid
+            post = post[-len(patch):]
+            return GridLayout(self.spec, patch, tuple(s * p for s, p in zip(post, patch, strict=True)))
         if self.spec.layout == "tokens":
             post = [given.get(s) for s in self.spec.sizes]
             if any(not isinstance(s, int) for s in post):
@@ -299,27 +206,28 @@ class GridAdapter(TransformerAdapter):
         lay, spec = call.layout, self.spec
         kw = {}
         for k, v in cond.items():
-            if isinstance(v, Spatial):
-                v = v.for_tiles(lay, boxes)
-            elif isinstance(v, Tokens):
-                v = v.for_tiles(lay, boxes, self.positions)
-            elif isinstance(v, Frames):
-                v = v.for_tiles(lay, boxes)
-            elif isinstance(v, AxisPositions):
-                v = v.for_tiles(lay, boxes, self.positions)
-            kw[k] = v
+            kw[k] = v.for_tiles(lay, boxes, self.positions) if isinstance(v, PerTile) else v
         t = self._tile_timestep(lay, t, boxes)
-        if spec.layout == "tokens":
+        if spec.sizes:
             kw.update(zip(spec.sizes, (-(-s // p) for s, p in zip(x.shape[2:], lay.patch, strict=True)),
                           strict=True))
+        prefix = kw.pop(spec.sample, None)  # a joint sequence's tokens before the target's
+        inputs = {spec.sample: lay.to_model(x)}
+        n = inputs[spec.sample].shape[1]
+        if prefix is not None:
+            inputs[spec.sample] = torch.cat([prefix, inputs[spec.sample]], dim=1)
+        if spec.method is not None and self._global(lay, boxes):  # the model's method, the whole's positions
+            geos = [lay.geometry(x[:1], b) for b in boxes]
+            inputs = method_inputs(model, spec.method, inputs[spec.sample], geos, lay.cache)
         with self._positions(model, lay, x, boxes):
-            out = model(**{spec.sample: lay.to_model(x), spec.timestep: t}, **kw,
-                        return_dict=call.return_dict)
+            out = model(**inputs, **{spec.timestep: t}, **kw, return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
-        if isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
-            return lay.canonical(out, "the prediction", x.shape[2:])
-        return lay.canonical(out[0] if isinstance(out, tuple) else out.sample, "the prediction", x.shape[2:])
+        if not isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
+            out = out[0] if isinstance(out, tuple) else out.sample
+        if spec.joint is not None:
+            out = joint.target(lay, out, n, rows, call.sample.shape[0])
+        return lay.canonical(out, "the prediction", x.shape[2:])
 
     def _tile_timestep(self, lay: GridLayout, t, boxes):
         """Per-token timesteps at the tiles' tokens, per-frame ones for their frame window."""
@@ -338,16 +246,23 @@ class GridAdapter(TransformerAdapter):
                 return torch.cat([p.narrow(a, b[0], b[1] - b[0]) for p, b in zip(parts, boxes, strict=True)])
         return t
 
+    def _global(self, lay: GridLayout, boxes) -> bool:
+        """Whether the tiles' positions differ from those the model computes for them: positions='global'
+        and some tile is not the whole latent."""
+        whole = tuple(c for s in lay.sides for c in (0, s))
+        return self.positions == "global" and any(tuple(b) != whole for b in boxes)
+
     def _positions(self, model, lay: GridLayout, x, boxes):
         """positions='global' with positions computed inside the model: the sources' hooks for one tile."""
-        whole = tuple(c for s in lay.sides for c in (0, s))
-        if self.positions == "tile" or not self.spec.sources or all(tuple(b) == whole for b in boxes):
+        if not self.spec.sources or not self._global(lay, boxes):
             return contextlib.nullcontext()
         return module_hooks(model, self.spec.sources, lay.geometry(x, boxes[0]), lay.cache)
 
     def output(self, call: Call, fused):
         lay = call.layout
         value = lay.to_model(fused)
+        if self.spec.joint is not None:
+            value = joint.with_prefix(lay, value)
         if issubclass(lay.out_type, torch.Tensor):
             return value
         if not call.return_dict:

@@ -20,6 +20,11 @@ hook API; `forward` is not replaced) that returns the untiled call's positions a
   which swaps the tile's position term for the whole latent's at its tokens exactly when the features
   are per token (a patch convolution, a per-token norm).
 
+Where the model's own method makes the positions (HiDream's `patchify`: tokens, mask, grid sizes, position
+ids, which forward computes only when they are not given), `MethodSource` names it: the adapter calls it on
+the tiles and on a zero latent of the whole's shape and passes its outputs to forward, the tiles' position
+ids the whole's at their tokens (`method_inputs`). No hook, and no method replaced.
+
 The untiled output is computed once per denoiser call (cached on the call's layout) and taken per tile.
 A hook changes what the module returns to any caller while it is registered, so one TiledDenoiser call
 runs at a time on one model (as one diffusers pipeline call does). Outputs whose token axis is not found
@@ -107,7 +112,9 @@ class ModuleSource:
     `module`: its attribute path on the model; `kind`: "table" or "additive"; `arg`: which of its call's
     arguments is the latent (in the model's sample layout, or its tokens for a token layout), by index or
     name (None: none is); `sizes`: its arguments that are the post-patch ([frames,] height, width) sizes,
-    by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before")."""
+    by name (LTX-Video's rope); `others`: where non-image tokens of its output sit ("after" or "before");
+    `grids` and `mask`: for a joint sequence (`adapters.joint`), its arguments that are the sequence's image
+    token grids and its image-token mask, the target last in both (for the whole: the whole target's)."""
 
     module: str
     kind: str = "table"
@@ -117,6 +124,8 @@ class ModuleSource:
     optional: bool = False  # a model of the family may have none (Cosmos without its learned embedding)
     unless: str | None = None  # its argument that, when given, carries the positions already (then no hook)
     take: Any = None  # (full, local, idx) -> the tile's output, where `select` cannot read it (Lumina 2)
+    grids: str | None = None  # its argument listing a joint sequence's image token grids, the target's last
+    mask: str | None = None  # its argument marking a joint sequence's image tokens, the target's last
 
     def find(self, model) -> torch.nn.Module | None:
         """The submodule (None for an optional one the model lacks); a ValueError naming the path when a
@@ -155,7 +164,8 @@ def _with(module, args: tuple, kwargs: dict, src: ModuleSource, value_of, zero_o
     bound = _bound(module, args, kwargs)
     names = list(bound.arguments)
     key = names[src.arg] if isinstance(src.arg, int) else src.arg
-    for name in ((key,) if key is not None else ()) + src.sizes:
+    joint = tuple(a for a in (src.grids, src.mask) if a is not None)
+    for name in ((key,) if key is not None else ()) + src.sizes + joint:
         if name not in bound.arguments:
             raise RuntimeError(f"positions='global': {type(module).__name__} was called without {name}")
         bound.arguments[name] = value_of(name, bound.arguments[name])
@@ -187,6 +197,10 @@ def module_hook(model, src: ModuleSource, geo: Geometry, cache: dict):
         def value(name, v):
             if name in sizes:
                 return sizes[name]
+            if name == src.grids:  # the target's grid, last, of the whole's size
+                return [*v[:-1], (*v[-1][: len(v[-1]) - len(geo.sizes)], *geo.sizes)]
+            if name == src.mask:  # the target's tokens, last: the whole's count of them
+                return torch.cat([v[: len(v) - len(geo.idx)], v.new_ones(geo.n_whole)])
             return _stand_in(geo, v, zeros)
 
         return _with(module, args, kwargs, src, value, zero_others=zeros)
@@ -220,3 +234,40 @@ def module_hooks(model, sources: tuple[ModuleSource, ...], geo: Geometry, cache:
         if src.find(model) is not None:
             stack.enter_context(module_hook(model, src, geo, cache))
     return stack
+
+
+@dataclass(frozen=True)
+class MethodSource:
+    """A method of the model that makes forward's inputs from the latent, positions among them, and that
+    forward calls only when they are not given (HiDream's `patchify`: tokens padded to `max_seq`, their
+    mask, grid sizes and position ids).
+
+    With positions="global" the adapter calls the method on the tiles and on a zero latent of the whole's
+    shape (batch 1), and passes its outputs to forward by name, the positions of each tile's tokens (the
+    first along axis 1, any padding after) replaced by the whole's at those tokens. `returns`: the forward
+    arguments its outputs are, in order; `positions`: the one holding positions; `mask`: a token mask it
+    leaves None when every token is valid, passed as ones (HiDream multiplies its keys by it)."""
+
+    method: str
+    returns: tuple[str, ...]
+    positions: str
+    mask: str | None = None
+
+
+def method_inputs(model, src: MethodSource, sample, geos: list[Geometry], cache: dict) -> dict[str, Any]:
+    """Forward's inputs from the model's own method on the tiles' `sample` (tile after tile, `geos` one per
+    tile), with the untiled call's positions at each tile's tokens (see `MethodSource`)."""
+    make = getattr(model, src.method)
+    out = dict(zip(src.returns, make(sample), strict=True))
+    whole = geos[0].whole[1:]
+    key = (src.method, whole)
+    if key not in cache:
+        cache[key] = dict(zip(src.returns, make(sample.new_zeros((1, *whole))), strict=True))[src.positions]
+    full, pos = cache[key], out[src.positions].clone()
+    rows = pos.shape[0] // len(geos)
+    for i, geo in enumerate(geos):
+        pos[i * rows : (i + 1) * rows, : len(geo.idx)] = full[:, geo.idx.to(full.device)]
+    out[src.positions] = pos
+    if src.mask is not None and out[src.mask] is None:
+        out[src.mask] = sample.new_ones(pos.shape[:2])
+    return out
