@@ -73,10 +73,10 @@ class StepContext(RunContext):
 @dataclass
 class CausalConv3d(Op):
     """3-D convolution causal in time: spatial padding per tile (as `Conv`: zeros, or the border
-    replicated with padding_mode="replicate", HunyuanVideo); in time the `pad_t` frames before the step
-    come from the cache (before the first: zeros, or the first frame repeated with fill="first",
-    LTX-Video), `pad_end` frames after it repeat the last (LTX-Video's non-causal decoder, which runs in
-    one step) or are zeros (fill_end="zeros")."""
+    replicated or reflected with padding_mode="replicate" / "reflect", LTX-2's decoder); in time the
+    `pad_t` frames before the step come from the cache (before the first: zeros, or the first frame
+    repeated with fill="first", LTX-Video), `pad_end` frames after it repeat the last (LTX-Video's
+    non-causal decoder, which runs in one step) or are zeros (fill_end="zeros")."""
 
     weight: Any = None
     bias: Any = None

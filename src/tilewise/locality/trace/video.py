@@ -2,7 +2,8 @@
 of a video program (`ops3d`) by what it is.
 
 - `conv3d`: `CausalConv3d`, its padding merged from what feeds it: its own zero padding, an `F.pad`
-  (zeros, or replicate: the border repeated in space, the first frame in time), and a concatenation of
+  (zeros; replicate: the border repeated in space, the first frame in time; reflect in space), and a
+  concatenation of
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
 - a slice of frames (`x[:, :, a:b]`), frames repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
@@ -74,8 +75,8 @@ class _Padding:
     def merge_pad(self, src: int, pad: tuple, mode: str):
         """An F.pad (left, right, top, bottom[, front, back]) before the convolution: its source node."""
         left, right, top, bottom, *time = pad
-        if mode not in ("zeros", "replicate"):
-            return f"an F.pad of mode {mode!r} before a 3-D convolution"
+        if mode not in ("zeros", "replicate", "reflect") or mode == "reflect" and any(time):
+            return f"an F.pad of mode {mode!r} before a 3-D convolution (in time: zeros or replicate)"
         spatial = any((left, right, top, bottom))
         if spatial and mode != self.mode and any(self.space):
             return f"an F.pad of mode {mode!r} before a convolution padding itself with zeros"
@@ -97,7 +98,7 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     x, idx = arg_of(call, 0, "input"), arg_of(call, 1, "indices")
     if not isinstance(x, Ref) or low.spatial(x.node) is None or not isinstance(idx, tuple) or len(idx) < 3:
         return False
-    if idx[:2] != (slice(None), slice(None)) or any(s != slice(None) for s in idx[3:]):
+    if idx[:2] != (slice(None), slice(None)) or any(s not in (slice(None), Ellipsis) for s in idx[3:]):
         return False
     sl = idx[2]
     if not isinstance(sl, slice) or sl.step not in (None, 1):
