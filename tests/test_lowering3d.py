@@ -1,14 +1,19 @@
-"""Video tile programs: the lowered 3-D causal VAEs equal the modules step by step; the static analysis
-agrees with the empirical probe."""
+"""Video tile programs: the lowered 3-D causal VAEs equal the modules step by step; LTX-Video's traced
+programs are its hand lowering's (`hand_lowering_ltx`, the oracle); the static analysis agrees with the
+empirical probe."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from hand_lowering_ltx import lower_ltx  # noqa: E402
 from video_vae_support import factor, ltx, video_vae, wan  # noqa: E402
 
+import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError, analyze, lower, probe_receptive_field  # noqa: E402
+from tilewise.locality.analysis import analyze_program  # noqa: E402
 from tilewise.locality.lowering3d import lower_video_vae  # noqa: E402
+from tilewise.locality.ops import OpKind  # noqa: E402
 from tilewise.locality.program import split_segments  # noqa: E402
 
 NAMES = ["qwen", "wan2.1", "wan2.2", "ltx0.9.0", "ltx0.9.5"]
@@ -18,6 +23,11 @@ def _latent(frames, h=5, w=7, seed=0):
     return torch.randn(1, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
 
 
+def _program(vae, kind):
+    """The video program TiledVAE runs for a decode or encode of vae (its family's lowering)."""
+    return tw.TiledVAE(vae, progress=False).program(kind)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("frames", [1, 3])
 def test_lowered_decode_equals_the_vae_step_by_step(name, frames):
@@ -25,7 +35,7 @@ def test_lowered_decode_equals_the_vae_step_by_step(name, frames):
     z = _latent(frames)
     with torch.no_grad():
         ref = vae.decode(z).sample
-        out = lower_video_vae(vae, "decode").run_steps(z)
+        out = _program(vae, "decode").run_steps(z)
     assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
 
 
@@ -39,7 +49,7 @@ def test_lowered_encode_equals_the_vae(name, frames):
     x = torch.rand(1, 3, frames, 2 * f, 3 * f, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         ref = vae.encode(x).latent_dist.parameters
-        out = lower_video_vae(vae, "encode").run_steps(x)
+        out = _program(vae, "encode").run_steps(x)
     assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
 
 
@@ -48,7 +58,7 @@ def test_causal_steps_are_the_models_chunks():
     assert dec.chunks(3) == [(0, 1), (1, 2), (2, 3)]
     assert enc.chunks(7) == [(0, 1), (1, 5)]  # frames 5, 6 are not encoded (AutoencoderKLWan._encode)
     assert enc.chunks(9) == [(0, 1), (1, 5), (5, 9)]
-    assert lower_video_vae(video_vae("ltx0.9.0"), "decode").chunks(5) == [(0, 5)]
+    assert _program(video_vae("ltx0.9.0"), "decode").chunks(5) == [(0, 5)]
     frames = dec.frames(dec.chunks(3))
     assert frames[dec.output] == [1, 4, 4]  # Wan's first latent frame makes one frame, the others four
 
@@ -100,15 +110,58 @@ def test_lowered_programs_cut_only_at_the_attention():
     assert program.output in segs[-1].outputs
 
 
-@pytest.mark.parametrize("option,match", [({"timestep_conditioning": True}, "timestep_conditioning"),
-                                          ({"decoder_inject_noise": (True,) * 5}, "inject_noise")])
+def _structure(program, frames, hw):
+    """What the planner and executor read of a video program: its 3-D convolutions' geometry (kernel,
+    strides, spatial and temporal padding, what the padding repeats; in any order: a resnet's shortcut
+    may come first or last), its rearrangements' scales, its segments' kinds, halos and scales, its sync
+    ops, halo and alignment, and its frames per step."""
+    made = {op.dst: op for op in program.ops}
+    convs = sorted((op.kernel, int(op.weight.shape[2]), op.stride, op.stride_t, op.dilation_t, op.padding,
+                    op.pad_t + _front(made.get(op.src[0])), op.pad_end, op.fill if op.pad_t else None,
+                    op.fill_end if op.pad_end else None, op.groups)
+                   for op in program.ops if op.kind is OpKind.CONV3D)
+    scales = [(op.down, op.up) for op in program.ops if op.kind is OpKind.REARRANGE and op.down * op.up > 1]
+    r = analyze_program(program, hw)
+    segments = [(s.kind, s.halo, s.scale) for s in r.segments]
+    steps = [program.frames(program.chunks(t))[program.output] for t in frames]
+    return convs, scales, segments, [k for _, k in r.sync_ops], r.local_halo, r.align, r.scale, steps
+
+
+def _front(op) -> int:
+    """Frames the hand lowering's "first k frames again in front" op (LTX-Video 0.9.5's downsamplers) adds
+    before a convolution; the traced lowering merges them into the convolution's causal padding."""
+    if op is None or op.kind is not OpKind.REARRANGE or not op.label.startswith("first "):
+        return 0
+    return op.frames([5], 0) - 5
+
+
+@pytest.mark.parametrize("name", ["ltx0.9.0", "ltx0.9.5"])
+def test_ltx_traced_programs_are_the_hand_lowerings(name):
+    """The traced decode and encode of LTX-Video (read from what they compute) have the hand lowering's
+    convolutions, rearrangements, segments, halos, sync points and frames, and compute the same."""
+    vae = video_vae(name)
+    f = factor(vae)
+    z, x = _latent(3), torch.rand(1, 3, 9, 2 * f, 3 * f, generator=torch.Generator().manual_seed(1))
+    for kind, module, t, frames, hw in (("decode", vae.decoder, z, (1, 3, 4), (13, 11)),
+                                        ("encode", vae.encoder, x, (1, 9, 17), (13 * f, 11 * f))):
+        traced, hand = _program(vae, kind), lower_ltx(module)
+        assert _structure(traced, frames, hw) == _structure(hand, frames, hw), kind
+        with torch.no_grad():
+            assert torch.equal(traced.run_steps(t), hand.run_steps(t)), kind
+
+
+@pytest.mark.parametrize("option,match", [
+    ({"timestep_conditioning": True}, r"conditioned on a timestep \(timestep_conditioning: decode\(z, temb"),
+    ({"decoder_inject_noise": (True, False, False, False, False)},
+     "randn at 'decoder.up_blocks.3.resnets.0': it draws random numbers")])
 def test_ltx_decoders_that_cannot_be_exact_are_refused_with_the_reason(option, match):
+    """LTX-Video 0.9.1+'s timestep-conditioned decoder and noise injection (a fresh draw each call) are
+    refused when the TiledVAE is built, by name and reason."""
     from diffusers import AutoencoderKLLTXVideo
 
-    base = ltx("0.9.0")
-    vae = AutoencoderKLLTXVideo(**{**base.config, **option})
-    with pytest.raises(LoweringError, match=match):
-        lower(vae.decoder)
+    vae = AutoencoderKLLTXVideo(**{**ltx("0.9.0").config, **option})
+    with pytest.raises(LoweringError, match=f"TiledVAE cannot tile AutoencoderKLLTXVideo.*{match}"):
+        tw.TiledVAE(vae)
 
 
 def test_unknown_3d_module_names_it_and_points_to_probe():

@@ -1,4 +1,5 @@
-"""Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5) for the video tests.
+"""Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5, LTX-2) for the video
+tests.
 
 Real diffusers classes from tiny configs (few channels, one layer per block) with seeded random weights;
 the RMS norms' gains are randomised so a wrong normalisation cannot hide. No tests here.
@@ -68,8 +69,20 @@ def ltx(version: str = "0.9.0", seed: int = 0):
     return AutoencoderKLLTXVideo(**kw).eval()
 
 
+def ltx2(seed: int = 0):
+    """AutoencoderKLLTX2Video: 0.9.5-like blocks with per-channel RMS norms, the decoder's reflect padding
+    in space (16x spatial, 8x temporal here)."""
+    import torch
+    from diffusers import AutoencoderKLLTX2Video
+
+    torch.manual_seed(seed)
+    return AutoencoderKLLTX2Video(latent_channels=4, block_out_channels=(8, 16, 16, 16),
+                                  decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
+                                  decoder_layers_per_block=(1, 1, 1, 1), patch_size=2).eval()
+
+
 VAES = {"qwen": qwen, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
-        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5")}
+        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2}
 
 _CACHE: dict = {}
 
@@ -84,3 +97,34 @@ def video_vae(name: str):
 def factor(vae) -> int:
     """Image pixels per latent pixel."""
     return int(vae.spatial_compression_ratio)
+
+
+def refused_family(name: str):
+    """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
+    exactly yet): HunyuanVideo (GroupNorm over the whole video), CogVideoX and Cosmos (caches their
+    chunked loops carry), Mochi (GroupNorm per frame), SVD's temporal decoder (frames mixed over the
+    batch)."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(0)
+    builders = {
+        "hunyuan": lambda: d.AutoencoderKLHunyuanVideo(
+            latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1, norm_num_groups=4),
+        "cogvideox": lambda: d.AutoencoderKLCogVideoX(
+            down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4),
+        "cosmos": lambda: d.AutoencoderKLCosmos(
+            latent_channels=4, encoder_block_out_channels=(8, 16, 16, 16),
+            decode_block_out_channels=(8, 16, 16, 16), num_layers=1, resolution=64,
+            attention_resolutions=(8,)),
+        "mochi": lambda: d.AutoencoderKLMochi(
+            latent_channels=4, encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+            layers_per_block=(1, 1, 1, 1, 1)),
+        "svd": lambda: d.AutoencoderKLTemporalDecoder(
+            block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2, latent_channels=4,
+            layers_per_block=1),
+    }
+    return builders[name]().eval()

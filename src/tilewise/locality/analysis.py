@@ -144,8 +144,9 @@ def analyze(module, example_input=None) -> Report:
 
 
 def _example(module, example):
-    """The example the lowering traces: the one given (a 2-D module's), or its own (None)."""
-    if example is None or example.ndim != 4:
+    """The example the lowering traces: the one given (a video's: its channels, `lower` makes its own
+    frames and sides), or its own (None)."""
+    if example is None or example.ndim not in (4, 5):
         return None
     return example
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from .ops import Op, Pointwise
 
-KNOWN = ("AutoencoderKL Encoder/Decoder (group norm), AutoencoderTiny EncoderTiny/DecoderTiny, "
-         "AutoencoderKLQwenImage / AutoencoderKLWan (2.1, 2.2) / AutoencoderKLLTXVideo encoders and decoders")
+KNOWN = ("AutoencoderKLQwenImage / AutoencoderKLWan (2.1, 2.2) encoders and decoders (by their structure; "
+         "the other families are traced from what they compute)")
 
 
 class LoweringError(ValueError):

@@ -1,7 +1,11 @@
-"""Lower diffusers' 3-D causal VAEs into video tile programs: Qwen-Image and Wan 2.1 / 2.2 here, LTX-Video
-in `lowering_ltx`.
+"""Lower Qwen-Image's and Wan 2.1 / 2.2's 3-D causal VAEs into video tile programs by their known structure.
 
-Each function mirrors one block's forward, as the 2-D lowering does. A causal 3-D convolution becomes a
+Kept by hand where the traced lowering (`trace`, which lowers LTX-Video's VAE and the 2-D families from
+what they compute) does not yet reach: these VAEs run their frames in a causal loop, one call per chunk
+of frames, each call reading the frames its convolutions cached in the call before (diffusers'
+`feat_cache`, with markers for the first chunk that skip the temporal up- and downsampling there). A
+trace of that loop specialises it to its chunks; reading the causal steps and their caches back out of
+it is not done yet, so each function here mirrors one block's forward. A causal 3-D convolution becomes a
 spatial convolution with its halo plus a temporal window over cached frames (`CausalConv3d`); the RMS
 norm normalises over channels, pointwise in space; the mid-block attention is a sync op over one frame;
 the resamplers scale the spatial grid (`FrameUpsample`, `FrameConv` with stride, `Rearrange` for
@@ -18,7 +22,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .build import Activation, Builder, activation, mid_block, pointwise, unsupported
-from .lowering_ltx import lower_ltx
 from .ops import Add, Pointwise
 from .ops3d import (
     CausalConv3d,
@@ -240,27 +243,23 @@ def _patch(b: Builder, x: str, p: int, channels: int, inverse: bool) -> str:
                   channels=channels * p * p, label=f"patchify {p}")
 
 
-VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo")
-VIDEO_MODULES = ("WanEncoder3d", "WanDecoder3d", "QwenImageEncoder3d", "QwenImageDecoder3d",
-                 "LTXVideoEncoder3d", "LTXVideoDecoder3d")
+# the 3-D VAEs tilewise tiles (`vae.families`), by name: the CLI reads this before any model loads
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")
+HAND_MODULES = ("WanEncoder3d", "WanDecoder3d", "QwenImageEncoder3d", "QwenImageDecoder3d")
 
 
-def is_video_module(module) -> bool:
-    """Whether `module` is the encoder or decoder of a 3-D VAE these lowerings know."""
-    return type(module).__name__ in VIDEO_MODULES
+def is_hand_module(module) -> bool:
+    """Whether `module` is the encoder or decoder of a 3-D VAE lowered here (Wan, Qwen-Image)."""
+    return type(module).__name__ in HAND_MODULES
 
 
 def is_video_vae(vae) -> bool:
-    """Whether `vae` is a 3-D causal VAE these lowerings know (Wan, Qwen-Image, LTX-Video)."""
+    """Whether `vae` is a 3-D VAE tilewise tiles (Wan, Qwen-Image, LTX-Video, LTX-2)."""
     return type(vae).__name__ in VIDEO_VAES
 
 
 def lower3d(module) -> VideoProgram:
-    """Lower a Wan / Qwen-Image / LTX-Video encoder or decoder into a video program (its own steps)."""
-    name = type(module).__name__
-    if name.startswith("LTXVideo"):
-
-        return lower_ltx(module)
+    """Lower a Wan / Qwen-Image encoder or decoder into a video program (its own steps)."""
     b = Builder()
     if type(module) in _classes("Decoder3d"):
         out, steps = _decoder(b, module, "input"), (1, 1, False)
@@ -269,16 +268,15 @@ def lower3d(module) -> VideoProgram:
     else:
         raise unsupported(module, "")
     cin = module.conv_in.in_channels
-    return VideoProgram(ops=b.ops, input="input", output=out, in_channels=cin, name=name, first=steps[0],
+    return VideoProgram(ops=b.ops, input="input", output=out, in_channels=cin, name=type(module).__name__,
+                        first=steps[0],
                         every=steps[1], drop=steps[2])
 
 
 def lower_video_vae(vae, kind: str) -> VideoProgram:
-    """The whole decode ("decode") or encode ("encode") of a 3-D VAE as its decode / _encode runs it."""
+    """The whole decode ("decode") or encode ("encode") of a Wan / Qwen-Image VAE as its decode / _encode
+    runs it."""
     name = type(vae).__name__
-    if name == "AutoencoderKLLTXVideo":
-
-        return lower_ltx(vae.decoder if kind == "decode" else vae.encoder)
     if name not in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):
         raise unsupported(vae, "")
     p = getattr(vae.config, "patch_size", None)

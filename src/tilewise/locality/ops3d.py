@@ -72,10 +72,11 @@ class StepContext(RunContext):
 
 @dataclass
 class CausalConv3d(Op):
-    """3-D convolution causal in time: spatial zero padding per tile (as `Conv`); in time the `pad_t`
-    frames before the step come from the cache (before the first: zeros, or the first frame repeated with
-    fill="first", LTX-Video), `pad_end` frames after it repeat the last (LTX-Video's non-causal decoder,
-    which runs in one step)."""
+    """3-D convolution causal in time: spatial padding per tile (as `Conv`: zeros, or the border
+    replicated or reflected with padding_mode="replicate" / "reflect", LTX-2's decoder); in time the
+    `pad_t` frames before the step come from the cache (before the first: zeros, or the first frame
+    repeated with fill="first", LTX-Video), `pad_end` frames after it repeat the last (LTX-Video's
+    non-causal decoder, which runs in one step) or are zeros (fill_end="zeros")."""
 
     weight: Any = None
     bias: Any = None
@@ -87,6 +88,8 @@ class CausalConv3d(Op):
     pad_end: int = 0
     fill: str = "zeros"
     groups: int = 1
+    fill_end: str = "last"
+    padding_mode: str = "zeros"
     kind = OpKind.CONV3D
 
     @property
@@ -127,17 +130,21 @@ class CausalConv3d(Op):
             x = torch.cat([prev, x], dim=2)
             ctx.keep(self, inner, x[:, :, -self.pad_t:])
         if self.pad_end:
-            x = torch.cat([x, x[:, :, -1:].expand(-1, -1, self.pad_end, -1, -1)], dim=2)
+            end = (x[:, :, -1:].expand(-1, -1, self.pad_end, -1, -1) if self.fill_end == "last"
+                   else x.new_zeros((*x.shape[:2], self.pad_end, *x.shape[3:])))
+            x = torch.cat([x, end], dim=2)
         pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
-        if any(pad):
-            x = F.pad(x, pad)
+        if any(pad):  # (at the image's border only: a replicated crop there is the image's own padding)
+            x = F.pad(x, pad) if self.padding_mode == "zeros" else F.pad(x, (*pad, 0, 0),
+                                                                          mode=self.padding_mode)
         return F.conv3d(x, self.weight, self.bias, (self.stride_t, *self.stride), 0, (self.dilation_t, 1, 1),
                         self.groups)
 
     def describe(self):
         kt, (kh, kw) = int(self.weight.shape[2]), self.kernel
         cache = f" cache {self.pad_t}" if self.pad_t else ""
-        return f"conv3d {kt}x{kh}x{kw} s{self.stride_t},{self.stride[0]} pad{self.padding}{cache}"
+        mode = "" if self.padding_mode == "zeros" else f" {self.padding_mode}"
+        return f"conv3d {kt}x{kh}x{kw} s{self.stride_t},{self.stride[0]} pad{self.padding}{mode}{cache}"
 
 
 @dataclass

@@ -80,11 +80,15 @@ class Local(Op):
     channels: int = 0
     calls: int = 0  # the torch calls it makes (its kernel launches, as a plan counts them)
     label: str = ""
+    frames_fn: Callable | None = None  # a video value's: (frames, step) -> frames made; None keeps them
     kind = OpKind.MODULE
 
     def out_shape(self, shapes):
         h, w = shapes[0]
         return h // self.down * self.up, w // self.down * self.up
+
+    def frames(self, ts, step):
+        return ts[0] if self.frames_fn is None else self.frames_fn(ts[0], step)
 
     def out_channels(self, channels):
         return self.channels

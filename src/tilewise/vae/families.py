@@ -24,8 +24,8 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution, Enco
 from diffusers.models.autoencoders.vq_model import VQEncoderOutput
 
 from ..locality.build import LoweringError
-from ..locality.lowering import EXAMPLE_HW
-from ..locality.lowering3d import VIDEO_VAES, lower_video_vae
+from ..locality.lowering import EXAMPLE_FRAMES, EXAMPLE_HW
+from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
 from ..locality.trace import lower_traced
 from .settings import Kind
@@ -40,8 +40,13 @@ class Family:
     encode: Callable | None = None
     encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
-    video: bool = False  # a 3-D causal VAE (`locality.lowering3d`)
+    video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
+    check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
+
+    def refuses(self, vae) -> str:
+        """Why `vae` (of this family) is refused, or ""."""
+        return self.refused or (self.check(vae) if self.check is not None else "")
 
 
 def _kl_decode(vae, z):
@@ -52,7 +57,18 @@ def _kl_encode(vae, x):
     return vae.encode(x).latent_dist.parameters  # (the moments; the posterior's own are dead code)
 
 
+def _ltx_check(vae) -> str:
+    """LTX-Video 0.9.1+ (and LTX-2) decoders may be conditioned on the decode's timestep (decode(z, temb))."""
+    if vae.config.get("timestep_conditioning"):
+        return ("its decoder is conditioned on a timestep (timestep_conditioning: decode(z, temb), "
+                "LTX-Video 0.9.1+), which the tiled path does not take yet; use the wrapped VAE")
+    return ""
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
+VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
+UNVERIFIED = ("a 3-D VAE whose tiled decode and encode are not yet tested against the stock VAE (never "
+              "accepted before they are); use the wrapped VAE")
 FAMILIES: dict[str, Family] = {
     "AutoencoderKL": KL,
     "AutoencoderTiny": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latents, encoded="tiny"),
@@ -60,7 +76,20 @@ FAMILIES: dict[str, Family] = {
                       encode=lambda vae, x: vae.encode(x).latents, encoded="latents", quantize=True),
     "AsymmetricAutoencoderKL": KL,  # (image and mask: refused by `bind`, the rest is a KL decode)
     "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
-    **{name: Family(video=True) for name in VIDEO_VAES},
+    "AutoencoderKLWan": Family(video=True),
+    "AutoencoderKLQwenImage": Family(video=True),
+    "AutoencoderKLLTXVideo": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    "AutoencoderKLLTX2Video": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    # traced as they compute; refused at construction where a call cannot be placed, with the reason
+    # (HunyuanVideo: GroupNorm over the whole video; CogVideoX, Cosmos: caches of a chunked loop, ...)
+    **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
+                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit")},
+    **{name: Family(video=True, refused=UNVERIFIED) for name in (
+        "AutoencoderKLQwenImage21", "AutoencoderKLMiniMaxH3", "AutoencoderKLKVAEVideo",
+        "AutoencoderKLHunyuanImageRefiner")},
+    "AutoencoderKLAllegro": Family(video=True, refused=(
+        "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
+        "enable_tiling); use the wrapped VAE")),
     "ConsistencyDecoderVAE": Family(refused=(
         "its decoder is a diffusion model (a UNet run for num_inference_steps steps from noise), not one "
         "pass of local operators: no tile program reproduces it; decode with the wrapped VAE")),
@@ -94,22 +123,22 @@ def family_of(vae) -> Family:
 
 def lower_family(vae, family: Family, kind: Kind) -> Program:
     """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`;
-    the 3-D causal VAEs by their known structure). LoweringError naming the VAE, the call and
-    its module path, for one the lowering cannot place."""
+    Wan's and Qwen-Image's causal VAEs by their known structure). LoweringError naming the VAE, the call
+    and its module path, for one the lowering cannot place."""
     name = type(vae).__name__
-    if family.refused:
-        raise LoweringError(f"TiledVAE cannot tile {name}: {family.refused}")
+    if family.refuses(vae):
+        raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
     state = _state(vae)
     cached = _CACHE.get(vae, {}).get(kind)
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
     what = f"TiledVAE cannot tile {name} ({kind.value})"
     try:
-        if family.video:
+        if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
-            program = lower_traced(vae, lambda t: run(vae, t), _example(vae, kind),
+            program = lower_traced(vae, lambda t: run(vae, t), _example(vae, kind, family.video),
                                    name=f"{name}.{kind.value}")
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
@@ -130,19 +159,21 @@ def _same_state(a, b) -> bool:
     return a[1] == b[1] and len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0], strict=True))
 
 
-def _example(vae, kind: Kind):
+def _example(vae, kind: Kind, video: bool = False):
     """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
-    EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it)."""
+    EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it); a
+    video family's of EXAMPLE_FRAMES."""
     cfg = vae.config
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
+    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
     if kind is Kind.DECODE:
-        c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim") if k in cfg), None)
+        c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:
             raise LoweringError(f"TiledVAE cannot tile {type(vae).__name__}: its config names no latent "
                                 "channels (latent_channels, z_channels)")
-        return torch.empty(1, int(c), h, w, device="meta", dtype=dtype)
-    return torch.empty(1, int(cfg.in_channels), h * 64, w * 64, device="meta", dtype=dtype)
+        return torch.empty(1, int(c), *frames, h, w, device="meta", dtype=dtype)
+    return torch.empty(1, int(cfg.in_channels), *frames, h * 64, w * 64, device="meta", dtype=dtype)
 
 
 def bind(method, vae, args: tuple, kwargs: dict, follows: dict) -> dict:

@@ -25,9 +25,15 @@ decoder's example is a latent of the right channels; sizes are free). The result
 value's last reader comes first where it can (a resnet's shortcut projection before its GroupNorm: the
 block input then dies sooner, as the hand lowering orders it).
 
-The package: `capture` records the calls; `rules` places each call by what it is; `measured` places what
-no rule does by measuring it (a run of calls back to the spatial layout, or the module around a call);
-`schedule` orders and fuses the ops; `lower` drives them (`lower_traced`); `state` is what they share.
+Video values ((B, C, T, H, W): a 3-D VAE's) have their own rules (`video`: conv3d with its causal padding,
+slices / repeats / concatenations of frames; measured ops keep or change the frames as measured); a
+video example gives a one-step video program (`program3d.VideoProgram`: every frame in one step, as the
+computation ran them), which the video executor runs.
+
+The package: `capture` records the calls; `rules` places each call by what it is; `video` the calls on
+video values; `measured` places what no rule does by measuring it (a run of calls back to the spatial
+layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives them
+(`lower_traced`); `state` is what they share.
 """
 
 from .capture import capture

@@ -8,18 +8,23 @@ import torch
 
 from ..build import LoweringError
 from ..program import Program
+from ..program3d import VideoProgram
 from .capture import capture, needed
 from .measured import enclosing, inline_region, opaque
 from .rules import lower_call
 from .schedule import live_ops, schedule
-from .state import Lowering, is_attention, tainted
+from .state import Lowering, is_attention, refused, tainted
+
+RANDOM = {"randn", "rand", "randint", "randn_like", "rand_like", "randint_like", "normal", "bernoulli",
+          "multinomial", "randperm", "poisson", "normal_", "uniform_", "exponential_", "bernoulli_"}
 
 
 def lower_traced(root: torch.nn.Module, run: Callable, example: torch.Tensor, units=None,
                  name: str | None = None) -> Program:
     """The tile program of `run(x)`, a computation of `root` (`root(x)`, `vae.decode(x).sample`, ...),
     as it computes on `example` (module docstring); `units`: modules whose calls are lowered whole
-    (default: diffusers' Attention)."""
+    (default: diffusers' Attention). Of a video example (B, C, T, H, W): a one-step video program (every
+    frame in one step, as the computation ran on them: `trace.video`)."""
     try:
         cap = capture(root, run, (example,), units or is_attention)
     except Exception as e:  # (its forward on the example: a 3-D module given 4-D values, a value test, ...)
@@ -30,6 +35,10 @@ def lower_traced(root: torch.nn.Module, run: Callable, example: torch.Tensor, un
                             "empirically.") from None
     low = Lowering(cap, root)
     live = needed(cap)
+    drawn = next((c for i, c in enumerate(cap.calls) if i in live and c.name in RANDOM), None)
+    if drawn is not None:  # (noise injected by the forward: a fresh draw each call, nothing to be exact to)
+        raise refused(low, drawn, "it draws random numbers (noise injection: a fresh draw each call, which "
+                      "no tile program reproduces)")
     for i, call in enumerate(cap.calls):
         if i in live:
             for n in call.refs():
@@ -59,5 +68,8 @@ def lower_traced(root: torch.nn.Module, run: Callable, example: torch.Tensor, un
     if out is None:
         raise LoweringError(f"{type(root).__name__}: its output is not a spatial value of the program")
     ops = schedule(live_ops(low.b.ops, out), "input")
-    return Program(ops=ops, input="input", output=out, in_channels=int(example.shape[1]),
-                   name=name or type(root).__name__)
+    kw = dict(ops=ops, input="input", output=out, in_channels=int(example.shape[1]),
+              name=name or type(root).__name__)
+    if example.ndim == 5:  # (a video value: every frame in one step, as the computation ran)
+        return VideoProgram(**kw, first=0, every=0)
+    return Program(**kw)

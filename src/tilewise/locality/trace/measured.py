@@ -10,7 +10,9 @@ from fractions import Fraction
 
 import torch
 
+from ..build import LoweringError
 from ..ops import Pointwise
+from ..ops3d import Rearrange
 from ..ops_traced import Local, Whole
 from .capture import Call, Ref
 from .state import Lowering, op_name, refused
@@ -45,23 +47,68 @@ def inline_region(low: Lowering, i: int) -> int | None:
     found = measure(module, fn, values[x], scale)
     if not isinstance(found, int):
         return None
-    d, u = scale.denominator, scale.numerator
-    label, channels = ", ".join(c.name for c in region), int(out.shape[1])
-    if found == 0 and d == u == 1:  # (a norm over the channels through a channels-last view, ...)
-        name = low.b.emit(Pointwise, (low.spatial(x),), op_name(first, "calls"), fn=fn, label=label,
-                          channels=channels, kernels=len(region))
-    else:
-        name = low.b.emit(Local, (low.spatial(x),), op_name(first, "calls"), fn=fn, down=d, up=u, halo=found,
-                          channels=channels, calls=len(region), label=label)
+    label = ", ".join(c.name for c in region)
+    name = _emit(low, (low.spatial(x),), op_name(first, "calls"), fn, found, scale, values[x], out, label,
+                 len(region))
     low.set(region[-1].outs[0], name)
     return i + len(region)
 
 
+def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale: Fraction, x, out,
+          label: str, calls: int) -> str:
+    """A measured run of calls or module as its op: position by position a `Pointwise`; else a `Local`
+    with its halo; of a video value, one that changes its frames without a halo a `Rearrange` (their
+    frames as measured: `frames_map`)."""
+    d, u, channels = scale.denominator, scale.numerator, int(out.shape[1])
+    frames = frames_map(low, fn, x, scale) if x.ndim == 5 else None
+    if isinstance(frames, str):
+        raise LoweringError(f"cannot lower {type(low.root).__name__}: {label} at {where!r}: {frames}")
+    if halo == 0 and d == u == 1 and frames is None:  # (a norm over the channels through a view, ...)
+        return low.b.emit(Pointwise, src, where, fn=fn, label=label, channels=channels, kernels=calls)
+    if halo == 0 and (frames is not None or x.ndim == 5):
+        return low.b.emit(Rearrange, src, where, fn=lambda t, ctx: fn(t), down=d, up=u, channels=channels,
+                          frames_fn=frames, label=label)
+    return low.b.emit(Local, src, where, fn=fn, down=d, up=u, halo=halo, channels=channels, calls=calls,
+                      label=label, frames_fn=frames)
+
+
+def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction):
+    """How many frames fn makes of t (a video value like `like`): None where it keeps them, else
+    (t, step) -> floor(a t + b), a and b fitted on runs at three frame counts (small random inputs, the
+    module's device and dtype) and checked; a string where they do not fit one such line."""
+    d, t0 = scale.denominator, int(like.shape[2])
+    p = next(iter(low.root.parameters()), None)
+    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    if device.type == "meta":
+        return "its frames are unmeasurable here (its parameters are on the meta device)"
+    g = torch.Generator().manual_seed(1)
+    runs = {}
+    for t in (t0, 2 * t0 - 1, 3 * t0 - 2, 2 * t0, 3 * t0):
+        x = torch.randn((1, int(like.shape[1]), t, 2 * d, 2 * d), generator=g).to(device, dtype)
+        try:
+            with torch.no_grad():
+                runs[t] = int(fn(x).shape[2])
+        except Exception:  # (a frame count the module does not take)
+            continue
+        if len(runs) == 3:
+            break
+    if len(runs) < 2:
+        return "its frames could not be measured (it runs on too few frame counts)"
+    (t1, o1), (t2, o2), *_ = sorted(runs.items())
+    a = Fraction(o2 - o1, t2 - t1)
+    b = o1 - a * t1
+    if any((a * t + b) // 1 != o for t, o in runs.items()):
+        return "its frames are not a linear function of its input's"
+    if a == 1 and b == 0:
+        return None
+    return lambda t, step, a=a, b=b: int((a * t + b) // 1)
+
+
 def _scale(out: torch.Tensor, x: torch.Tensor) -> Fraction | None:
-    """out's sides over x's where out is back in x's layout: (B, C', h s, w s) of x's (B, C, h, w), s an
-    integer or one over one (None: it is not; the example's unequal sides keep a (B, h, w, C) view of x
-    from passing as one)."""
-    if out.ndim != 4 or out.shape[0] != x.shape[0]:
+    """out's sides over x's where out is back in x's layout: (B, C', h s, w s) of x's (B, C, h, w) (of a
+    video value (B, C, T, h, w): with any frame count), s an integer or one over one (None: it is not;
+    the example's unequal sides keep a (B, h, w, C) view of x from passing as one)."""
+    if out.ndim != x.ndim or out.ndim not in (4, 5) or out.shape[0] != x.shape[0]:
         return None
     s = Fraction(out.shape[-2], x.shape[-2])
     if Fraction(out.shape[-1], x.shape[-1]) != s or s.numerator > 1 and s.denominator > 1:
@@ -69,14 +116,23 @@ def _scale(out: torch.Tensor, x: torch.Tensor) -> Fraction | None:
     return s
 
 
+SIZE_CALLS = {"reshape", "view", "expand", "new_zeros", "new_empty", "new_ones"}  # (their ints are sizes)
+# calls whose ints are dims (never sizes; unflatten's sizes apart)
+DIM_CALLS = {"permute", "flatten", "unflatten", "movedim", "moveaxis", "transpose", "squeeze", "unsqueeze",
+             "mean", "sum", "amax", "amin", "var", "std", "softmax", "norm", "normalize", "chunk", "split",
+             "cat", "concatenate", "stack", "roll", "flip", "narrow", "select", "argmax", "cumsum"}
+
+
 def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
-    """The recorded calls as a function of the tensor in place of node x: plain ints equal to x's batch,
-    height or width on the example become the tensor's."""
+    """The recorded calls as a function of the tensor in place of node x: plain ints equal to x's height
+    or width (a video value's frames) on the example become the tensor's, and the first size given to a
+    reshape (view, ...) equal to x's batch becomes the tensor's batch."""
     values = low.cap.values
     ex = values[x].shape
 
     def run(t):
-        sizes = {int(ex[0]): t.shape[0], int(ex[-2]): t.shape[-2], int(ex[-1]): t.shape[-1]}
+        sides = [(int(ex[-2]), t.shape[-2]), (int(ex[-1]), t.shape[-1])]
+        sizes = _size_map([*sides, (int(ex[2]), t.shape[2])] if t.ndim == 5 else sides)
         env = {x: t}
 
         def bind(obj):
@@ -91,12 +147,47 @@ def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
             return type(obj)(bind(v) for v in obj)
 
         for c in calls:
-            out = c.func(*bind(c.args), **bind(c.kwargs))
+            if c.name in DIM_CALLS:  # (dims stay; unflatten's sizes follow the tensor)
+                args, kwargs = c.args, c.kwargs
+                if c.name == "unflatten":
+                    args = (*args[:2], bind(args[2]), *args[3:]) if len(args) > 2 else args
+                args = tuple(bind(a) if isinstance(a, Ref) else a for a in args)
+            else:
+                args, kwargs = bind(c.args), bind(c.kwargs)
+                if c.name in SIZE_CALLS:
+                    args = _batch_size(args, int(ex[0]), t.shape[0])
+            out = c.func(*args, **kwargs)
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             env.update(zip(c.outs, outs, strict=False))
         return env[calls[-1].outs[0]]
 
     return run
+
+
+def _size_map(sides: list[tuple[int, int]]) -> dict[int, int]:
+    """Example size -> the tensor's, for each (example side, tensor side) and the sides a power of two
+    (up to 64) times smaller or larger (a patchify's reshape names the side over its patch); a size two
+    sides claim is left out."""
+    out, claims = {}, {}
+    for ex, now in sides:
+        for k in (1, 2, 4, 8, 16, 32, 64):
+            pairs = [(ex * k, now * k)] + ([(ex // k, now // k)] if ex % k == 0 and now % k == 0 else [])
+            for a, b in pairs:
+                claims.setdefault(a, set()).add(ex)
+                out[a] = b
+    return {a: b for a, b in out.items() if len(claims[a]) == 1}
+
+
+def _batch_size(args: tuple, batch: int, now: int) -> tuple:
+    """A reshape's sizes with the first (the batch's, when it equals the example's batch) made `now`."""
+    if args and isinstance(args[1] if len(args) > 1 else None, list | tuple):
+        sizes = list(args[1])
+        if sizes and sizes[0] == batch:
+            sizes[0] = now
+        return (args[0], type(args[1])(sizes), *args[2:])
+    if len(args) > 1 and args[1] == batch:
+        return (args[0], now, *args[2:])
+    return args
 
 
 def enclosing(low: Lowering, i: int):
@@ -107,7 +198,7 @@ def enclosing(low: Lowering, i: int):
         refs = sp.refs()
         ok = all(low.spatial(n) is not None or n not in low.tainted for n in refs)
         if ok and any(low.spatial(n) is not None for n in refs) and len(sp.outs) == 1 \
-                and low.cap.values[sp.outs[0]].ndim == 4:
+                and low.cap.values[sp.outs[0]].ndim == low.cap.values[refs[0]].ndim in (4, 5):
             return sp
     return None
 
@@ -131,13 +222,8 @@ def opaque(low: Lowering, span, cause: Call) -> None:
     fn = _replay_module(low, span, spatial)
     found = measure(span.module, fn, first, scale) if len(spatial) == 1 else "global"
     if isinstance(found, int):
-        d, u = scale.denominator, scale.numerator
-        if found == 0 and d == u == 1:
-            name = low.b.emit(Pointwise, (low.spatial(spatial[0]),), span.path, fn=fn,
-                              label=f"{label} (position by position)", channels=channels, kernels=calls)
-        else:
-            name = low.b.emit(Local, (low.spatial(spatial[0]),), span.path, fn=fn, down=d, up=u, halo=found,
-                              channels=channels, calls=calls, label=label)
+        name = _emit(low, (low.spatial(spatial[0]),), span.path, fn, found, scale, first, out,
+                     label if found or scale != 1 else f"{label} (position by position)", calls)
     elif found == "global" and scale == 1 and _smallest(low, first):
         name = low.b.emit(Whole, tuple(low.spatial(n) for n in spatial), span.path, fn=fn, scale=scale,
                           channels=channels, calls=calls, label=label)
@@ -170,13 +256,14 @@ def measure(module, fn: Callable, like: torch.Tensor, scale: Fraction):
     d, u = scale.denominator, scale.numerator
     side = 16 * d
     g = torch.Generator().manual_seed(0)
-    x = torch.randn((1, int(like.shape[1]), side, side + d), generator=g).to(device, dtype)
+    frames = tuple(like.shape[2:3]) if like.ndim == 5 else ()  # (a video value: its frames as they were)
+    x = torch.randn((1, int(like.shape[1]), *frames, side, side + d), generator=g).to(device, dtype)
     try:
         with torch.no_grad():
             y = fn(x)
             x2 = x.clone()
             x2[..., side // 2, side // 2] += 1.0
-            changed = ((fn(x2) - y).abs().amax(dim=(0, 1)) > 0).nonzero()
+            changed = ((fn(x2) - y).abs().amax(dim=tuple(range(y.ndim - 2))) > 0).nonzero()
     except Exception as e:  # (a module that cannot run on such an input cannot be measured)
         return f"unmeasurable ({type(e).__name__} on a {side} x {side + d} input)"
     if len(changed) and (changed.min(0).values == 0).all() and (changed.max(0).values + 1 == torch.tensor(
@@ -186,7 +273,9 @@ def measure(module, fn: Callable, like: torch.Tensor, scale: Fraction):
     if len(changed):
         lo, hi = changed.min(0).values.tolist(), changed.max(0).values.tolist()
         p0 = side // 2
-        halo = max(max(p0 - v * d // u, (w + 1) * d // u - 1 - p0) for v, w in zip(lo, hi, strict=True))
+        # (output block v reads its input pixels [v d / u, (v + 1) d / u) widened by the halo: the lowest
+        # and highest changed blocks bound it)
+        halo = max(max(p0 - (-(-(v + 1) * d // u) - 1), w * d // u - p0) for v, w in zip(lo, hi, strict=True))
         halo = -(-max(halo, 0) // d) * d
     for _ in range(3):  # (a perturbation may not reach its whole receptive field: widen, check again)
         with torch.no_grad():

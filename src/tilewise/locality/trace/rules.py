@@ -13,7 +13,8 @@ from ..ops3d import Rearrange
 from ..ops_traced import Cat, Combine, Slice
 from ..units import attention
 from .capture import Call, Ref, capture, needed
-from .state import Lowering, arg_of, const_value, is_attention, op_name, refused
+from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
+from .video import VIDEO_RULES
 
 ALIASES = {"contiguous", "clone", "detach", "dropout", "float", "to", "type_as", "half", "bfloat16", "double"}
 
@@ -35,6 +36,12 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
+    video = VIDEO_RULES.get(call.name) if any(low.cap.values[n].ndim == 5 for n in spatial) else None
+    placed = video(low, i, call) if video is not None else False
+    if placed is True:
+        return
+    if isinstance(placed, str):
+        raise refused(low, call, placed)
     rule = RULES.get(call.name) or (_unit if call.module is not None else None)
     if rule is None:
         rule = _arithmetic if call.name in ARITHMETIC else _unary if call.name in UNARY else None
@@ -79,10 +86,12 @@ def _conv(low: Lowering, i: int, call: Call) -> bool:
 
 
 def _pad(low: Lowering, i: int, call: Call) -> bool | str:
-    """F.pad of zeros, or replicate / reflect (a Conv2d's padding_mode): merged into the conv reading it."""
+    """F.pad of zeros, or replicate / reflect (a Conv2d's padding_mode): merged into the conv reading it
+    (of a video value: space and time, (left, right, top, bottom, front, back))."""
     x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
     mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
-    if low.spatial(x.node) is None or len(pad) != 4 or any(p < 0 for p in pad):
+    sides = 6 if low.cap.values[x.node].ndim == 5 else 4
+    if low.spatial(x.node) is None or len(pad) not in (4, sides) or any(p < 0 for p in pad):
         return False
     if mode == "constant" and (value or 0) != 0:
         return f"F.pad with the value {value} (only zeros, replicate or reflect pad like a convolution)"
@@ -165,7 +174,8 @@ def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
     if len(set(spatial)) != 1 or len(call.outs) != 1:
         return False
     x = spatial[0]
-    if low.cap.values[call.outs[0]].shape[-2:] != low.cap.values[x].shape[-2:]:
+    t_in, t_out = low.cap.values[x], low.cap.values[call.outs[0]]
+    if t_out.shape[-2:] != t_in.shape[-2:] or t_out.ndim != t_in.ndim or t_out.shape[2:] != t_in.shape[2:]:
         return False
     fn = _replay(low, call, x)
     in_place = IN_PLACE_FORM.get(call.name)
@@ -218,14 +228,26 @@ def _arithmetic(low: Lowering, i: int, call: Call) -> bool:
 
 def _channel_repeat(low: Lowering, i: int, call: Call) -> bool | str:
     """x.repeat_interleave(r, dim=1): every channel r times, position by position."""
-    if arg_of(call, 2, "dim") not in (1, -3) or not isinstance(arg_of(call, 1, "repeats"), int):
+    ndim = low.cap.values[call.outs[0]].ndim
+    if not channel_dim(arg_of(call, 2, "dim"), ndim) or not isinstance(arg_of(call, 1, "repeats"), int):
         return "repeat_interleave along another dim than the channels"
+    return _unary(low, i, call)
+
+
+def _repeat(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.repeat(1, n, 1, 1[, 1]): the channels n times over, position by position."""
+    reps = call.args[1:] if len(call.args) > 2 else arg_of(call, 1, "repeats")
+    reps = tuple(reps) if isinstance(reps, list | tuple) else (reps,)
+    if len(reps) < 4 or reps[0] != 1 or any(r != 1 for r in reps[2:]):
+        return f"repeat {reps} (only the channels are repeated position by position)"
     return _unary(low, i, call)
 
 
 def _cat(low: Lowering, i: int, call: Call) -> bool:
     tensors, dim = arg_of(call, 0, "tensors"), arg_of(call, 1, "dim", 0)
-    if dim not in (1, -3) or not all(isinstance(t, Ref) and low.spatial(t.node) for t in tensors):
+    if not channel_dim(dim, low.cap.values[call.outs[0]].ndim):
+        return False
+    if not all(isinstance(t, Ref) and low.spatial(t.node) for t in tensors):
         return False
     out = low.b.emit(Cat, tuple(low.spatial(t.node) for t in tensors), op_name(call, "cat"))
     low.set(call.outs[0], out)
@@ -244,8 +266,7 @@ def _slices(low: Lowering, i: int, call: Call) -> bool:
             return False
         bounds = [starts]
     else:
-        dim = arg_of(call, 2, "dim", 0)
-        if dim not in (1, -3):
+        if not channel_dim(arg_of(call, 2, "dim", 0), src.ndim):
             return False
         sizes = [int(low.cap.values[n].shape[1]) for n in call.outs]
         edges = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
@@ -316,8 +337,10 @@ def _prefixed(c: Call, module, low: Lowering, nodes) -> Call:
 
 RULES: dict[str, Callable] = {
     "conv2d": _conv, "pad": _pad, "group_norm": _group_norm, "interpolate": _interpolate,
-    "pixel_shuffle": _shuffle, "pixel_unshuffle": _shuffle, "cat": _cat, "chunk": _slices, "split": _slices,
-    "__getitem__": _slices, "repeat_interleave": _channel_repeat, **{a: _alias for a in ALIASES},
+    "pixel_shuffle": _shuffle, "pixel_unshuffle": _shuffle, "cat": _cat, "concatenate": _cat,
+    "concat": _cat, "chunk": _slices, "split": _slices,
+    "__getitem__": _slices, "repeat_interleave": _channel_repeat, "repeat": _repeat,
+    **{a: _alias for a in ALIASES},
 }
 
 

@@ -4,6 +4,7 @@ value's last reader hoisted before its first where it can be (a resnet's shortcu
 from __future__ import annotations
 
 from ..ops import Op, OpKind, Pointwise
+from ..ops3d import Rearrange
 
 
 def schedule(ops: list[Op], given: str) -> list[Op]:
@@ -21,10 +22,16 @@ def _readers(ops: list[Op]) -> dict[str, list[int]]:
 
 
 def _fuse_pointwise(ops: list[Op]) -> list[Op]:
-    """Chains of unary pointwise ops, each read only by the next, as one op (kernels summed)."""
+    """Chains of unary pointwise ops, each read only by the next, as one op (kernels summed); a
+    rearrangement of frames only after a rearrangement read only by it, as one (a depth-to-space that
+    drops its first frames: LTX-Video's upsamplers)."""
     readers, out = _readers(ops), []
     for op in ops:
         prev = out[-1] if out else None
+        if (op.kind is OpKind.REARRANGE and prev is not None and prev.kind is OpKind.REARRANGE
+                and op.src == (prev.dst,) and len(readers.get(prev.dst, [])) == 1 and op.down == op.up == 1):
+            out[-1] = _then(prev, op)
+            continue
         if (op.kind is OpKind.POINTWISE and prev is not None and prev.kind is OpKind.POINTWISE
                 and op.src == (prev.dst,) and len(readers.get(prev.dst, [])) == 1):
             f, g = prev.fn, op.fn
@@ -68,3 +75,14 @@ def live_ops(ops: list[Op], out: str) -> list[Op]:
             keep.append(op)
             want.update(op.src)
     return keep[::-1]
+
+
+def _then(a: Rearrange, b: Rearrange) -> Rearrange:
+    """Rearrangement a, then b (of frames only: a's geometry)."""
+    fa, fb = a.fn, b.fn
+
+    def frames(t, step):
+        return b.frames([a.frames([t], step)], step)
+
+    return Rearrange(src=a.src, dst=b.dst, name=a.name, fn=lambda t, ctx: fb(fa(t, ctx), ctx), down=a.down,
+                     up=a.up, channels=a.channels, frames_fn=frames, label=f"{a.label}, {b.label}")

@@ -30,6 +30,11 @@ class Lowering:
     pads: dict[int, tuple] = field(default_factory=dict)  # F.pad's output -> (input, pad, mode)
     tainted: set[int] = field(default_factory=set)  # nodes that depend on the input
     readers: dict[int, int] = field(default_factory=dict)  # node -> calls reading it
+    # video values (B, C, T, H, W): node -> (source node, start, stop, repeats): frames [start:stop] of the
+    # source repeated; node -> (source node, front, back): the source with its first frame repeated front
+    # times before it and its last back times after it (a causal convolution's padding, `trace.video`)
+    frame_refs: dict[int, tuple] = field(default_factory=dict)
+    tpads: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def spatial(self, node: int) -> str | None:
         v = self.values.get(node)
@@ -73,6 +78,11 @@ def arg_of(call: Call, i: int, name: str, default=None):
 def const_value(low: Lowering, a):
     """A non-spatial argument's value: a constant's tensor, or the plain value."""
     return low.cap.values[a.node] if isinstance(a, Ref) else a
+
+
+def channel_dim(dim, ndim: int) -> bool:
+    """Whether `dim` is the channel axis of a value with ndim axes ((B, C, H, W) or (B, C, T, H, W))."""
+    return isinstance(dim, int) and dim in (1, 1 - ndim)
 
 
 def is_attention(m) -> bool:

@@ -1,6 +1,6 @@
 """What TiledVAE does for a 3-D causal VAE (AutoencoderKLQwenImage, AutoencoderKLWan 2.1 / 2.2,
-AutoencoderKLLTXVideo): checks, the run, decode_to's sinks and the plan; `vae.tiled` wraps the results in
-the VAE's own return types.
+AutoencoderKLLTXVideo, AutoencoderKLLTX2Video): checks, the run, decode_to's sinks and the plan;
+`vae.tiled` wraps the results in the VAE's own return types.
 
 Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images).
 These families have no GroupNorm: mode="fast" has nothing to estimate and runs exact (the plan says so).

@@ -1,4 +1,7 @@
-"""Lower LTX-Video's VAE (AutoencoderKLLTXVideo 0.9.0 and the 0.9.5 down blocks) into video programs.
+"""The hand lowering of LTX-Video's VAE (AutoencoderKLLTXVideo 0.9.0 and the 0.9.5 down blocks) into video
+programs, block by block, as tilewise lowered it before its traced lowering (`tilewise.locality.trace`
+lowers these families from what they compute): kept here as the oracle of the traced programs'
+structure (`tests/test_lowering3d.py`), not used by the library.
 
 LTX-Video normalises with an RMS "pixel norm" over channels (and a LayerNorm over channels in channel-
 changing shortcuts): pointwise in space, so nothing in it needs the whole frame; its programs have no
@@ -18,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .build import Builder, activation, pointwise, unsupported
-from .ops import Add, Pointwise
-from .ops3d import CausalConv3d, Rearrange
-from .program3d import VideoProgram
+from tilewise.locality.build import Builder, activation, pointwise, unsupported
+from tilewise.locality.ops import Add, Pointwise
+from tilewise.locality.ops3d import CausalConv3d, Rearrange
+from tilewise.locality.program3d import VideoProgram
 
 
 def _ltx():

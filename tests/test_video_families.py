@@ -1,0 +1,29 @@
+"""Video VAE families as table entries (`tilewise.vae.families`): the ones traced from what they compute
+decode and encode exactly (`test_vae_video.py`); the others are refused when the TiledVAE is built, by
+name, with the call and module path that cannot be tiled and why (never accepted and failing later)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from video_vae_support import refused_family  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.locality import LoweringError  # noqa: E402
+
+REFUSED = {
+    "hunyuan": r"AutoencoderKLHunyuanVideo \(decode\).*group_norm at 'decoder\.mid_block\.resnets\.0\."
+               r"norm1': a GroupNorm of a video value: its statistics are over groups x frames x space",
+    "cogvideox": r"AutoencoderKLCogVideoX \(decode\).*cat at 'decoder\.conv_in': a concatenation along time "
+                 r"of frames of different values \(a causal cache",
+    "cosmos": r"AutoencoderKLCosmos \(decode\).*CosmosUpBlock3d at 'decoder\.up_blocks\.1'\) is global",
+    "mochi": r"AutoencoderKLMochi \(decode\).*MochiChunkedGroupNorm3D at 'decoder\.up_blocks\.1\.resnets\.0"
+             r"\.norm1'\) is global",
+    "svd": r"AutoencoderKLTemporalDecoder: its decoder mixes the frames of num_frames",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_video_families_that_cannot_be_tiled_exactly_are_refused_at_construction(name):
+    with pytest.raises(LoweringError, match=REFUSED[name]):
+        tw.TiledVAE(refused_family(name), progress=False)
