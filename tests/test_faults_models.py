@@ -101,6 +101,21 @@ CASES = [(fault, command) for fault in sorted(FAULTS) for command in COMMANDS
          if fault not in LOADS or command in ("decode", "generate")]
 
 
+@pytest.mark.parametrize("text", [
+    # diffusers with accelerate (low_cpu_mem_usage), and torch's load_state_dict without it
+    "Cannot load because decoder.conv_norm_out.bias expected shape torch.Size([64]), but got "
+    "torch.Size([32]). If you want to instead overwrite randomly initialized weights, ...",
+    "Error(s) in loading state_dict for AutoencoderKL:\n\tsize mismatch for decoder.conv_norm_out.bias: "
+    "copying a param with shape torch.Size([32]) from checkpoint, the shape in current model is "
+    "torch.Size([64]).",
+])
+def test_a_weight_of_the_wrong_shape_is_read_in_both_wordings(text):
+    from tilewise.pipelines.folders import shape_mismatch
+
+    assert shape_mismatch(RuntimeError(text)) == ("decoder.conv_norm_out.bias", "[64]", "[32]")
+    assert shape_mismatch(RuntimeError("Cannot copy out of meta tensor")) is None
+
+
 @pytest.mark.parametrize("fault,command", CASES, ids=[f"{c}-{f}" for f, c in CASES])
 def test_broken_pipeline_folder(fault, command, D, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

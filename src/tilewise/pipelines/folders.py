@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -140,13 +141,53 @@ def check_controlnet_folder(folder: str | os.PathLike) -> None:
     check_component(path, f"--controlnet {str(folder)!r}", weights=True)
 
 
+# how diffusers says a weight's shape differs from its config's: with accelerate (low_cpu_mem_usage) and
+# without it (torch's load_state_dict)
+_MISMATCH = (
+    re.compile(r"Cannot load because (?P<key>\S+) expected shape (?:torch\.Size)?\((?P<want>\[[0-9, ]*\])\), "
+               r"but got (?:torch\.Size)?\((?P<got>\[[0-9, ]*\])\)"),
+    re.compile(r"size mismatch for (?P<key>[^:\s]+): copying a param with shape (?:torch\.Size)?"
+               r"\((?P<got>\[[0-9, ]*\])\) from checkpoint, the shape in current model is "
+               r"(?:torch\.Size)?\((?P<want>\[[0-9, ]*\])\)"),
+)
+
+
+def shape_mismatch(error: BaseException) -> tuple[str, str, str] | None:
+    """(weight name, shape its config gives, shape its file holds) of a load that failed on a weight's
+    shape, in either of diffusers' wordings; None for other errors."""
+    text = " ".join(str(error).split())
+    for pattern in _MISMATCH:
+        if m := pattern.search(text):
+            return m["key"], m["want"], m["got"]
+    return None
+
+
+def _holder_of(key: str, path: Path, index: dict) -> str | None:
+    """The component of pipeline folder `path` whose .safetensors weights hold a tensor named `key`."""
+    from safetensors import safe_open
+
+    for name in components(index):
+        for file in sorted((path / name).glob("*.safetensors")) if (path / name).is_dir() else ():
+            try:
+                with safe_open(str(file), "numpy") as f:
+                    if key in f.keys():
+                        return name
+            except Exception:  # a corrupt file: its own check names it
+                continue
+    return None
+
+
 def component_of(error: BaseException, path: Path) -> str | None:
     """The component of pipeline folder `path` an error while loading it is about (its folder named in
-    the error's text, or its class), or None."""
+    the error's text, its class, or the file holding a weight of the wrong shape), or None."""
     try:
         index = read_model_index(path, "--model")
     except ModelProblem:
         return None
+    mismatch = shape_mismatch(error)
+    holder = _holder_of(mismatch[0], path, index) if mismatch else None
+    if holder is not None:
+        return f"component {holder!r} ({components(index)[holder]}, {str(path / holder)!r})"
     text = str(error)
     for name, cls in components(index).items():
         if str(path / name) in text or f"/{name}/" in text or f" {cls}" in text or f"{cls}:" in text:
@@ -199,6 +240,9 @@ def model_errors(what: str, folder: Path | None = None) -> Iterator[None]:
         if type(e).__name__ == "OutOfMemoryError":
             raise
         detail = " ".join(str(e).split()) or type(e).__name__
+        if mismatch := shape_mismatch(e):
+            key, want, got = mismatch
+            detail = f"size mismatch for {key}: its config gives shape {want}, its weights {got}"
         part = component_of(e, folder) if folder is not None else None
         where = f"{what}: {part}" if part else what
         raise ModelProblem(f"{where} cannot be loaded: {type(e).__name__}: {detail[:400]}") from e

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from ..errors import BadRequest, ModelProblem
+from .folders import components, shape_mismatch
 
 
 def load_single_file(path: Path, config: str | os.PathLike | None, local_files_only: bool):
@@ -36,17 +37,20 @@ def load_single_file(path: Path, config: str | os.PathLike | None, local_files_o
     cls = _pipeline_class(folder)
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
+    _check_fits(path, folder)  # before loading: with accelerate, a weight the file lacks fails late as "meta"
     try:
         pipe = cls.from_single_file(str(path), config=str(folder), local_files_only=local_files_only)
-    except (RuntimeError, SingleFileComponentError) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        if isinstance(e, RuntimeError) and not lines[0].startswith("Error(s) in loading state_dict"):
+    except (RuntimeError, ValueError, SingleFileComponentError) as e:
+        if mismatch := shape_mismatch(e):
+            key, want, got = mismatch
+            detail = f"size mismatch for {key}: the config gives shape {want}, the checkpoint {got}"
+        elif isinstance(e, SingleFileComponentError):
+            detail = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        else:
             raise
-        detail = lines[1] if isinstance(e, RuntimeError) and len(lines) > 1 else lines[0]
         raise ModelProblem(
             f"--model {str(path)!r} does not fit the architecture of --config {str(folder)!r}: {detail}"
         ) from e
-    _check_complete(pipe, path, folder)
     return pipe
 
 
@@ -63,9 +67,31 @@ def _checkpoint_shapes(path: Path) -> dict:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _check_complete(pipe, path: Path, folder: Path) -> None:
-    """Every UNet, VAE and CLIP-L text-encoder weight was in the checkpoint (diffusers' key conversion rerun
-    on shapes only): diffusers loads with strict=False, so a weight the file lacks stays random."""
+def _meta_components(folder: Path) -> dict:
+    """{name: meta-device module} of the UNet, VAE and CLIP-L text encoder config folder `folder` lists:
+    their weights' names and shapes, nothing allocated."""
+    import diffusers
+    import torch
+    import transformers
+
+    index = json.loads((folder / "model_index.json").read_text())
+    out = {}
+    for name, cls in components(index).items():
+        if cls in ("UNet2DConditionModel", "AutoencoderKL") and (folder / name / "config.json").is_file():
+            model_cls = getattr(diffusers, cls)
+            with torch.device("meta"):
+                out[name] = model_cls.from_config(model_cls.load_config(str(folder / name)))
+        elif cls.startswith("CLIPTextModel") and (folder / name / "config.json").is_file():
+            config = transformers.CLIPTextConfig.from_pretrained(str(folder / name))
+            with torch.device("meta"):
+                out[name] = getattr(transformers, cls)(config)
+    return out
+
+
+def _check_fits(path: Path, folder: Path) -> None:
+    """Every UNet, VAE and CLIP-L text-encoder weight of the config's architecture is in the checkpoint, in
+    its shape (diffusers' key conversion run on shapes only): diffusers loads with strict=False, so a weight
+    the file lacks would stay random, and a shape that differs fails deep in the load."""
     from diffusers.loaders.single_file_utils import (
         convert_ldm_clip_checkpoint,
         convert_ldm_unet_checkpoint,
@@ -73,18 +99,27 @@ def _check_complete(pipe, path: Path, folder: Path) -> None:
     )
 
     ckpt = _checkpoint_shapes(path)
-    found = {}
-    if type(getattr(pipe, "unet", None)).__name__ == "UNet2DConditionModel":
-        found["unet"] = convert_ldm_unet_checkpoint(ckpt, pipe.unet.config)
-    if type(getattr(pipe, "vae", None)).__name__ == "AutoencoderKL":
-        found["vae"] = convert_ldm_vae_checkpoint(ckpt, pipe.vae.config)
-    clip = convert_ldm_clip_checkpoint(ckpt)  # empty for OpenCLIP layouts (SD 2.x), not checked here
-    if clip and type(getattr(pipe, "text_encoder", None)).__name__.startswith("CLIPTextModel"):
-        found["text_encoder"] = clip
-    for name, converted in found.items():
-        have = {k.removeprefix("text_model.") for k, v in converted.items() if v is not None}
-        want = {k.removeprefix("text_model.") for k in getattr(pipe, name).state_dict()}
-        missing = sorted(want - have)
+    for name, module in _meta_components(folder).items():
+        kind = type(module).__name__
+        if kind == "UNet2DConditionModel":
+            converted = convert_ldm_unet_checkpoint(ckpt, module.config)
+        elif kind == "AutoencoderKL":
+            converted = convert_ldm_vae_checkpoint(ckpt, module.config)
+        else:
+            converted = convert_ldm_clip_checkpoint(ckpt)  # empty for OpenCLIP layouts (SD 2.x): not checked
+            if not converted:
+                continue
+        have = {k.removeprefix("text_model."): v for k, v in converted.items() if v is not None}
+        want = {k.removeprefix("text_model."): v for k, v in module.state_dict().items()}
+        for key, tensor in want.items():
+            if key in have and tuple(have[key].shape) != tuple(tensor.shape) \
+                    and have[key].numel() != tensor.numel():  # (1x1 convolutions stored for linears)
+                raise ModelProblem(
+                    f"--model {str(path)!r} does not fit the architecture of --config {str(folder)!r}: size "
+                    f"mismatch for {key} of the {name}: the config gives shape {list(tensor.shape)}, the "
+                    f"checkpoint {list(have[key].shape)}"
+                )
+        missing = sorted(set(want) - set(have))
         if missing:
             raise ModelProblem(
                 f"--model {str(path)!r} lacks {len(missing)} of the {len(want)} {name} weights that --config "
