@@ -61,6 +61,21 @@ def test_tiled_vae_refuses_bad_latents_at_the_call(vae, z, needles):
         assert n in str(err.value)
 
 
+@pytest.mark.parametrize("vae_on_meta,z_on_meta", [(True, False), (False, True), (True, True)],
+                         ids=["meta-vae", "meta-latent", "both-meta"])
+def test_meta_device_is_refused_at_the_call(vae, vae_on_meta, z_on_meta):
+    """A meta VAE given a real latent used to run on no data and blame NaN on its first convolution."""
+    from diffusers import AutoencoderKL
+
+    if vae_on_meta:
+        with torch.device("meta"):
+            vae = AutoencoderKL(**vae_config())
+    z = _z(1, 4, 16, 16).to("meta" if z_on_meta else "cpu")
+    with pytest.raises(ValueError, match="on the meta device .no data.: TiledVAE can plan there") as err:
+        tw.TiledVAE(vae, tile_size=8).decode(z)
+    assert ("latent z is" if z_on_meta else "the VAE's weights are") in str(err.value)
+
+
 def test_nan_latent_is_not_blamed_on_fp16_overflow(vae):
     """The issue: a NaN in float32 latents was reported as 'fp16 VAE overflow'."""
     tv = tw.TiledVAE(vae, tile_size=4, progress=False)
@@ -148,6 +163,28 @@ def test_generate_of_ten_million_squared_is_refused_before_denoising(monkeypatch
     with pytest.raises(WontFit) as err:
         generate(loaded, "grass", 10**7, 10**7)
     assert "10000000x10000000" in str(err.value) and "would fit" in str(err.value) and not called
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"inversion_steps": 10**9}, "inversion_steps must be an int in [0, 1000]"),
+    ({"inversion_steps": -1}, "inversion_steps must be an int in [0, 1000]"),
+    ({"inversion_steps": 2.5}, "got 2.5"),
+    ({"num_inference_steps": 10**6}, "num_inference_steps must be an int in [1, 1000]"),
+], ids=["inversion-billion", "inversion-negative", "inversion-float", "steps-million"])
+def test_upscale_counts_are_bounded_from_python_before_any_work(kwargs, needle):
+    """The CLI's ranges hold from Python too: a billion inversion steps would grow memory for hours."""
+    from tilewise.diffusion import UpscaleOptions
+
+    with pytest.raises(ValueError) as err:
+        UpscaleOptions(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_generate_steps_are_bounded_from_python():
+    from tilewise.pipelines.options import GenerateOptions
+
+    with pytest.raises(ValueError, match=r"steps must be an int in \[1, 1000\].*got 0"):
+        GenerateOptions("grass", 64, 64, steps=0)
 
 
 @pytest.mark.parametrize("room,refused", [(10 << 30, False), (1 << 20, True)])

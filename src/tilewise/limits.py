@@ -18,6 +18,19 @@ from typing import Any
 from .errors import WontFit
 from .memory import format_bytes
 
+# denoising and inversion steps: diffusers' schedulers are trained on 1000 timesteps, and a step count past
+# them only repeats timesteps while the run's memory and time grow with it
+MAX_STEPS = 1000
+
+
+def check_count(name: str, value: Any, low: int, high: int, what: str = "") -> int:
+    """A count the user gives (steps, frames, ranks): an int in [low, high], else a ValueError naming it and
+    the range (`what`: why the bound is there)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        why = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be an int in [{low}, {high}]{why}, got {value!r}")
+    return value
+
 
 def host_memory_available() -> int:
     """Bytes of host memory that can still be allocated: MemAvailable + SwapFree, within a cgroup limit."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..limits import MAX_STEPS, check_count
 from .controlnet import TiledControlNet
 from .fusion import TiledDenoiser
 
@@ -129,6 +130,9 @@ class UpscaleOptions:
 
     def __post_init__(self) -> None:
         scale, strength, steps = self.scale, self.strength, self.num_inference_steps
+        check_count("num_inference_steps", steps, 1, MAX_STEPS, "schedulers are trained on 1000 timesteps")
+        check_count("inversion_steps", self.inversion_steps, 0, MAX_STEPS,
+                    "0: fresh noise; schedulers are trained on 1000 timesteps")
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         if not 0 < strength <= 1:
@@ -137,9 +141,6 @@ class UpscaleOptions:
             raise ValueError(f"strength {strength} of num_inference_steps {steps} leaves no "
                              f"denoising step (int({steps} * {strength}) = 0): use at least "
                              f"{math.ceil(1 / strength)} steps")
-        n = self.inversion_steps
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"inversion_steps must be an int >= 0 (0: fresh noise), got {n!r}")
 
 
 def upscale(

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..limits import MAX_STEPS, check_count
+
 
 @dataclass(frozen=True)
 class GenerateOptions:
@@ -50,6 +52,7 @@ class GenerateOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions or ()))  # a list or None given: a tuple kept
+        check_count("steps", self.steps, 1, MAX_STEPS, "schedulers are trained on 1000 timesteps")
 
 
 @dataclass

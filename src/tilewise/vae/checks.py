@@ -28,6 +28,7 @@ def check_input(job: Job, t) -> None:
                          f"(shape {tuple(t.shape)})")
     if min(t.shape) == 0:
         raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
+    check_device(job, t, what)
     h, w = t.shape[-2:]
     shapes = p.shapes((h, w))
     small = next((op for op in p.ops if min(shapes[op.dst]) < 1), None)
@@ -39,6 +40,20 @@ def check_input(job: Job, t) -> None:
     if torch.is_grad_enabled() and t.requires_grad:
         raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
                            "would break backward(); use the wrapped VAE directly to train")
+
+
+def check_device(job: Job, t: torch.Tensor, what: str) -> None:
+    """Input and weights with data, or a fake input (a counted run under FakeTensorMode, on the meta device):
+    a meta VAE given a real input would run its ops on no data (and be blamed on NaN), a meta input has no
+    values to decode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor) or not (t.is_meta or job.device.type == "meta"):
+        return
+    where = f"{what} is" if t.is_meta else "the VAE's weights are"
+    raise ValueError(f"{where} on the meta device (no data): TiledVAE can plan there (plan, counted runs "
+                     "under FakeTensorMode) but not run; load the weights (vae.to_empty / "
+                     "from_pretrained) and give a real input")
 
 
 def check_dtype(t: torch.Tensor, what: str, want: torch.dtype) -> None:

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from ..checks import check_device
 from ..settings import Job, Kind, Mode, Settings
 from .executor import VideoExecutor
 from .plan import choose_video, make_video_plan
@@ -32,6 +33,7 @@ def check(settings: Settings, job: Job, t) -> None:
                          f"(shape {tuple(t.shape)})")
     if min(t.shape) == 0:
         raise ValueError(f"{what} is empty: shape {tuple(t.shape)}")
+    check_device(job, t, what)
     if job.kind is Kind.ENCODE:
         f = job.factor
         h, w = t.shape[-2:]
