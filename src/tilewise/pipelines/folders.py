@@ -164,7 +164,7 @@ def shape_mismatch(error: BaseException) -> tuple[str, str, str] | None:
 
 def _holder_of(key: str, path: Path, index: dict) -> str | None:
     """The component of pipeline folder `path` whose .safetensors weights hold a tensor named `key`."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # (headers only, numpy framework: no torch)
 
     for name in components(index):
         for file in sorted((path / name).glob("*.safetensors")) if (path / name).is_dir() else ():

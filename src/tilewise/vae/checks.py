@@ -7,6 +7,7 @@ import math
 import tempfile
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import WontFit
 from ..limits import check_disk, device_memory_available, host_memory_available
@@ -46,8 +47,6 @@ def check_device(job: Job, t: torch.Tensor, what: str) -> None:
     """Input and weights with data, or a fake input (a counted run under FakeTensorMode, on the meta device):
     a meta VAE given a real input would run its ops on no data (and be blamed on NaN), a meta input has no
     values to decode."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(t, FakeTensor) or not (t.is_meta or job.device.type == "meta"):
         return
     where = f"{what} is" if t.is_meta else "the VAE's weights are"
