@@ -197,6 +197,24 @@ def test_memory_budget_picks_the_largest_tile_that_fits():
     assert "causal steps: 3" in text and "caches:" in text and "estimated device peak" in text
 
 
+@pytest.mark.parametrize("name", ["qwen", "wan2.1", "ltx0.9.0", "ltx2"])
+def test_preflight_plans_the_video_and_refuses_what_cannot_fit(name, monkeypatch):
+    """preflight (what a recipe calls before its work) used the 2-D planner on 3-D VAEs and failed."""
+    from tilewise.errors import WontFit
+    from tilewise.vae.video.plan import VideoPlan
+
+    vae = video_vae(name)
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    shape = (1, vae.config.get("z_dim") or vae.config.latent_channels, 3, 5, 7)
+    plan = tv.preflight(shape)
+    assert isinstance(plan, VideoPlan) and plan.grid == (2, 3) and plan.peak > 0
+    monkeypatch.setattr("tilewise.vae.checks.device_memory_available", lambda device=None: plan.peak // 2)
+    with pytest.raises(WontFit, match=r"caches, staged values and output need at least"):
+        tv.preflight(shape)
+    with pytest.raises(ValueError, match=r"\(B, C, T, H, W\)"):
+        tv.preflight(shape[:2] + shape[3:])
+
+
 def test_encode_warns_about_the_frames_the_model_drops(caplog):
     vae = video_vae("wan2.1")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)

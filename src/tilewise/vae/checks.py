@@ -104,6 +104,22 @@ def check_fits(job: Job, shape: tuple[int, ...], plan, streamed: bool, stage_dir
         _memory(plan.staged_peak + out, device, f"{what}: its staged values and output", other)
 
 
+def check_video_fits(job: Job, plan) -> None:
+    """Refuse (WontFit) a 3-D VAE run whose plan (`VideoPlan`) cannot fit: its device peak (caches, staged
+    values, one tile's working set, the output unless it streams) where the VAE is, and what host staging
+    keeps in host memory (on a CPU VAE, the same memory)."""
+    what = (f"TiledVAE {job.kind} of {plan.input_shape} (tile {plan.tile_size}, staging "
+            f"{plan.staging.value!r})")
+    hint = ("use a memory_budget, a smaller tile or staging='host'" if plan.staging is not Place.HOST
+            else "use a smaller tile or a shorter video")
+    held = f"{what}: its caches, staged values and output"
+    if job.device.type == "cpu":
+        _memory(plan.peak + plan.host_bytes, job.device, held, hint)
+        return
+    _memory(plan.peak, job.device, held, hint)
+    _memory(plan.host_bytes, torch.device("cpu"), f"{what}: its host-staged caches and values", hint)
+
+
 def _memory(need: int, device: torch.device, what: str, hint: str) -> None:
     room = device_memory_available(device)
     if need > room:

@@ -24,7 +24,7 @@ from ..distributed import rank_world, resolve_group
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import runner
-from .checks import check_fits, check_input
+from .checks import check_fits, check_input, check_video_fits
 from .devices import DeviceProfile, profile, vae_device
 from .families import FAMILIES, bind, encode_output, family_of, lower_family
 from .plan.make import make_plan, request
@@ -285,6 +285,12 @@ class TiledVAE(ModelWrapper):
         """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
         memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
         job = self.job(kind)
+        if self.is_video:
+            if len(shape) != 5:
+                raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+            plan = make_video_plan(self.settings, job, tuple(shape), to_sink=streamed)
+            check_video_fits(job, plan)
+            return plan
         plan = settle(self.settings, job, tuple(shape), streamed=streamed)
         check_fits(job, tuple(shape), plan, streamed, self.stage_dir)
         return plan
