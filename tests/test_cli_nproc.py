@@ -115,3 +115,21 @@ def test_plan_per_rank_rows_and_staged_bytes(tmp_path):
     staged = [float(r[4]) * (1 / 1024 if r[5] == "KiB" else 1) for r in rows]
     assert all(single / 3 <= s < single / 3 * 1.3 for s in staged), (single, staged)  # a third plus halos
     assert (tmp_path / "ranks.png").stat().st_size > 10_000
+
+
+def test_video_vae_decode_on_two_ranks_equals_one_process(tmp_path):
+    """A 3-D VAE (Wan 2.1 layout) under --nproc 2: each rank its band of tile rows with its causal caches,
+    rank 0 writes the .npy stack (encode on ranks: tests/test_distributed_video.py)."""
+    from video_vae_support import video_vae
+
+    video_vae("wan2.1").save_pretrained(tmp_path / "wan")
+    z = torch.randn(1, 4, 3, 8, 7, generator=torch.Generator().manual_seed(0))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    dec = ["decode", "z.safetensors", "--model", "wan", "--tile", "3", "-q"]
+    for n, extra in ((1, []), (2, ["--nproc", "2"])):
+        run = _tilewise(*dec, "--out", f"v{n}.npy", *extra, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (np.load(tmp_path / f"v{n}.npy").astype(np.int16) for n in (1, 2))
+    assert a.shape == b.shape == (9, 64, 56, 3) and a.std() > 1
+    assert np.abs(a - b).max() <= 1  # (8-bit rounding of values equal to ~1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.npy", "v2.npy", "wan", "z.safetensors"]

@@ -117,8 +117,6 @@ CASES = {
     "video-no-suffix": ([], DEC + ["--out", "frames"], BAD_REQUEST, ["'frames'", "no suffix"]),
     "video-staging-disk": ([], DEC + ["--out", "v.tif", "--staging", "disk"], BAD_REQUEST,
                            ["--staging disk is not available", "AutoencoderKLWan"]),
-    "video-nproc-2": ([], DEC + ["--out", "f{:02d}.png", "--nproc", "2"], BAD_REQUEST,
-                      ["--nproc 2", "AutoencoderKLWan", "one process"]),
     "video-budget": ([], DEC + ["--out", "v.npy", "--budget", "lots"], BAD_REQUEST, ["--budget 'lots'"]),
     "video-out-is-folder": (["dir/x"], DEC + ["--out", "dir"], BAD_REQUEST, ["'dir'"]),
     # latents of a video decode
@@ -178,8 +176,6 @@ CASES = {
                           ["z.safetensors", "--no-clobber"]),
     "encode-out-png": ([], ["encode", "{D}/ok/f{:02d}.png", "--out", "z.png"] + ENC, BAD_REQUEST,
                        ["z.png", ".safetensors"]),
-    "encode-nproc-2": ([], ["encode", "{D}/ok/f{:02d}.png", "--out", "z.safetensors", "--nproc", "2"] + ENC,
-                       BAD_REQUEST, ["--nproc 2", "one process"]),
 }
 
 

@@ -57,7 +57,7 @@ def decode(
     from ..pipelines.folders import part_config, vae_factor_of
 
     checks.model_paths(model, config, vae_folder=True)
-    video = _video_vae(model, nproc)
+    video = _video_vae(model)
     if not video:
         checks.output(out, no_clobber=no_clobber, bits=bits)
     checks.report_folder(report)
@@ -121,7 +121,7 @@ def encode(
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
     checks.model_paths(model, config, vae_folder=True)
-    if _video_vae(model, nproc):
+    if _video_vae(model):
         checks.video_input(image)
     else:
         pic = checks.image_input(image, decode=True)
@@ -148,19 +148,12 @@ def _latent_channels(cfg: dict | None) -> int | None:
     return c if isinstance(c, int) else None
 
 
-def _video_vae(model, nproc: int) -> bool:
-    """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded); --nproc is refused for one
-    before launching ranks (its tiled runs are single-process)."""
+def _video_vae(model) -> bool:
+    """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded)."""
     from ..locality.lowering3d import VIDEO_VAES
     from ..pipelines.loading import vae_class
 
-    name = vae_class(model)
-    if name not in VIDEO_VAES:
-        return False
-    if nproc > 1:
-        raise BadRequest(f"--nproc {nproc}: {name} (a 3-D VAE) decodes and encodes in one process for now; "
-                         "drop --nproc")
-    return True
+    return vae_class(model) in VIDEO_VAES
 
 
 def plan(

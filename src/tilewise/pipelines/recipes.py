@@ -233,11 +233,11 @@ def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
     """`decode_file` with its options as one record (the CLI's form); returns the VAE's plan."""
     o = options
     vae = _vae(loaded)
-    # 1. a 3-D VAE decodes to an image or a video, in one process
+    # 1. a 3-D VAE decodes to an image or a video (each rank its band of tile rows, rank 0 writes)
     if is_video_vae(vae):
-        _one_process(vae, o.process_group)
         return decode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
-                                 staging=o.staging, bits=o.bits, progress=o.progress, replace=o.replace)
+                                 staging=o.staging, bits=o.bits, progress=o.progress, replace=o.replace,
+                                 process_group=o.process_group)
     # 2. check the output, read the latents (checked as they are read)
     check_image_output(o.out, o.bits, o.replace)
     z = read_latents(o.source, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
@@ -304,11 +304,11 @@ def run_encode_file(loaded: Loaded | Any, options: VaeFileOptions):
     # 1. check the output
     check_latents_output(o.out, o.replace)
     vae = _vae(loaded)
-    # 2. a 3-D VAE encodes an image or a video, in one process
+    # 2. a 3-D VAE encodes an image or a video (each rank its band of tile rows, rank 0 writes)
     if is_video_vae(vae):
-        _one_process(vae, o.process_group)
         return encode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
-                                 staging=o.staging, progress=o.progress, replace=o.replace)
+                                 staging=o.staging, progress=o.progress, replace=o.replace,
+                                 process_group=o.process_group)
     # 3. read the image, plan and encode: the distribution's mean, scaled like a pipeline's latents
     x = load_image(o.source, vae_factor(vae)).to(vae.device, vae.dtype)
     tv = _tiled_vae(vae, o)
@@ -339,9 +339,3 @@ def _save_latents(latents, out: str, sf: float, shift: float, replace: bool) -> 
 def _vae(loaded):
     """The VAE of a Loaded pipeline, or the VAE itself."""
     return loaded.pipe.vae if isinstance(loaded, Loaded) else loaded
-
-
-def _one_process(vae, process_group) -> None:
-    if process_group is not None:
-        raise BadRequest(f"{type(vae).__name__} (a 3-D VAE) decodes and encodes in one process for now: drop "
-                         f"--nproc")

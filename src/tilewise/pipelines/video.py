@@ -42,14 +42,21 @@ def latent_norm(vae) -> tuple[Any, Any, float]:
     return mean.detach().reshape(shape).float().cpu(), std.detach().reshape(shape).float().cpu(), sf
 
 
-def _video_vae(vae, tile_size, mode, budget, staging, progress):
+def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=None):
     from ..vae import TiledVAE
 
     if staging == "disk":
         raise BadRequest(f"--staging disk is not available for {type(vae).__name__} (a 3-D VAE stages its "
                          f"values on the device or the host): use auto, device or host")
     return TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
-                    progress=progress)
+                    progress=progress, process_group=process_group)
+
+
+def _writes(tv) -> bool:
+    """Whether this process writes the output: one process, or rank 0 of the TiledVAE's group."""
+    from ..distributed import rank_world, resolve_group
+
+    return rank_world(resolve_group(tv.process_group))[0] == 0
 
 
 def _latents(path: str, channels: int):
@@ -75,10 +82,11 @@ def _check_output(out: str, bits: int, frames: int) -> None:
 
 def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
                       budget: str | None = None, staging: str = "auto", bits: int = 8, progress: bool = True,
-                      replace: bool = True):
+                      replace: bool = True, process_group=None):
     """Decode a latents .safetensors with a 3-D VAE, streamed: one frame to an image file, several to a
-    frame sequence or a .npy / TIFF stack. Returns the plan it ran."""
-    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
+    frame sequence or a .npy / TIFF stack. Returns the plan it ran. With `process_group` every rank
+    runs its band of tile rows and rank 0 writes."""
+    tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
     z = _latents(latents_path, tv.program("decode").in_channels)
     return decode_to_file(tv, denormalised(vae, z), out, bits=bits, replace=replace)
 
@@ -100,6 +108,10 @@ def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True):
     shape = tuple(z.shape)
     _, c, t, h, w = tv.plan(shape, streamed=True).output_shape
     check_video_output(out, bits, t, replace)
+    if not _writes(tv):  # another rank: it runs its tiles, rank 0 writes
+        with torch.no_grad():
+            tv.decode_to(z, None)
+        return tv.plan(shape, streamed=True, sequential=True)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
             else open_video_sink(out, t, h, w, c, bits=bits, replace=replace))
@@ -124,19 +136,22 @@ def check_video_output(out: str, bits: int, frames: int, replace: bool) -> None:
 
 def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
                       budget: str | None = None, staging: str = "auto", progress: bool = True,
-                      replace: bool = True):
+                      replace: bool = True, process_group=None):
     """Encode an image or a video (frame pattern, .npy / TIFF stack) with a 3-D VAE into a latents
-    .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it)."""
+    .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it). With
+    `process_group` every rank encodes its band of tile rows and rank 0 writes."""
     import torch
     from safetensors.torch import save_file
 
-    tv = _video_vae(vae, tile_size, mode, budget, staging, progress)
+    tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
     x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)
     plan = tv.plan(tuple(x.shape), kind="encode")
     with torch.no_grad():
         raw = tv.encode(x).latent_dist.mean
     mean, std, sf = latent_norm(vae)
     latents = ((raw.float().cpu() - mean) * sf / std).contiguous()
+    if not _writes(tv):
+        return plan
     with atomic_path(out, replace=replace) as tmp:
         save_file({"latents": latents}, str(tmp),
                   metadata={"normalised": "(z - latents_mean) * scaling_factor / latents_std",

@@ -15,6 +15,13 @@ output). Two orders run the same units:
 
 An attention segment computes the keys and values of every token of each frame of the step first, then
 the queries tile by tile (global, exact), or each tile's own tokens (attention="tile", approximate).
+
+With a process group (frame order only) each rank runs the tiles of its band of tile rows
+(`sharding.RowBands`, as a 2-D run) and keeps those tiles' causal caches; after each segment of a step,
+the step's staged outputs, which every rank wrote only at its tiles' cores (zeros elsewhere), are summed
+over the ranks in their own dtype (disjoint cores: the sum is exact), so every rank reads any halo and
+any attention key from the whole value. The output frames of each step are summed the same way: every
+rank returns the whole output; `emit` (rank 0's sink) gets each step's frames whole.
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ...distributed import all_reduce_sum, rank_world
 from ...locality.ops import OpKind, box_empty, map_box, sub_tensor
 from ...locality.ops3d import StepContext
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
 from ..run.executor import tile_grid
+from ..run.sharding import RowBands
 from ..settings import Attention, Place
 
 logger = logging.getLogger(__name__)
@@ -64,18 +73,24 @@ def cache_bytes(caches: dict) -> int:
 class _Store:
     """Staged values of the run: (value, step) -> full-size tensor, on the device or the host."""
 
-    def __init__(self, where: Place, device):
+    def __init__(self, where: Place, device, zeroed: bool = False):
         self.device = device
         self.home = device if where is Place.DEVICE else torch.device("cpu")
         self.values: dict[tuple[str, int], Any] = {}
         self.alive = self.peak = 0
+        self.zeroed = zeroed  # (a rank writes its tiles' cores; the ranks' values are then summed)
 
-    def write(self, key, shape, dtype, box, block) -> None:
+    def make(self, key, shape, dtype) -> Any:
+        """The tensor of `key`, allocated on first use (zeros where ranks sum their parts)."""
         if key not in self.values:
-            self.values[key] = torch.empty(shape, dtype=dtype, device=self.home)
+            new = torch.zeros if self.zeroed else torch.empty
+            self.values[key] = new(shape, dtype=dtype, device=self.home)
             self.alive += nbytes(self.values[key])
             self.peak = max(self.peak, self.alive)
-        self.values[key][..., box[0] : box[1], box[2] : box[3]].copy_(block)
+        return self.values[key]
+
+    def write(self, key, shape, dtype, box, block) -> None:
+        self.make(key, shape, dtype)[..., box[0] : box[1], box[2] : box[3]].copy_(block)
 
     def read(self, key, box):
         t = self.values[key][..., box[0] : box[1], box[2] : box[3]]
@@ -133,10 +148,14 @@ class VideoExecutor:
     device: Any = "cpu"
     query_chunk: int = 4096
     progress: bool = True
+    group: Any = None  # a torch.distributed group: each rank runs its band of tile rows
 
     def __post_init__(self):
         put = object.__setattr__
         put(self, "order", Order.parse(self.order, "order"))
+        if self.group is not None and self.order is not Order.FRAMES:
+            raise ValueError("a process group runs order='frames' (each step's values are summed over the "
+                             "ranks before the next step reads them); got order='tiles'")
         if self.staging not in VIDEO_STAGINGS:
             raise ValueError(f"staging for a video VAE must be one of {VIDEO_STAGINGS}, got {self.staging!r}")
         put(self, "staging", Place(self.staging))
@@ -159,15 +178,21 @@ class _VideoRun:
         self.segs = video_segments(p, ex.attention)
         self.grid = tile_grid(self.shapes[ex.ref], ex.tile_size)
         self.layout = layout(self.segs, self.shapes, self.grid, ex.ref)
+        rank, world = rank_world(ex.group)
+        self.mine = RowBands.build(self.grid, rank, world).tiles[rank] if ex.group is not None else None
         self.lasts = [last_use(seg.ops, seg.outputs) for seg in self.segs]
         t_out = self.frames[p.output]
         self.offsets = [sum(t_out[:k]) for k in range(len(t_out))]
-        self.out = None
+        self.out = self.sink = None
         if emit is None:
             h, w = self.shapes[p.output]
-            self.out = torch.empty((x.shape[0], self.chans[p.output], sum(t_out), h, w), dtype=x.dtype,
-                                   device=ex.device)
-        self.store = _Store(ex.staging, torch.device(ex.device))
+            new = torch.zeros if ex.group is not None else torch.empty
+            self.out = new((x.shape[0], self.chans[p.output], sum(t_out), h, w), dtype=x.dtype,
+                           device=ex.device)
+        elif ex.group is not None:  # one step's output frames, summed over the ranks, then emitted whole
+            self.emit, self.sink = self._collect, emit
+        self.store = _Store(ex.staging, torch.device(ex.device), zeroed=ex.group is not None)
+        self.step_out = _Store(Place.DEVICE, torch.device(ex.device), zeroed=True)
         # host staging keeps the frame-major run's caches (every tile's) on the host; a tile-major run
         # holds one tile's caches, on the device
         on_host = ex.staging is Place.HOST and ex.order is Order.FRAMES
@@ -193,6 +218,8 @@ class _VideoRun:
                     self._free(i, None)
         finally:
             bar.close()
+        if self.out is not None and self.ex.group is not None:
+            all_reduce_sum([self.out], self.ex.group, self.out.dtype)
         return VideoResult(self.out, self.cache_peak, self.store.peak)
 
     def _segment_tiles(self, i: int, seg, bar) -> None:
@@ -216,9 +243,38 @@ class _VideoRun:
         for tile in self.grid:
             self._unit(i, seg, tile.index, k)
             bar.update(1)
+        if self.ex.group is not None:
+            self._sum_over_ranks(seg, k)
         if k == len(self.chunks) - 1:
             for tile in self.grid:
                 self._drop_caches(i, tile.index)
+
+    def _sum_over_ranks(self, seg, k: int) -> None:
+        """The step's staged outputs of a segment (and output frames, when streamed) whole on every rank:
+        each rank's tile cores, zeros elsewhere, summed in their own dtype."""
+        parts = []
+        for v in seg.outputs:
+            if v != self.program.output:
+                parts.append(self.store.make((v, k), self._step_shape(v, k), self.x.dtype))
+        for t in parts:
+            all_reduce_sum([t], self.ex.group, t.dtype)
+        out = self.program.output
+        if out in seg.outputs and self.out is None:
+            t0 = self.offsets[k]
+            block = self.step_out.make(("out", t0), self._step_shape(out, k), self.x.dtype)
+            all_reduce_sum([block], self.ex.group, block.dtype)
+            h, w = self.shapes[out]
+            self.sink(t0, (0, h, 0, w), block)
+            self.step_out.drop("out", t0)
+
+    def _step_shape(self, v: str, k: int) -> tuple[int, ...]:
+        """(B, C, frames, H, W) of value v in step k."""
+        return (self.x.shape[0], self.chans[v], self.frames[v][k], *self.shapes[v])
+
+    def _collect(self, t0: int, box, block) -> None:
+        """An output core of the step starting at frame t0, kept until the ranks' parts are summed."""
+        k = self.offsets.index(t0)
+        self.step_out.write(("out", t0), self._step_shape(self.program.output, k), block.dtype, box, block)
 
     def _free(self, i: int, k: int | None) -> None:
         """Drop the staged values segment i read last (of step k, or of every step)."""
@@ -258,7 +314,7 @@ class _VideoRun:
     def _unit(self, i: int, seg, tile: int, k: int) -> None:
         """Segment i on one tile for step k: read, run the ops with the tile's caches, store the cores."""
         hit = self.layout.get((i, tile))
-        if hit is None:
+        if hit is None or (self.mine is not None and tile not in self.mine):
             return
         cores, need = hit
         ctx = self.ctx
@@ -280,8 +336,7 @@ class _VideoRun:
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
         if v != self.program.output:
-            shape = (self.x.shape[0], self.chans[v], self.frames[v][k], *self.shapes[v])
-            self.store.write((v, k), shape, block.dtype, core, block)
+            self.store.write((v, k), self._step_shape(v, k), block.dtype, core, block)
         elif self.emit is not None:
             self.emit(self.offsets[k], core, block)
         else:

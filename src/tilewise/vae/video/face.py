@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from ...distributed import rank_world, resolve_group
 from ..checks import check_device
 from ..settings import Job, Kind, Mode, Settings
 from .executor import VideoExecutor
@@ -40,8 +41,6 @@ def check(settings: Settings, job: Job, t) -> None:
         if h % f or w % f:
             raise ValueError(f"video height and width must be multiples of {f} for encode, got {h}x{w}; "
                              f"pad or crop to {h - h % f or f}x{w - w % f or f}")
-    if settings.process_group is not None:
-        raise ValueError("process_group: 3-D VAEs run in one process for now; drop process_group")
     if torch.is_grad_enabled() and t.requires_grad:
         raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
                            "would break backward(); use the wrapped VAE directly to train")
@@ -50,6 +49,8 @@ def check(settings: Settings, job: Job, t) -> None:
 def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
     """The tiled run (the untiled program when the latent fits one tile and nothing streams), with
     retry_on_oom halving the tile: (output, most staged bytes; None for the untiled run)."""
+    group = resolve_group(settings.process_group)
+    rank = rank_world(group)[0]
     tile, staging, order = choose_video(settings, job, tuple(t.shape), to_sink=emit is not None,
                                         sequential=sequential)
     p = job.program
@@ -58,11 +59,11 @@ def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
     while True:
         try:
             with torch.no_grad():
-                if emit is None and max(p.shapes(tuple(t.shape[-2:]))[job.ref]) <= tile:
+                if emit is None and group is None and max(p.shapes(tuple(t.shape[-2:]))[job.ref]) <= tile:
                     return p.run_steps(t), None
                 ex = VideoExecutor(p, tile, job.ref, attention=settings.attention, staging=staging,
                                    order=order, device=t.device, query_chunk=settings.query_chunk,
-                                   progress=settings.progress)
+                                   progress=settings.progress and rank == 0, group=group)
                 res = ex.run(t, emit=emit)
                 return res.output, res.staged_peak
         except torch.OutOfMemoryError:
@@ -84,11 +85,20 @@ def dropped_frames(job: Job, x) -> None:
 
 def decode_to(settings: Settings, job: Job, z, sink) -> int | None:
     """Decode one latent video into a video sink (`tilewise.sinks.video`) frame block by frame block, or
-    a one-frame decode into an image sink; never holding the video. Returns the most staged bytes."""
+    a one-frame decode into an image sink; never holding the video. Returns the most staged bytes.
+
+    With a process group every rank calls it; rank 0 writes (its sink gets every step's frames whole),
+    the others pass sink=None."""
     check(settings, job, z)
     if z.shape[0] != 1:
         raise ValueError(f"decode_to streams one video: batch must be 1, got {z.shape[0]}")
+    rank = rank_world(resolve_group(settings.process_group))[0]
+    if (sink is None) != (rank != 0):
+        raise ValueError(f"rank {rank}: " + ("only rank 0 writes the video: pass sink=None here" if rank
+                                             else "decode_to needs a sink (a video or image sink), got None"))
     plan = make_video_plan(settings, job, tuple(z.shape), to_sink=True)
+    if sink is None:  # another rank: it runs its tiles; rank 0 writes
+        return run(settings, job, z, emit=lambda *_: None, sequential=True)[1]
     _, c, t, h, w = plan.output_shape
     frames = getattr(sink, "frames", None)
     if frames is None:  # an image sink: one frame

@@ -191,6 +191,10 @@ def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=No
         raise ValueError(f"staging={settings.staging_word!r} is not available for a 3-D VAE: use 'auto' or "
                          f"one of {VIDEO_STAGINGS}")
     order = None if order is None else Order.parse(order, "order")
+    if order is Order.TILES and settings.process_group is not None:
+        raise ValueError("a process group runs order='frames' (each step's values are summed over the ranks "
+                         "before the next step reads them); drop order='tiles'")
+    sequential = sequential or settings.process_group is not None
     if order is Order.TILES and sequential:
         raise ValueError("this sink takes frames in order: order='tiles' would hold every frame open; "
                          "use order='frames' or a .npy stack")
