@@ -115,24 +115,35 @@ def test_wan_vae_folder_encodes_a_video_stack_to_normalised_latents(folders, tmp
     assert got.shape == (1, 4, 2, 2, 3) and (got - (raw - mean) / std).abs().max() <= 1e-4
 
 
-def test_ltx_vae_folder_encode_normalises_with_its_buffers_and_scaling_factor(tmp_path):
-    """LTX-Video keeps latents_mean / latents_std as buffers (saved with the weights) beside a config
-    scaling_factor: encode writes (z - mean) * scaling_factor / std, which decode reads back."""
-    vae = copy.deepcopy(video_vae("ltx0.9.0"))
-    with torch.no_grad():
-        vae.latents_mean.copy_(torch.tensor(MEAN))
-        vae.latents_std.copy_(torch.tensor(STD))
+# (name, frames, pixels): LTX-Video 0.9.0 (8x, 4x), LTX-2 (16x, 8x), the HunyuanImage refiner (16x)
+@pytest.mark.parametrize("name,frames,px", [("ltx0.9.0", 5, 16), ("ltx2", 9, 32), ("refiner", 5, 32)])
+def test_vae_folder_encode_normalises_with_its_buffers_and_scaling_factor(tmp_path, name, frames, px):
+    """LTX-Video and LTX-2 keep latents_mean / latents_std as buffers (saved with the weights) beside a
+    config scaling_factor; the HunyuanImage refiner has a scaling_factor only: encode writes
+    (z - mean) * scaling_factor / std, which decode reads back."""
+    vae = copy.deepcopy(video_vae(name))
+    buffers = "latents_mean" in dict(vae.named_buffers(recurse=False))
+    if buffers:
+        with torch.no_grad():
+            vae.latents_mean.copy_(torch.tensor(MEAN))
+            vae.latents_std.copy_(torch.tensor(STD))
     vae.register_to_config(scaling_factor=0.5)
-    vae.save_pretrained(tmp_path / "ltx-vae")
-    video = np.random.default_rng(4).uniform(-1, 1, (5, 16, 16, 3)).astype(np.float32)
+    vae.save_pretrained(tmp_path / "vae")
+    video = np.random.default_rng(4).uniform(-1, 1, (frames, px, px, 3)).astype(np.float32)
     np.save(tmp_path / "v.npy", video)
-    _run("encode", tmp_path / "v.npy", "--model", tmp_path / "ltx-vae", "--out", tmp_path / "z.safetensors",
+    _run("encode", tmp_path / "v.npy", "--model", tmp_path / "vae", "--out", tmp_path / "z.safetensors",
          "--tile", 1, "--quiet")
-    mean, std = _norm()
+    mean, std = _norm() if buffers else (torch.zeros(()), torch.ones(()))
     with torch.no_grad():
         raw = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mean
     got = load_file(str(tmp_path / "z.safetensors"))["latents"]
     assert got.shape == raw.shape and (got - (raw - mean) * 0.5 / std).abs().max() <= 1e-4
+    _run("decode", tmp_path / "z.safetensors", "--model", tmp_path / "vae", "--out", tmp_path / "v2.npy",
+         "--tile", 1, "--bits", 32, "--quiet")
+    with torch.no_grad():
+        ref = vae.decode(raw).sample[0].permute(1, 2, 3, 0).numpy()  # (T, H, W, C), as the .npy holds
+    back = np.load(tmp_path / "v2.npy")
+    assert back.shape == ref.shape and np.abs(back - ref).max() <= 1e-4
 
 
 def test_a_2d_vae_folder_decodes_as_its_pipeline_would(tmp_path):

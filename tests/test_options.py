@@ -42,7 +42,7 @@ def test_records_are_frozen_and_regions_a_tuple():
     (dict(scale=0), "scale must be > 0, got 0"),
     (dict(strength=0), r"strength must be in \(0, 1\], got 0"),
     (dict(strength=0.01), r"leaves no denoising step .* use at least 100 steps"),
-    (dict(inversion_steps=-1), r"inversion_steps must be an int in \[0, 1000\] \(0: fresh noise; .*\), got -1"),
+    (dict(inversion_steps=-1), r"inversion_steps must be an int in \[0, 1000\] \(0: fresh .*\), got -1"),
 ])
 def test_upscale_options_are_checked_when_built(kw, needle):
     with pytest.raises(ValueError, match=needle):

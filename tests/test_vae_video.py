@@ -25,7 +25,7 @@ def _video(vae, frames, h, w, seed=1):
 
 # odd latent sizes; one frame (an image), several frames; tiles of 3 latent px (2x3 grid)
 @pytest.mark.parametrize("name,frames", [("qwen", 1), ("wan2.1", 3), ("wan2.2", 2), ("ltx0.9.0", 3),
-                                         ("ltx0.9.5", 2), ("ltx2", 3)])
+                                         ("ltx0.9.5", 2), ("ltx2", 3), ("refiner", 1), ("refiner", 3)])
 def test_exact_decode_equals_untiled(name, frames):
     vae = video_vae(name)
     tv = tw.TiledVAE(vae, tile_size=3, progress=False)
@@ -38,7 +38,8 @@ def test_exact_decode_equals_untiled(name, frames):
 
 
 @pytest.mark.parametrize("name,frames", [("qwen", 1), ("wan2.1", 7), ("wan2.2", 5), ("ltx0.9.0", 5),
-                                         ("ltx0.9.0", 6), ("ltx0.9.5", 9), ("ltx2", 9)])
+                                         ("ltx0.9.0", 6), ("ltx0.9.5", 9), ("ltx2", 9), ("refiner", 1),
+                                         ("refiner", 5)])
 def test_exact_encode_equals_untiled(name, frames):
     vae = video_vae(name)
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)

@@ -1,4 +1,5 @@
-"""Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5, LTX-2) for the video
+"""Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5, LTX-2, the HunyuanImage
+refiner) for the video
 tests.
 
 Real diffusers classes from tiny configs (few channels, one layer per block) with seeded random weights;
@@ -81,8 +82,18 @@ def ltx2(seed: int = 0):
                                   decoder_layers_per_block=(1, 1, 1, 1), patch_size=2).eval()
 
 
+def refiner(seed: int = 0):
+    """AutoencoderKLHunyuanImageRefiner (HunyuanImage 2.1's refiner: 16x spatial, causal in time)."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanImageRefiner
+
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanImageRefiner(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16),
+                                            layers_per_block=1).eval()
+
+
 VAES = {"qwen": qwen, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
-        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2}
+        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner}
 
 _CACHE: dict = {}
 

@@ -27,17 +27,20 @@ logger = logging.getLogger(__name__)
 
 
 def latent_norm(vae) -> tuple[Any, Any, float]:
-    """(latents_mean, latents_std, scaling_factor) of a 3-D VAE as (1, C, 1, 1, 1) tensors and a float."""
+    """(latents_mean, latents_std, scaling_factor) of a 3-D VAE as (1, C, 1, 1, 1) tensors and a float: its
+    latents_mean / latents_std buffers (LTX-Video, LTX-2) or config lists (Wan, Qwen-Image; zeros and ones
+    where it names none: the HunyuanImage refiner), its config's scaling_factor (1 where it names none)."""
     import torch
 
     cfg = vae.config
-    if type(vae).__name__ == "AutoencoderKLLTXVideo":
-        mean, std, sf = vae.latents_mean, vae.latents_std, float(cfg.scaling_factor)
+    sf = float(cfg.get("scaling_factor") or 1.0)
+    buffers = dict(vae.named_buffers(recurse=False))
+    if "latents_mean" in buffers:
+        mean, std = buffers["latents_mean"], buffers["latents_std"]
     else:
-        c = int(cfg.z_dim)
-        mean = torch.tensor(cfg.latents_mean or [0.0] * c)
-        std = torch.tensor(cfg.latents_std or [1.0] * c)
-        sf = 1.0
+        c = int(next(cfg[k] for k in ("z_dim", "latent_channels") if cfg.get(k)))
+        mean = torch.tensor(cfg.get("latents_mean") or [0.0] * c)
+        std = torch.tensor(cfg.get("latents_std") or [1.0] * c)
     shape = (1, -1, 1, 1, 1)
     return mean.detach().reshape(shape).float().cpu(), std.detach().reshape(shape).float().cpu(), sf
 

@@ -83,10 +83,10 @@ FAMILIES: dict[str, Family] = {
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (HunyuanVideo: GroupNorm over the whole video; CogVideoX, Cosmos: caches of a chunked loop, ...)
     **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
-                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit")},
+                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
+                                "AutoencoderKLHunyuanImageRefiner")},
     **{name: Family(video=True, refused=UNVERIFIED) for name in (
-        "AutoencoderKLQwenImage21", "AutoencoderKLMiniMaxH3", "AutoencoderKLKVAEVideo",
-        "AutoencoderKLHunyuanImageRefiner")},
+        "AutoencoderKLQwenImage21", "AutoencoderKLMiniMaxH3", "AutoencoderKLKVAEVideo")},
     "AutoencoderKLAllegro": Family(video=True, refused=(
         "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
         "enable_tiling); use the wrapped VAE")),
