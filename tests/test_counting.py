@@ -8,6 +8,7 @@ import contextlib
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -271,3 +272,50 @@ def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
     assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs
     assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
     assert budget is None or plan.peak <= budget
+
+
+def test_staging_floor_is_the_least_any_placement_moves():
+    """The floor's greedy covering against a linear program over every fractional placement (scipy's
+    linprog): random lifetimes, sizes and room."""
+    from scipy.optimize import linprog
+
+    from tilewise.vae.plan.records import staging_floor
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        segs, n = int(rng.integers(1, 8)), int(rng.integers(1, 7))
+        life = {}
+        for k in range(n):
+            a = int(rng.integers(0, segs))
+            life[f"v{k}"] = (a, int(rng.integers(a, segs)))
+        size = {v: int(rng.integers(1, 50)) for v in life}
+        budget, held = 100, [int(rng.integers(0, 100)) for _ in range(segs)]
+        names = list(life)
+        # minimise the bytes off the device, x_v in [0, size_v], each segment's excess covered
+        rows = [[-1 if life[v][0] <= i <= life[v][1] else 0 for v in names] for i in range(segs)]
+        need = [-(sum(size[v] for v in names if life[v][0] <= i <= life[v][1]) - (budget - held[i]))
+                for i in range(segs)]
+        lp = linprog(np.ones(n), A_ub=rows, b_ub=need, bounds=[(0, size[v]) for v in names])
+        if not lp.success:  # (held beyond the budget: no placement fits)
+            continue
+        assert staging_floor(budget, held, life, size) == pytest.approx(2 * lp.fun, abs=1e-6)
+
+
+def test_exact_gpu_plans_print_the_staging_floor_and_move_no_less():
+    with fake():
+        vae = build_vae("sd", torch.float16, "meta", **NARROW)
+        z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
+        dev = tw.TiledVAE(vae, tile_size=8, staging="device", progress=False, device_kind="cuda")
+        host = tw.TiledVAE(vae, tile_size=8, staging="host", progress=False, device_kind="cuda")
+        hi, lo = dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak
+        for budget in (lo, (hi + lo) // 2, 4 * hi):
+            tv = tw.TiledVAE(vae, memory_budget=budget, progress=False,
+                             device_kind=CUDA.replace(link_bytes_s=5e9))
+            plan = tv.plan(tuple(z.shape))
+            c = _counted("meta", tv.decode, z)
+            if plan.untiled:  # (the biggest budget: one tile, nothing staged)
+                assert budget == 4 * hi and plan.staging_floor is None and c.h2d + c.d2h < 1 << 20
+                continue
+            assert plan.staging_floor > 0 and "staging floor at this budget" in str(plan)
+            assert c.h2d + c.d2h >= plan.staging_floor  # (a lower bound: what the run moves, counted)
+    assert tw.TiledVAE(vae, progress=False).plan((1, 4, 32, 32)).staging_floor is None  # (no budget)

@@ -18,7 +18,7 @@ from ..settings import Job, Mode, Place, Settings
 from .counts import Setting, untiled_cost
 from .fast import fast_passes
 from .passes import PassSpec, conv_work, pass_plan, untiled_pass
-from .records import Pass, PassKind, Plan
+from .records import Pass, PassKind, Plan, staging_floor
 
 INPUT_CHECK = (5, 1)  # the input's finite check (vae.checks.check_finite): a sum, isfinite's four (launches),
 # and one read back to the host (syncs)
@@ -89,6 +89,11 @@ def _assemble(settings: Settings, job: Job, shape, choices: Choices, passes: lis
         budget = settings.memory_budget
         slack = max(0, min(TRIM_FREE, TRIM_FREE if budget is None else budget - peak))
         peak = max(q.peak + _pass_slack(q, slack) for q in passes)
+    floor = None
+    budgeted = settings.memory_budget is not None
+    if job.gpu and budgeted and settings.mode is Mode.EXACT and not (untiled or fast):
+        floor = staging_floor(settings.memory_budget, last.segment_bytes, last.lifetimes,
+                              {s.value: s.bytes for s in last.stages})
     return Plan(job.kind, shape, last.output_shape, settings.mode, settings.attention, choices, job.profile,
                 last.grid, sum(q.segments for q in passes), sum(q.work for q in passes) - 1.0,
                 stages=[s for q in passes for s in q.stages],
@@ -98,7 +103,8 @@ def _assemble(settings: Settings, job: Job, shape, choices: Choices, passes: lis
                 untiled=untiled, flops=sum(q.flops for q in passes), launches=sum(q.launches for q in passes),
                 syncs=sum(q.syncs for q in passes), h2d=sum(q.h2d for q in passes),
                 d2h=sum(q.d2h for q in passes), seconds=sum(q.seconds for q in passes),
-                untiled_flops=untiled_flops, segment_bytes=last.segment_bytes, lifetimes=last.lifetimes)
+                untiled_flops=untiled_flops, segment_bytes=last.segment_bytes, lifetimes=last.lifetimes,
+                staging_floor=floor)
 
 
 def _pass_slack(q: Pass, slack: int) -> int:

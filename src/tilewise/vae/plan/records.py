@@ -124,6 +124,7 @@ class Plan:
     untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    staging_floor: int | None = None  # exact tiled plans within a budget: `staging_floor`'s bytes
 
     @property
     def device(self) -> str:
@@ -199,6 +200,12 @@ class Plan:
         if self.device != "cpu" and self.staging in (Place.HOST, Place.MIXED) and not self.untiled:
             rows.append("    copies to the host on a side stream" + (", the next tile's inputs read while a "
                                                                      "tile runs" if self.read_ahead else ""))
+        if self.staging_floor is not None:
+            moved = self.h2d + self.d2h
+            ratio = f" ({moved / self.staging_floor:.2f}x)" if self.staging_floor else ""
+            rows.append(f"    staging floor at this budget {fb(self.staging_floor)} host<->device (what "
+                        f"cannot stay on the device, out once and back once); this plan moves "
+                        f"{fb(moved)}{ratio}")
         for s in self.stages[:6]:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
         if len(self.stages) > 6:
@@ -230,6 +237,27 @@ class Plan:
                     f"x launch cost + transfers / link bandwidth)")
         rows.append(f"  estimated device peak {fb(self.peak)}")
         return "\n".join(rows)
+
+
+def staging_floor(budget: int, held: list[int], lifetimes: dict[str, tuple[int, int]],
+                  sizes: dict[str, int]) -> int:
+    """The host<->device bytes no placement of a pass's staged values avoids within `budget`: at each
+    segment the values alive beyond the room beside what it holds (`held`) must be off the device, each
+    byte out once and back once. The least such bytes, any part of any value placed off the device: a
+    covering of the segments' excess by the values' lifetimes (intervals), which the greedy scan covering
+    each segment's shortfall with the values alive longest solves exactly. A lower bound for runs that
+    stage every value and recompute none."""
+    off = dict.fromkeys(sizes, 0)
+    for i, h in enumerate(held):
+        alive = sorted((v for v, (a, z) in lifetimes.items() if a <= i <= z), key=lambda v: -lifetimes[v][1])
+        short = sum(sizes[v] for v in alive) - (budget - h) - sum(off[v] for v in alive)
+        for v in alive:
+            if short <= 0:
+                break
+            more = min(sizes[v] - off[v], short)
+            off[v] += more
+            short -= more
+    return 2 * sum(off.values())
 
 
 def _ms(seconds: float) -> str:

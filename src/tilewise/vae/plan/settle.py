@@ -177,21 +177,48 @@ def _stream(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
 
 
 def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
-    """The "device+host" plan of some choices: staged values on the device while they fit beside what
-    each segment holds (the values read soonest after they are made first: they are held the shortest
-    for the transfers they save), the others in pinned host memory. None when none fits."""
+    """The "device+host" plan of some choices: some staged values on the device, the others in pinned
+    host memory; of two placements (`_shortest_first`, `_spill_longest`) the fitting one of least
+    estimated time. None when neither places some but not all on the device."""
     host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST))  # (every read a copy)
     room = [settings.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
-    chosen = set()
-    for v, (a, z) in sorted(host.lifetimes.items(), key=lambda kv: (kv[1][1] - kv[1][0], size[kv[0]])):
+    plans = []
+    for chosen in {_shortest_first(host.lifetimes, size, room), _spill_longest(host.lifetimes, size, room)}:
+        if chosen and len(chosen) < len(size):  # (all of them: device staging itself)
+            plans.append(make_plan(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=chosen)))
+    if not plans:
+        return None
+    return min(plans, key=lambda q: (q.peak > settings.memory_budget, q.seconds))
+
+
+def _shortest_first(lifetimes, size, room) -> frozenset:
+    """Values on the device while they fit beside what each segment holds, the values read soonest after
+    they are made first (they are held the shortest for the transfers they save)."""
+    room, chosen = list(room), set()
+    for v, (a, z) in sorted(lifetimes.items(), key=lambda kv: (kv[1][1] - kv[1][0], size[kv[0]])):
         if all(room[i] >= size[v] for i in range(a, z + 1)):
             for i in range(a, z + 1):
                 room[i] -= size[v]
             chosen.add(v)
-    if not chosen or len(chosen) == len(size):
-        return None  # (all of them: device staging itself)
-    return make_plan(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=frozenset(chosen)))
+    return frozenset(chosen)
+
+
+def _spill_longest(lifetimes, size, room) -> frozenset:
+    """Values on the device but those spilled to cover each segment's shortfall, scanning the segments
+    in order and spilling the values alive longest first (`records.staging_floor`'s covering, whole
+    values)."""
+    spilled: set[str] = set()
+    for i, r in enumerate(room):
+        alive = sorted((v for v, (a, z) in lifetimes.items() if a <= i <= z), key=lambda v: -lifetimes[v][1])
+        short = sum(size[v] for v in alive if v not in spilled) - r
+        for v in alive:
+            if short <= 0:
+                break
+            if v not in spilled:
+                spilled.add(v)
+                short -= size[v]
+    return frozenset(lifetimes) - spilled
 
 
 def _resident(plan: Plan) -> int:
