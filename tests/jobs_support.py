@@ -11,7 +11,8 @@ from PIL import Image
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 # files that cannot be bucketed (header unreadable), with what is wrong with them
-CORRUPT = {"bad/noise.png": "random bytes", "bad/empty.jpg": "0 bytes", "bad/cut.png": "cut inside its header"}
+CORRUPT = {"bad/noise.png": "random bytes", "bad/empty.jpg": "0 bytes",
+           "bad/cut.png": "cut inside its header"}
 # a file whose header reads but whose pixels do not: bucketed, then listed as failed by the cache
 TRUNCATED = "bad/truncated_body.png"
 

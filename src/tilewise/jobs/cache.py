@@ -229,8 +229,8 @@ def encode_dataset(
     from tqdm.auto import tqdm
 
     m = manifest if isinstance(manifest, Manifest) else read_manifest(manifest)
-    data = dataset if isinstance(dataset, ImageDataset) else open_dataset(dataset or m.header["dataset"],
-                                                                          None if dataset else m.header["kind"])
+    data = dataset if isinstance(dataset, ImageDataset) else open_dataset(
+        dataset or m.header["dataset"], None if dataset else m.header["kind"])
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     todo, done = pending_shards(m, out_dir, shard_size)

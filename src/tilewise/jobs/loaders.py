@@ -54,8 +54,8 @@ class LatentDataset(Dataset):
         self.root = Path(cache_dir)
         path = self.root / CACHE_MANIFEST
         if not path.is_file():
-            raise BadInputFile(f"{os.fspath(cache_dir)!r} is not a latent cache (no {CACHE_MANIFEST}); make one "
-                               "with `tilewise encode DATASET --buckets MANIFEST --out DIR`")
+            raise BadInputFile(f"{os.fspath(cache_dir)!r} is not a latent cache (no {CACHE_MANIFEST}); "
+                               "make one with `tilewise encode DATASET --buckets MANIFEST --out DIR`")
         self.manifest = read_manifest(path)
         self.verify = verify
         self._open: dict[str, Any] = {}

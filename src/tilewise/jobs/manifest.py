@@ -72,7 +72,7 @@ class ManifestRow:
 
     @property
     def micro_conditioning(self) -> dict[str, tuple[int, int]]:
-        """SDXL's original_size (the file's h, w), crops_coords_top_left and target_size (the assignment's)."""
+        """SDXL's original_size (the file's h, w), crops_coords_top_left, target_size (the assignment's)."""
         mc = dict(self.assignment.micro_conditioning)
         mc["original_size"] = (self.height, self.width)
         return mc
@@ -163,7 +163,8 @@ def row_from_json(index: int, d: dict[str, Any], planner_header: dict[str, Any])
              "crop_top_left", "pad", "box", "pad_fraction", "cut_fraction", "micro_conditioning",
              "explanation"}
     extra = {k: v for k, v in d.items() if k not in known}
-    return ManifestRow(index, d["key"], d["width"], d["height"], tuple(d["scaled"]), a, d["explanation"], extra)
+    return ManifestRow(index, d["key"], d["width"], d["height"], tuple(d["scaled"]), a, d["explanation"],
+                       extra)
 
 
 def manifest_lines(head: dict[str, Any], rows: Sequence[ManifestRow],

@@ -1,4 +1,4 @@
-"""Datasets of images: a folder (recursive), a Hugging Face `datasets` dataset saved to disk, webdataset shards.
+"""Image datasets: a folder (recursive), a Hugging Face `datasets` dataset saved to disk, webdataset shards.
 
 Each reader lists its items by a stable key, in a fixed order, and gives two things per item: its size
 read from the header (`size`: nothing decoded) and its pixels (`pixels`: (H, W, 3) uint8 or uint16, as
@@ -120,8 +120,8 @@ class HFDataset(ImageDataset):
         try:
             import datasets  # (lazy: the optional `tilewise[datasets]` extra)
         except ImportError:
-            raise BadRequest(f"{str(root)!r} is a Hugging Face dataset; reading it needs the datasets package: "
-                             "pip install 'tilewise[datasets]'") from None
+            raise BadRequest(f"{str(root)!r} is a Hugging Face dataset; reading it needs the datasets "
+                             "package: pip install 'tilewise[datasets]'") from None
         ds = datasets.load_from_disk(str(root))
         if isinstance(ds, datasets.DatasetDict):
             raise BadRequest(f"{str(root)!r} holds splits {list(ds)}; give the folder of one split")
@@ -144,7 +144,8 @@ class HFDataset(ImageDataset):
         try:
             return Path(value["path"]).read_bytes()
         except (OSError, TypeError) as e:
-            raise BadInputFile(f"item {key!r}: its image file {value.get('path')!r} cannot be read: {e}") from e
+            raise BadInputFile(f"item {key!r}: its image file {value.get('path')!r} cannot be read: "
+                               f"{e}") from e
 
     def size(self, key: str) -> tuple[int, int]:
         return header_size(self._bytes(key), key)

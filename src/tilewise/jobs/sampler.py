@@ -29,8 +29,8 @@ def _buckets_of(manifest: Any) -> list[tuple[int, int]]:
         return [r.bucket for r in manifest.rows]
     if isinstance(manifest, Sequence):
         return [tuple(getattr(r, "bucket", r)) for r in manifest]
-    raise TypeError(f"manifest must be a Manifest, a manifest path, a dataset with .manifest or a sequence of "
-                    f"buckets, got {type(manifest).__name__}")
+    raise TypeError(f"manifest must be a Manifest, a manifest path, a dataset with .manifest or a sequence "
+                    f"of buckets, got {type(manifest).__name__}")
 
 
 def _count(name: str, value: Any, low: int) -> int:
@@ -43,7 +43,8 @@ class BucketBatchSampler(Sampler[list[int]]):
     """Index batches, each of one bucket, shuffled within and across buckets by seed and epoch."""
 
     def __init__(self, manifest: Any, batch_size: int, seed: int = 0, num_replicas: int | None = None,
-                 rank: int | None = None, drop_last: bool = False, *, shuffle: bool = True, pad: bool = False):
+                 rank: int | None = None, drop_last: bool = False, *, shuffle: bool = True,
+                 pad: bool = False):
         self.buckets = _buckets_of(manifest)
         self.batch_size = _count("batch_size", batch_size, 1)
         self.seed = _count("seed", seed, 0)
@@ -57,7 +58,8 @@ class BucketBatchSampler(Sampler[list[int]]):
             raise ValueError(f"rank must be in [0, {self.num_replicas - 1}] for num_replicas="
                              f"{self.num_replicas}, got {rank}")
         if drop_last and pad:
-            raise ValueError("give drop_last=True (drop the uneven tail) or pad=True (repeat batches), not both")
+            raise ValueError("give drop_last=True (drop the uneven tail) or pad=True (repeat batches), not "
+                             "both")
         self.drop_last, self.shuffle, self.pad = bool(drop_last), bool(shuffle), bool(pad)
         self.epoch = 0
 
