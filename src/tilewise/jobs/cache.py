@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -215,19 +215,19 @@ def encode_dataset(
     out_dir: str | os.PathLike,
     *,
     vae: Any = None,
+    model: str | os.PathLike | None = None,
     dataset: str | os.PathLike | ImageDataset | None = None,
     shard_size: int = 64,
     settings: EncodeSettings = EncodeSettings(),
     progress: bool = True,
-    runner: Any = None,
+    ray: Any = None,
 ) -> CacheResult:
     """Encode a bucket manifest's images into the latent cache `out_dir` (see the module docstring).
 
-    `vae`: an AutoencoderKL (default: the embedded one); `dataset`: the images (default: the manifest's
-    own). `runner` (a `jobs.ray_runner.RayRunner`) encodes the pending shards on a Ray cluster instead of
-    here. A rerun continues where a killed one stopped."""
-    from tqdm.auto import tqdm
-
+    `vae`: an AutoencoderKL, or `model` (a --model path; default: the embedded VAE); `dataset`: the
+    images (default: the manifest's own). `ray` (a `jobs.ray_runner.RayRunner`) writes the pending shards
+    on a Ray cluster instead, each worker loading `model` once (then `manifest` and `dataset` must be
+    paths the workers can read). A rerun continues where a killed one stopped."""
     m = manifest if isinstance(manifest, Manifest) else read_manifest(manifest)
     data = dataset if isinstance(dataset, ImageDataset) else open_dataset(
         dataset or m.header["dataset"], None if dataset else m.header["kind"])
@@ -235,21 +235,62 @@ def encode_dataset(
     t0 = time.perf_counter()
     todo, done = pending_shards(m, out_dir, shard_size)
     logger.info("cache %s: %d shards to write, %d kept", out_dir, len(todo), len(done))
-    if runner is not None:
-        runner.encode_shards(m, data, todo, out_dir, settings)
+    if ray is not None and todo:
+        if isinstance(manifest, Manifest) or vae is not None:
+            raise BadRequest("on Ray the workers load the manifest and the model themselves: give the "
+                             "manifest as a path and the VAE as model= (a path, or None: the embedded one)")
+        config = {"manifest": os.fspath(manifest), "dataset": os.fspath(data.root), "kind": data.kind,
+                  "model": None if model is None else os.fspath(model), "settings": asdict(settings)}
+        ray.encode_shards(config, todo, out_dir)
     elif todo:
-        encoder = LatentEncoder(_default_vae() if vae is None else vae, settings)
+        encoder = LatentEncoder(_load_vae(vae, model), settings)
         _check_factor(m, encoder.factor)
-        for spec in tqdm(todo, desc="shards", unit="shard", disable=not progress):
-            encode_shard(data, m.rows, spec, encoder, out_dir)
+        _write_shards(data, m, todo, encoder, out_dir, progress)
     rows, failed = write_cache_manifest(m, out_dir, shard_size)
     return CacheResult(os.fspath(out_dir), len(todo), len(done), rows, failed, time.perf_counter() - t0)
 
 
-def _default_vae():
-    from ..models import load_default_vae
+def _write_shards(data: ImageDataset, m: Manifest, todo: list[ShardSpec], encoder: LatentEncoder,
+                  out_dir: str | os.PathLike, progress: bool) -> None:
+    """The pending shards in this process, a progress bar over their images."""
+    from tqdm.auto import tqdm
 
-    return load_default_vae()
+    with tqdm(total=sum(len(s.indices) for s in todo), desc="encode", unit="image",
+              disable=not progress) as bar:
+        for spec in todo:
+            encode_shard(data, m.rows, spec, encoder, out_dir)
+            bar.update(len(spec.indices))
+
+
+def _load_vae(vae: Any, model: str | os.PathLike | None, config: Any = None, device: str = "cpu") -> Any:
+    """The VAE given, or --model's, or the embedded one."""
+    if vae is not None:
+        return vae
+    if model is None:
+        from ..models import load_default_vae
+
+        return load_default_vae()
+    from ..pipelines import load_vae
+
+    return load_vae(model, config=config, device=device)
+
+
+class ShardRunner:
+    """What a process (a Ray worker) holds to write shards: the VAE (loaded once), manifest, images."""
+
+    def __init__(self, encoder: LatentEncoder, manifest: Manifest, data: ImageDataset):
+        self.encoder, self.manifest, self.data = encoder, manifest, data
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ShardRunner:
+        vae = _load_vae(None, config.get("model"), config.get("config"), config.get("device", "cpu"))
+        m = read_manifest(config["manifest"])
+        data = open_dataset(config["dataset"], config.get("kind"))
+        return cls(LatentEncoder(vae, EncodeSettings(**config.get("settings", {}))), m, data)
+
+    def __call__(self, item: Any, target: str) -> None:
+        spec = ShardSpec(item.name, tuple(item.spec["bucket"]), tuple(item.spec["indices"]))
+        encode_shard(self.data, self.manifest.rows, spec, self.encoder, Path(target).parents[1])
 
 
 def _check_factor(m: Manifest, factor: int) -> None:
