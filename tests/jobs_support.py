@@ -79,3 +79,32 @@ def write_corrupt(root: Path, a: np.ndarray) -> None:
     data = png_bytes(a)
     (root / "bad/cut.png").write_bytes(data[:20])
     (root / TRUNCATED).write_bytes(data[: len(data) // 3])
+
+
+# ---- a worker killed mid-job ---------------------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+from tilewise.jobs.batch import RunnerFactory  # noqa: E402
+
+
+@dataclass(frozen=True)
+class CrashOnce(RunnerFactory):
+    """A runner factory whose runner kills its own worker process (os._exit) the first time it reaches
+    `victim`, before writing anything: `marker` records that it did, so the retried task goes through."""
+
+    marker: str = ""
+    victim: str = ""
+
+    def __call__(self):
+        import os
+
+        inner = super().__call__()
+
+        def run(item, target):
+            if item.name == self.victim and not os.path.exists(self.marker):
+                with open(self.marker, "w") as f:
+                    f.write(str(os.getpid()))
+                os._exit(1)
+            inner(item, target)
+
+        return run

@@ -144,14 +144,21 @@ def collect(rows: Sequence[dict], seconds: float) -> BatchResult:
     return out
 
 
-def run_batch(runner: Callable[[BatchItem, str], None], items: Sequence[BatchItem],
+def run_batch(factory: Callable[[], Callable[[BatchItem, str], None]], items: Sequence[BatchItem],
               out_dir: str | os.PathLike, progress: bool = True) -> BatchResult:
-    """Every item in this process, one progress bar over the items (each item's own bars inside it)."""
+    """Every item in this process, one progress bar over the items (each item's own bars inside it).
+    `factory` builds the runner (loads the model) once, when the first item needs it."""
     from tqdm.auto import tqdm
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = []
+    rows, made = [], []
+
+    def runner(item: BatchItem, target: str) -> None:
+        if not made:
+            made.append(factory())
+        made[0](item, target)
+
     bar = tqdm(items, desc="items", unit="item", disable=not progress)
     for item in bar:
         rows.append(run_item(runner, item, out_dir))
@@ -202,7 +209,8 @@ class GenerateRunner:
     def from_config(cls, config: dict[str, Any]) -> GenerateRunner:
         from ..pipelines import GenerateOptions
 
-        return cls(_load(config), GenerateOptions("", 64, 64, **config.get("options", {})))
+        options = {"width": 512, "height": 512, **config.get("options", {})}
+        return cls(_load(config), GenerateOptions(prompt="", **options))
 
     def __call__(self, item: BatchItem, target: str) -> None:
         from ..pipelines import parse_region, run_generate
