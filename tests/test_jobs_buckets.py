@@ -132,8 +132,9 @@ def test_webdataset_shards_and_a_saved_hf_dataset_read_as_the_folder(images, tmp
     assert [hf.size(k) for k in hf.keys()] == [(a.shape[1], a.shape[0]) for a in sub]
     assert (hf.pixels(hf.keys()[5]) == sub[5]).all()
     res = bucket_dataset(tmp_path / "hf", None, area=AREA, step=STEP, progress=False)
-    assert [r.bucket for r in res.manifest.rows] == [BucketPlanner(area=AREA, step=STEP).assign(
-        *scaled_request(BucketPlanner(area=AREA, step=STEP), "pad", a.shape[1], a.shape[0])).bucket for a in sub]
+    planner = BucketPlanner(area=AREA, step=STEP)
+    want = [planner.assign(*scaled_request(planner, "pad", a.shape[1], a.shape[0])).bucket for a in sub]
+    assert [r.bucket for r in res.manifest.rows] == want
 
 
 def test_bad_inputs_are_refused_naming_them(tmp_path):
