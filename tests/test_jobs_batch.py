@@ -10,7 +10,7 @@ from PIL import Image
 
 from tilewise.cli import main
 from tilewise.errors import BadRequest
-from tilewise.jobs.batch import read_prompts
+from tilewise.jobs.batch import GenerateRunner, UpscaleRunner, image_items, read_prompts, run_batch
 
 STEPS = ["--steps", "2", "-q"]
 
@@ -59,11 +59,14 @@ def test_generate_batch_equals_each_single_image_and_reports_failures(tmp_path, 
         single = tmp_path / f"single_{name}"
         run_generate(loaded, GenerateOptions(**opts, steps=2, out=str(single), progress=False))
         assert np.array_equal(_png(out / name), _png(single)), name
-    # a rerun makes only what is missing (the kept image is not touched)
+    # a rerun makes only what is missing (the kept image is not touched); the model already loaded here
     kept = (out / "00002.png").stat().st_mtime_ns
     first = _png(out / "00001.png")
     (out / "00001.png").unlink()
-    assert _cli("generate", "--prompts", prompts, "--out", out, "--width", 32, "--height", 32, *STEPS) == 6
+    base = GenerateOptions("", 32, 32, steps=2, progress=False)
+    again = run_batch(lambda: GenerateRunner(loaded, base), read_prompts(prompts), out, progress=False)
+    assert again.done == ["00001.png"] and again.kept == ["00002.png"] and list(again.failed) == [
+        "00004.png", "00005.png"]
     assert (out / "00002.png").stat().st_mtime_ns == kept and np.array_equal(_png(out / "00001.png"), first)
 
 
@@ -77,14 +80,14 @@ def test_upscale_folder_equals_each_single_upscale(tmp_path, loaded):
         Image.fromarray(rng.integers(0, 256, (24, 16, 3), np.uint8)).save(src / name)
     (src / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     out = tmp_path / "out"
-    args = ["--scale", 2, "--strength", 0.5, "--tile", 4, "--overlap", 0]
-    assert _cli("upscale", src, "--out", out, *args, *STEPS) == 6
+    job = UpscaleOptions(scale=2, strength=0.5, tile_size=4, overlap=0, num_inference_steps=2, disable=True)
+    result = run_batch(lambda: UpscaleRunner(loaded, job), image_items(src), out, progress=False)
+    assert result.done == ["a.png", "sub/b.png"] and list(result.failed) == ["broken.png"]
+    assert "BadInputFile" in result.failed["broken.png"]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png")) == ["a.png", "sub/b.png"]
-    assert "broken.png" in (out / "failed.jsonl").read_text()
     from tilewise.sources import read_image
 
     cond = loaded.encode("", "")
-    job = UpscaleOptions(scale=2, strength=0.5, tile_size=4, overlap=0, num_inference_steps=2, disable=True)
     for name in ("a.png", "sub/b.png"):
         want = run_upscale(loaded.pipe, read_image(src / name).tensor((0.0, 1.0)), job, guidance_scale=5.0,
                            **cond)

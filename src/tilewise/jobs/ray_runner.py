@@ -53,16 +53,20 @@ def _apply(row: dict[str, Any], factory: Any, out_dir: str) -> dict[str, Any]:
 class RayRunner:
     """Where and how wide the jobs run: `address` 'local' (start Ray on this machine), 'auto' (join the
     running cluster) or a cluster address; `workers` pipeline replicas (default: the cluster's GPUs, else
-    its CPUs / num_cpus); `max_retries` reruns of a task whose worker died."""
+    its CPUs / num_cpus); `max_retries` reruns of a task whose worker died; `wrap` (optional) takes each
+    job's RunnerFactory and returns the picklable factory the workers call instead (instrumentation:
+    timing, fault injection in tests)."""
 
     def __init__(self, address: str = "local", workers: int | None = None, *, num_cpus: float = 1,
-                 gpus_per_worker: float | None = None, max_retries: int = 3, local_cpus: int | None = None):
+                 gpus_per_worker: float | None = None, max_retries: int = 3, local_cpus: int | None = None,
+                 wrap: Any = None):
         if not isinstance(address, str) or not address:
             raise BadRequest(f"--ray must be 'local', 'auto' or a cluster address, got {address!r}")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise BadRequest(f"workers must be a positive integer, got {workers!r}")
         self.address, self.workers, self.num_cpus = address, workers, num_cpus
         self.gpus_per_worker, self.max_retries, self.local_cpus = gpus_per_worker, max_retries, local_cpus
+        self.wrap = wrap
 
     def start(self) -> Any:
         """Ray, connected (an already initialised Ray is used as it is)."""
@@ -102,6 +106,7 @@ class RayRunner:
             logger.info("ray: %d items on %d workers (%g GPU each), %d kept", len(todo), n, gpus, len(kept))
             ds = ray.data.from_items([{"name": it.name, "spec": json.dumps(it.spec), "error": it.error or ""}
                                       for it in todo], override_num_blocks=len(todo))
+            factory = factory if self.wrap is None else self.wrap(factory)
             ds = ds.map(_apply, fn_kwargs={"factory": factory, "out_dir": os.fspath(out_dir)},
                         num_cpus=self.num_cpus, num_gpus=gpus or None, concurrency=n,
                         max_retries=self.max_retries)
