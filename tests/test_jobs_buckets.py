@@ -1,12 +1,14 @@
 """Bucketing a dataset (issue #32): 200 photos of mixed sizes and a few corrupt files, as a folder, as
 webdataset shards and as a Hugging Face dataset saved to disk; the manifest's rows against BucketPlanner."""
 
+import io
 import json
 import tarfile
 
 import numpy as np
 import pytest
 from jobs_support import CORRUPT, TRUNCATED, make_images, png_bytes, write_folder
+from PIL import Image
 from typer.testing import CliRunner
 
 from tilewise.buckets import BucketPlanner
@@ -115,8 +117,6 @@ def test_webdataset_shards_and_a_saved_hf_dataset_read_as_the_folder(images, tmp
                 for name, data in ((f"{i:06d}.png", png_bytes(sub[i])), (f"{i:06d}.txt", b"caption")):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
-                    import io
-
                     tar.addfile(info, io.BytesIO(data))
     wds = open_dataset(shards)
     assert wds.kind == "webdataset" and len(wds) == 30
@@ -147,11 +147,13 @@ def test_bad_inputs_are_refused_naming_them(tmp_path):
 
 def test_the_command_writes_the_manifest_and_its_summary(folder, tmp_path, manifest):
     runner = CliRunner()
-    out = tmp_path / "cli.jsonl"
+    out, plot = tmp_path / "cli.jsonl", tmp_path / "cost.png"
     res = runner.invoke(app, ["buckets", str(folder), "--out", str(out), "--area", str(AREA), "--step",
-                              str(STEP), "-q"])
+                              str(STEP), "-q", "--plot", str(plot), "--repeats", "1"])
     assert res.exit_code == 0, res.output
     assert "201 images in" in res.output and f"{len(CORRUPT)} skipped" in res.output
+    with Image.open(plot) as im:  # the measured cost of the buckets the dataset uses
+        assert im.format == "PNG" and im.width > 100
     assert [r.to_json() for r in read_manifest(out).rows] == [r.to_json() for r in manifest.rows]
     res = runner.invoke(app, ["buckets", str(folder)])
     assert isinstance(res.exception, BadRequest) and "--out" in str(res.exception)

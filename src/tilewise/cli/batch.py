@@ -43,8 +43,8 @@ def out_folder(out: Path, what: str = "--out") -> None:
 
 
 def bucket_dataset(dataset: Path, out: Path | None, area: int, step: int, max_aspect: float, policy: str,
-                   plot: Path | None, repeats: int, quiet: bool, no_clobber: bool) -> None:
-    """`tilewise buckets DATASET --out MANIFEST`: the manifest, its summary, and the cost plot (--plot)."""
+                   plot: Path | None, quiet: bool, no_clobber: bool) -> Any:
+    """`tilewise buckets DATASET --out MANIFEST`: the manifest and its summary; the BucketResult."""
     from ..jobs import bucket_dataset
     from ..jobs.readers import dataset_kind
     from . import checks
@@ -58,13 +58,7 @@ def bucket_dataset(dataset: Path, out: Path | None, area: int, step: int, max_as
                             replace=not no_clobber, progress=not quiet)
     typer.echo(result.summary())
     typer.echo(f"wrote {out}")
-    if plot is not None and result.manifest.rows:
-        from .buckets import _profile_embedded_unet
-
-        prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
-        typer.echo(prof.table())
-        prof.plot(str(plot))
-        typer.echo(f"wrote {plot}")
+    return result
 
 
 def encode_dataset(dataset: Path, manifest: Path, out: Path, shard_size: int, batch_size: int,

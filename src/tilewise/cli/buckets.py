@@ -52,7 +52,12 @@ def buckets(
 
         if request:
             raise BadRequest("give DATASET or --request sizes, not both")
-        bucket_dataset(dataset, out, area, step, max_aspect, policy.value, plot, repeats, quiet, no_clobber)
+        result = bucket_dataset(dataset, out, area, step, max_aspect, policy.value, plot, quiet, no_clobber)
+        if plot is not None and result.manifest.rows:  # the cost plot of the buckets the dataset uses
+            prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
+            typer.echo(prof.table())
+            prof.plot(str(plot))
+            typer.echo(f"wrote {plot}")
         return
     if out is not None:
         raise BadRequest("--out applies to buckets DATASET (the manifest); without DATASET, use --report")
