@@ -108,8 +108,8 @@ class RayRunner:
                                       for it in todo], override_num_blocks=len(todo))
             factory = factory if self.wrap is None else self.wrap(factory)
             ds = ds.map(_apply, fn_kwargs={"factory": factory, "out_dir": os.fspath(out_dir)},
-                        num_cpus=self.num_cpus, num_gpus=gpus or None, concurrency=n,
-                        max_retries=self.max_retries)
+                        compute=ray.data.TaskPoolStrategy(size=n), num_cpus=self.num_cpus,
+                        num_gpus=gpus or None, max_retries=self.max_retries)
             rows += [{k: r[k] for k in ("name", "status", "error")} for r in ds.take_all()]
         return collect(rows, time.perf_counter() - t0)
 
