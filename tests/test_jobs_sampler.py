@@ -75,3 +75,18 @@ def test_bad_arguments_are_refused_naming_them(manifest):
         BucketBatchSampler(manifest, 4, drop_last=True, pad=True)
     with pytest.raises(TypeError, match="manifest must be"):
         BucketBatchSampler(42, 4)
+
+
+def test_a_dataloader_over_the_manifest_gives_bucket_sized_images(manifest):
+    from torch.utils.data import DataLoader
+
+    from tilewise.jobs import ManifestDataset
+
+    ds = ManifestDataset(manifest)
+    loader = DataLoader(ds, batch_sampler=BucketBatchSampler(ds, 4, seed=0, num_replicas=8, rank=5))
+    for batch in loader:
+        row = next(r for r in manifest.rows if r.key == batch["key"][0])
+        w, h = row.bucket
+        assert batch["pixels"].shape[1:] == (3, h, w) and batch["mask"].shape[1:] == (h // 8, w // 8)
+        assert batch["pixels"].min() >= -1 and batch["pixels"].max() <= 1
+        assert batch["target_size"][0].tolist() == list(row.micro_conditioning["target_size"])
