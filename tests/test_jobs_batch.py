@@ -105,3 +105,13 @@ def test_bad_requests_before_the_model_loads(tmp_path):
     (tmp_path / "p.txt").write_text("grass\n")
     assert _cli("generate", "--prompt", "x", "--prompts", tmp_path / "p.txt", "--out", tmp_path / "o") == 2
     assert _cli("generate", "--prompt", "x", "--ray", "local", "--out", tmp_path / "o.png") == 2
+
+
+def test_without_ray_the_commands_say_how_to_install_it(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    (tmp_path / "p.txt").write_text("grass\n")
+    assert _cli("generate", "--prompts", tmp_path / "p.txt", "--out", tmp_path / "o", "--ray", "local") == 2
+    assert "pip install 'tilewise[ray]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before any work
