@@ -131,8 +131,13 @@ def upscale_batch(folder: Path, out: Path, config: dict[str, Any], quiet: bool, 
                   workers: int | None) -> None:
     """`tilewise upscale DIR --out DIR`: each image to the same relative path, as PNG."""
     from ..jobs.batch import image_items
+    from ..jobs.readers import IMAGE_SUFFIXES
 
+    items = image_items(folder)
     out_folder(out)
+    if out.suffix.lower() in IMAGE_SUFFIXES and not out.is_dir():
+        raise BadRequest(f"--out {str(out)!r} names an image, but the input {str(folder)!r} is a folder: "
+                         "give a folder for the upscaled images")
     if out.resolve() == folder.resolve():
         raise BadRequest(f"--out {str(out)!r} is the input folder; give another folder")
-    run_jobs("upscale", image_items(folder), out, config, quiet, ray, workers)
+    run_jobs("upscale", items, out, config, quiet, ray, workers)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadRequest
+from ..errors import BadInputFile, BadRequest
 from .readers import IMAGE_SUFFIXES
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,9 @@ def image_items(folder: str | os.PathLike) -> list[BatchItem]:
     paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
                    and not p.name.startswith("."))
     if not paths:
-        raise BadRequest(f"{os.fspath(folder)!r} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+        kinds = ", ".join(IMAGE_SUFFIXES)
+        raise BadInputFile(f"{os.fspath(folder)!r} is a folder with no images in it ({kinds}); give an "
+                           "image, or a folder of images")
     return [BatchItem(p.relative_to(root).with_suffix(".png").as_posix(), {"source": str(p)}) for p in paths]
 
 
