@@ -6,9 +6,10 @@ scaling_factor), and `masks` (N, H/f, W/f) (padding fraction per latent cell); i
 keys, each latent's sha256 and the items that could not be decoded. `DIR/manifest.jsonl` is the bucket
 manifest with each row's shard, offset and sha256 added, written when the run ends.
 
-Why safetensors: the trainers that cache latents (musubi-tuner, SimpleTuner's, diffusers' examples) read
-safetensors or torch files; safetensors maps the file (a row is read without the rest), holds no pickle,
-and is read by torch, numpy and JAX without tilewise. A shard per bucket keeps a batch's rows together.
+Why safetensors rather than webdataset tars: the trainers that cache latents keep them as safetensors or
+torch tensor files, read by index, not as a stream; safetensors maps the file (a row is read without the
+rest, in any order a sampler asks), holds no pickle, and is read by torch, numpy and JAX without
+tilewise. A shard per bucket keeps a batch's rows together, and few files instead of one per image.
 
 Resumable: the shard plan is a function of the manifest and `shard_size`, each shard is written under a
 temporary name and renamed when complete (`tilewise.atomic`), and a rerun keeps every shard whose file
@@ -263,13 +264,13 @@ def _write_shards(data: ImageDataset, m: Manifest, todo: list[ShardSpec], encode
 
 
 def _load_vae(vae: Any, model: str | os.PathLike | None, config: Any = None, device: str = "cpu") -> Any:
-    """The VAE given, or --model's, or the embedded one."""
+    """The VAE given, or --model's, or the embedded one (on `device`)."""
     if vae is not None:
         return vae
     if model is None:
         from ..models import load_default_vae
 
-        return load_default_vae()
+        return load_default_vae().to(device)
     from ..pipelines import load_vae
 
     return load_vae(model, config=config, device=device)
