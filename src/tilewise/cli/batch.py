@@ -79,10 +79,11 @@ def encode_dataset(dataset: Path, manifest: Path, out: Path, shard_size: int, ba
     vae = None
     if runner is None:
         from ..jobs.cache import _load_vae
+        from .options import resolve_device
 
-        vae = _load_vae(None, model, device=device)
+        vae = _load_vae(None, model, device=resolve_device(device))
     result = encode_dataset(manifest, out, vae=vae, model=model, dataset=dataset, shard_size=shard_size,
-                            settings=settings, progress=not quiet, ray=runner)
+                            settings=settings, progress=not quiet, ray=runner, device=device)
     typer.echo(result.summary())
 
 

@@ -292,8 +292,8 @@ def _batch(kind: str, source: Path, out: Path, model, config, device: str, setti
 
     checks.model_paths(model, config)
     paths = {"model": model, "config": config}
-    settings = {**{k: None if v is None else str(v) for k, v in paths.items()},
-                "device": options.resolve_device(device), **settings}
+    here = device if ray is not None else options.resolve_device(device)  # on Ray: each worker resolves
+    settings = {**{k: None if v is None else str(v) for k, v in paths.items()}, "device": here, **settings}
     run = generate_batch if kind == "generate" else upscale_batch
     run(source, out, settings, quiet, ray, workers)
 

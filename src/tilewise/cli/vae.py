@@ -138,8 +138,8 @@ def encode(
         if nproc != 1 or config is not None:
             raise BadRequest("encode --buckets takes --ray for several processes, and --model without "
                              "--config")
-        encode_dataset(image, buckets, out, shard_size, batch_size, tile_above, tile, budget, model,
-                       options.resolve_device(device), quiet, ray, workers)
+        encode_dataset(image, buckets, out, shard_size, batch_size, tile_above, tile, budget, model, device,
+                       quiet, ray, workers)
         return
     if ray is not None:
         raise BadRequest("--ray applies to encode DATASET --buckets MANIFEST")

@@ -194,11 +194,21 @@ def make_runner(kind: str, config: dict[str, Any]) -> Callable[[BatchItem, str],
     raise ValueError(f"job kind must be 'generate', 'upscale' or 'encode', got {kind!r}")
 
 
+def worker_device(device: str | None) -> str:
+    """The device a runner loads its model on: 'auto' is resolved where it runs (a Ray worker's own GPU)."""
+    if device in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _load(config: dict[str, Any]):
     from ..pipelines import load_pipeline
 
-    return load_pipeline(config.get("model"), config=config.get("config"), device=config.get("device", "cpu"),
-                         dtype=config.get("dtype", "float32"), scheduler=config.get("scheduler", "ddim"))
+    return load_pipeline(config.get("model"), config=config.get("config"),
+                         device=worker_device(config.get("device")), dtype=config.get("dtype", "float32"),
+                         scheduler=config.get("scheduler", "ddim"))
 
 
 class GenerateRunner:

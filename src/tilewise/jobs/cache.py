@@ -222,13 +222,15 @@ def encode_dataset(
     settings: EncodeSettings = EncodeSettings(),
     progress: bool = True,
     ray: Any = None,
+    device: str = "auto",
 ) -> CacheResult:
     """Encode a bucket manifest's images into the latent cache `out_dir` (see the module docstring).
 
     `vae`: an AutoencoderKL, or `model` (a --model path; default: the embedded VAE); `dataset`: the
     images (default: the manifest's own). `ray` (a `jobs.ray_runner.RayRunner`) writes the pending shards
     on a Ray cluster instead, each worker loading `model` once (then `manifest` and `dataset` must be
-    paths the workers can read). A rerun continues where a killed one stopped."""
+    paths the workers can read; `device` 'auto' is each worker's GPU where it has one). A rerun continues
+    where a killed one stopped."""
     m = manifest if isinstance(manifest, Manifest) else read_manifest(manifest)
     data = dataset if isinstance(dataset, ImageDataset) else open_dataset(
         dataset or m.header["dataset"], None if dataset else m.header["kind"])
@@ -241,7 +243,8 @@ def encode_dataset(
             raise BadRequest("on Ray the workers load the manifest and the model themselves: give the "
                              "manifest as a path and the VAE as model= (a path, or None: the embedded one)")
         config = {"manifest": os.fspath(manifest), "dataset": os.fspath(data.root), "kind": data.kind,
-                  "model": None if model is None else os.fspath(model), "settings": asdict(settings)}
+                  "model": None if model is None else os.fspath(model), "device": device,
+                  "settings": asdict(settings)}
         ray.encode_shards(config, todo, out_dir)
     elif todo:
         encoder = LatentEncoder(_load_vae(vae, model), settings)
@@ -284,7 +287,9 @@ class ShardRunner:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ShardRunner:
-        vae = _load_vae(None, config.get("model"), config.get("config"), config.get("device", "cpu"))
+        from .batch import worker_device
+
+        vae = _load_vae(None, config.get("model"), config.get("config"), worker_device(config.get("device")))
         m = read_manifest(config["manifest"])
         data = open_dataset(config["dataset"], config.get("kind"))
         return cls(LatentEncoder(vae, EncodeSettings(**config.get("settings", {}))), m, data)
