@@ -15,6 +15,7 @@ import torch
 from jobs_support import TRUNCATED, make_images, write_folder
 from torch.utils.data import DataLoader
 
+from tilewise.cli import main
 from tilewise.jobs import BucketBatchSampler, EncodeSettings, LatentDataset, bucket_dataset, encode_dataset
 from tilewise.jobs.cache import plan_shards, to_tensor
 from tilewise.jobs.readers import open_dataset
@@ -108,7 +109,7 @@ def test_a_rerun_keeps_every_complete_shard(cache, dataset, vae):
     assert again.written == 0 and again.kept == first.written + first.kept and again.rows == first.rows
 
 
-def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, vae, tmp_path):
+def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, tmp_path, capsys):
     root, manifest = dataset
     out = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
@@ -125,8 +126,12 @@ def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, 
     planned = len(plan_shards(_manifest(manifest), 4))
     assert 2 <= len(written) < planned, "the run was to be killed mid-way"
     mtimes = {p: (out / p).stat().st_mtime_ns for p in written}
-    result = encode_dataset(manifest, out, vae=vae, shard_size=4, settings=SETTINGS, progress=False)
-    assert result.kept == len(written) and result.written == planned - len(written)
+    with pytest.raises(SystemExit) as done:  # the same command again, in this process
+        main([str(a) for a in cmd[3:]])
+    assert done.value.code == 0
+    summary = capsys.readouterr().out
+    assert f"({planned - len(written)} written, {len(written)} kept from a previous run)" in summary
+    assert "1 failed" in summary and TRUNCATED in summary
     assert {p: (out / p).stat().st_mtime_ns for p in written} == mtimes  # kept, not rewritten
     assert not list(out.glob("*/.*.part"))  # the killed run's temporary is gone
     ds, clean = LatentDataset(out), LatentDataset(cache[0])
