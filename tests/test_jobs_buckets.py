@@ -85,6 +85,10 @@ def test_transform_gives_the_bucket_and_the_mask_marks_the_padding(manifest, fol
         mask = r.assignment.mask
         assert mask.shape == (r.bucket[1] // f, r.bucket[0] // f)
         assert np.isclose(mask.mean(), pad.mean())
+        my0, my1, mx0, mx1 = r.to_json()["mask_box"]  # the latent cells with content
+        inside = np.zeros(mask.shape, bool)
+        inside[my0:my1, mx0:mx1] = True
+        assert (mask[~inside] == 1).all() and (mask[inside] < 1).all()
 
 
 @pytest.mark.parametrize("policy", ["resize", "crop", "auto"])

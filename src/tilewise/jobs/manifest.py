@@ -91,12 +91,20 @@ class ManifestRow:
             "key": self.key, "width": self.width, "height": self.height, "scaled": list(self.scaled),
             "bucket": list(a.bucket), "policy": a.policy, "fit": a.fit, "scale": self.scale,
             "resized": list(a.resized), "crop_top_left": list(a.crop_top_left), "pad": list(a.pad),
-            "box": list(a.content_box), "pad_fraction": round(a.pad_fraction, 6),
+            "box": list(a.content_box), "mask_box": self.mask_box, "pad_fraction": round(a.pad_fraction, 6),
             "cut_fraction": round(a.cut_fraction, 6),
             "micro_conditioning": {k: list(v) for k, v in self.micro_conditioning.items()},
             "explanation": self.explanation,
         }
         return {**row, **self.extra}
+
+    @property
+    def mask_box(self) -> list[int]:
+        """The latent cells (y0, y1, x0, x1, half-open) that hold any content: `assignment.mask` is 1 outside
+        them and the padding fraction of a cell on their edge (0 inside)."""
+        f = self.assignment.latent_factor
+        y0, y1, x0, x1 = self.assignment.content_box
+        return [y0 // f, -(-y1 // f), x0 // f, -(-x1 // f)]
 
     @property
     def scale(self) -> list[float]:
@@ -160,7 +168,7 @@ def row_from_json(index: int, d: dict[str, Any], planner_header: dict[str, Any])
                    tuple(d["crop_top_left"]), tuple(d["pad"]), planner_header["latent_factor"],
                    planner_header.get("resample", "bicubic"), 0)
     known = {"key", "width", "height", "scaled", "bucket", "policy", "fit", "scale", "resized",
-             "crop_top_left", "pad", "box", "pad_fraction", "cut_fraction", "micro_conditioning",
+             "crop_top_left", "pad", "box", "mask_box", "pad_fraction", "cut_fraction", "micro_conditioning",
              "explanation"}
     extra = {k: v for k, v in d.items() if k not in known}
     return ManifestRow(index, d["key"], d["width"], d["height"], tuple(d["scaled"]), a, d["explanation"],
