@@ -3,10 +3,11 @@
 Format: JSON lines. The first line is a header (the planner's settings, the policy, the dataset); then
 one line per image, in the dataset's order: a kept image's row, or a skipped one's key and reason.
 JSON lines rather than Parquet because: the stdlib reads and writes it (Parquet needs pyarrow, which the
-base install does not have); rows are appended as they are made, so a long scan or the latent cache's
-manifest is written as it goes and read with `head`, `grep` or `jq`; each row nests lists and dicts
-(boxes, conditioning) that Parquet would flatten into a schema of its own. At a million images it is
-about a gigabyte uncompressed (the explanation is most of it), read in seconds.
+base install does not have); a row is one line, written and read as a stream with no schema or footer,
+so `head`, `grep` and `jq` read it and a later step (the latent cache) adds fields to a row without a
+new schema; each row nests lists and dicts (boxes, conditioning) that Parquet would flatten into
+columns of its own. At a million images it is about a gigabyte uncompressed (the explanation is most
+of it); Parquet would be smaller, and is the better choice past that.
 
 How a file becomes a bucket image (`ManifestRow.transform`): when no bucket takes it as it is, it is
 first scaled down (aspect kept, `scaled_request`) to `scaled`, the request the planner assigns; then
