@@ -4,7 +4,7 @@ One file per job: `readers` (folders, Hugging Face datasets saved to disk, webda
 `manifest` (the bucket manifest, JSON lines: `read_manifest`), `bucketing` (`bucket_dataset`), `cache`
 (the latent cache: `encode_dataset`), `sampler` (`BucketBatchSampler`), `loaders` (`ManifestDataset`,
 `LatentDataset`), `batch` (generate / upscale over many items with one model load), `ray_runner` (the
-same jobs on a Ray cluster: the optional `tilewise[ray]` extra).
+same jobs on a Ray cluster: the optional `tilewise[ray]` extra), `devices` (where a runner puts its model).
 
 Names resolve lazily (as `tilewise`'s do): the sampler and the loaders import torch, the readers and the
 manifest do not.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputFile, BadRequest
+from .devices import worker_device
 from .readers import IMAGE_SUFFIXES
 
 logger = logging.getLogger(__name__)
@@ -192,15 +193,6 @@ def make_runner(kind: str, config: dict[str, Any]) -> Callable[[BatchItem, str],
 
         return ShardRunner.from_config(config)
     raise ValueError(f"job kind must be 'generate', 'upscale' or 'encode', got {kind!r}")
-
-
-def worker_device(device: str | None) -> str:
-    """The device a runner loads its model on: 'auto' is resolved where it runs (a Ray worker's own GPU)."""
-    if device in (None, "auto"):
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _load(config: dict[str, Any]):

@@ -287,7 +287,7 @@ class ShardRunner:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ShardRunner:
-        from .batch import worker_device
+        from .devices import worker_device
 
         vae = _load_vae(None, config.get("model"), config.get("config"), worker_device(config.get("device")))
         m = read_manifest(config["manifest"])
