@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from tilewise.cli import main
 from tilewise.jobs import BucketBatchSampler, EncodeSettings, LatentDataset, bucket_dataset, encode_dataset
-from tilewise.jobs.cache import plan_shards, to_tensor
+from tilewise.jobs.cache import plan_shards, read_shard_record, to_tensor
 from tilewise.jobs.readers import open_dataset
 from tilewise.models import load_default_vae
 
@@ -116,15 +116,15 @@ def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, 
                                                         os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "tilewise.cli", "encode", str(root), "--buckets", str(manifest), "--out",
            str(out), "--shard-size", "4", "--batch-size", "4", "--tile-above", "4000", "--tile", "4", "-q"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(out.glob("*/*.safetensors"))) < 2 and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # Ctrl-C after the first shard: exit 130, the shards written are complete, no temporary left
+    assert _run_until(cmd, env, out, 1, signal.SIGINT) == 130
+    first = list(out.glob("*/*.safetensors"))
+    assert first and all(read_shard_record(p) is not None for p in first) and not list(out.glob("*/.*.part"))
+    # continued, then killed outright (no clean-up) once it has written more
+    _run_until(cmd, env, out, len(first) + 1, signal.SIGKILL)
     written = sorted(p.relative_to(out).as_posix() for p in out.glob("*/*.safetensors"))
     planned = len(plan_shards(_manifest(manifest), 4))
-    assert 2 <= len(written) < planned, "the run was to be killed mid-way"
+    assert len(first) < len(written) < planned, "the run was to be killed mid-way"
     mtimes = {p: (out / p).stat().st_mtime_ns for p in written}
     with pytest.raises(SystemExit) as done:  # the same command again, in this process
         main([str(a) for a in cmd[3:]])
@@ -139,6 +139,16 @@ def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, 
     assert len(keys) == len(set(keys)) and sorted(keys) == sorted(r.key for r in clean.manifest.rows)
     for i in range(len(ds)):
         assert torch.equal(ds[i]["latents"], clean[i]["latents"])
+
+
+def _run_until(cmd, env, out, shards, sig) -> int:
+    """Run the command until `shards` shard files are there, then send it `sig`; its exit status."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("*/*.safetensors"))) < shards and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    return proc.wait()
 
 
 def _manifest(path):
