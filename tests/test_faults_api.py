@@ -409,7 +409,8 @@ def test_an_error_while_writing_names_the_users_path_not_the_temporary(tmp_path,
 
 def test_exit_codes_of_the_taxonomy():
     assert EXIT_CODES == {"success": 0, "internal": 1, "bad request": 2, "bad input file": 3, "won't fit": 4,
-                          "model problem": 5, "interrupted (SIGINT)": 130, "terminated (SIGTERM)": 143}
+                          "model problem": 5, "some failed": 6, "interrupted (SIGINT)": 130,
+                          "terminated (SIGTERM)": 143}
     assert Interrupted(signal.SIGTERM).exit_code == 143 and str(Interrupted(signal.SIGINT)) == \
         "interrupted by SIGINT"
     assert all(issubclass(k, ValueError) for k in (BadRequest, BadInputFile, WontFit, ModelProblem))

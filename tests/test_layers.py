@@ -14,7 +14,7 @@ ROOT = Path(tilewise.__file__).parent
 # docs/design.md's layers, top (high) to bottom (low): a module may import its own layer or lower ones
 LAYERS = {
     "cli": 4, "report": 4,
-    "pipelines": 3,
+    "pipelines": 3, "jobs": 3,
     "vae": 2, "diffusion": 2, "buckets": 2,
     "locality": 1,
     "geometry": 0, "blending": 0, "sinks": 0, "metrics": 0, "patterns": 0, "memory": 0, "distributed": 0,

@@ -52,6 +52,13 @@ _EXPORTS: dict[str, str] = {
     "batch_by_bucket": "buckets",
     "profile_buckets": "buckets",
     "choose_buckets": "buckets",
+    # jobs: datasets and batch jobs
+    "bucket_dataset": "jobs.bucketing",
+    "read_manifest": "jobs.manifest",
+    "encode_dataset": "jobs.cache",
+    "BucketBatchSampler": "jobs.sampler",
+    "ManifestDataset": "jobs.loaders",
+    "LatentDataset": "jobs.loaders",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -75,6 +82,11 @@ if TYPE_CHECKING:  # pragma: no cover  (every name of _EXPORTS, from the module 
     from .buckets import BucketPlanner, batch_by_bucket, choose_buckets, profile_buckets  # noqa: F401
     from .diffusion import Region, TiledControlNet, TiledDenoiser, upscale  # noqa: F401
     from .geometry import Tile, TileGrid  # noqa: F401
+    from .jobs.bucketing import bucket_dataset  # noqa: F401
+    from .jobs.cache import encode_dataset  # noqa: F401
+    from .jobs.loaders import LatentDataset, ManifestDataset  # noqa: F401
+    from .jobs.manifest import read_manifest  # noqa: F401
+    from .jobs.sampler import BucketBatchSampler  # noqa: F401
     from .locality import analyze, lower, probe_receptive_field  # noqa: F401
     from .memory import format_bytes, measure_peak, parse_bytes, tensor_bytes  # noqa: F401
     from .metrics import compare, psnr, seam_score, tone_drift  # noqa: F401

@@ -12,6 +12,8 @@
 |                 |      | an out-of-memory error or full disk while it runs)                               |
 | model problem   | 5    | the model exists but cannot be loaded or used (malformed model_index.json,        |
 |                 |      | missing or broken weights, a checkpoint that does not fit its config)            |
+| some failed     | 6    | a batch job (`generate --prompts`, `upscale DIR`) made its other items, but some |
+|                 |      | failed: each is listed with its reason; a rerun retries only those               |
 | interrupted     | 130  | SIGINT (Ctrl-C): stopped, partial outputs removed                                 |
 |                 | 143  | SIGTERM: the same clean-up; 129 for SIGHUP                                       |
 
@@ -59,6 +61,13 @@ class ModelProblem(TilewiseError, ValueError):
     exit_code = 5
 
 
+class SomeFailed(TilewiseError):
+    """A batch job made its other items, but some failed (each listed with its reason)."""
+
+    kind = "some failed"
+    exit_code = 6
+
+
 class Interrupted(BaseException):
     """A signal (SIGINT, SIGTERM, SIGHUP) stopped the run; raised by the CLI's handlers so that every
     `finally` and `with` on the way out runs (temporary files and staging folders are removed)."""
@@ -81,8 +90,8 @@ class Interrupted(BaseException):
 
 EXIT_CODES = {"success": 0, "internal": TilewiseError.exit_code, "bad request": BadRequest.exit_code,
               "bad input file": BadInputFile.exit_code, "won't fit": WontFit.exit_code,
-              "model problem": ModelProblem.exit_code, "interrupted (SIGINT)": 128 + signal.SIGINT,
-              "terminated (SIGTERM)": 128 + signal.SIGTERM}
+              "model problem": ModelProblem.exit_code, "some failed": SomeFailed.exit_code,
+              "interrupted (SIGINT)": 128 + signal.SIGINT, "terminated (SIGTERM)": 128 + signal.SIGTERM}
 
-__all__ = ["EXIT_CODES", "BadInputFile", "BadRequest", "Interrupted", "ModelProblem", "TilewiseError",
-           "WontFit"]
+__all__ = ["EXIT_CODES", "BadInputFile", "BadRequest", "Interrupted", "ModelProblem", "SomeFailed",
+           "TilewiseError", "WontFit"]

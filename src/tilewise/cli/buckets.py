@@ -12,12 +12,19 @@ from typing import Annotated
 import typer
 
 from ..atomic import write_text
+from ..errors import BadRequest
 from . import checks
-from .options import NoClobber, Policy, Report, parse_size
+from .options import NoClobber, Policy, Quiet, Report, parse_size
 from .report import finish_report, run_folder
 
 
 def buckets(
+    dataset: Annotated[
+        Path | None,
+        typer.Argument(help="a folder of images (recursive), a Hugging Face dataset saved with save_to_disk, "
+                       "or webdataset .tar shards; with --out MANIFEST"),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="with DATASET: the manifest to write (.jsonl)")] = None,
     request: Annotated[list[str] | None, typer.Option(help="requested WxH; repeatable")] = None,
     area: Annotated[int, typer.Option(min=64, help="pixel budget of a bucket")] = 256 * 256,
     step: Annotated[int, typer.Option(min=8, help="bucket sides are multiples of this")] = 32,
@@ -28,13 +35,32 @@ def buckets(
     repeats: Annotated[int, typer.Option(min=1)] = 3,
     plot: Annotated[Path | None, typer.Option(help="cost vs tokens plot PNG")] = None,
     report: Report = None,
+    quiet: Quiet = False,
     no_clobber: NoClobber = False,
 ) -> None:
-    """Bucket set, assignments with explanations, measured profile, chosen buckets and the cost plot.
+    """Bucket set, assignments with explanations, measured profile, chosen buckets and the cost plot; or a
+    whole dataset's manifest (one row per image: bucket, what the policy did, SDXL conditioning, why).
 
     Example: tilewise buckets --request 800x1200 --request 2048x512 --policy pad --k 3 --plot cost.png
+
+    Example: tilewise buckets photos/ --out manifest.jsonl --area 1048576 --step 64 --plot cost.png
     """
     from ..buckets import BucketPlanner, choose_buckets
+
+    if dataset is not None:
+        from .batch import bucket_dataset
+
+        if request:
+            raise BadRequest("give DATASET or --request sizes, not both")
+        result = bucket_dataset(dataset, out, area, step, max_aspect, policy.value, plot, quiet, no_clobber)
+        if plot is not None and result.manifest.rows:  # the cost plot of the buckets the dataset uses
+            prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
+            typer.echo(prof.table())
+            prof.plot(str(plot))
+            typer.echo(f"wrote {plot}")
+        return
+    if out is not None:
+        raise BadRequest("--out applies to buckets DATASET (the manifest); without DATASET, use --report")
 
     defaults = ["800x1200", "1200x800", "2048x512", "512x512"]
     requests = [parse_size(r, "--request") for r in (request or defaults)]

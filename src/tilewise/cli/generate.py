@@ -17,6 +17,7 @@ import typer
 from ..atomic import write_text
 from ..errors import BadRequest
 from . import checks, options
+from .batch import RayAddress, Workers
 from .options import Config, Device, DType, Method, Mode, Model, NoClobber, Nproc, Quiet, Report, Scheduler
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
@@ -26,9 +27,15 @@ if TYPE_CHECKING:
 
 
 def generate(
-    prompt: Annotated[str, typer.Option(help="prompt for the whole image")],
     out: Annotated[Path, typer.Option(help="output .png / .tif / .npy (streamed, written atomically); with "
-                                      "--frames a frame pattern 'frames/f{:04d}.png', a .npy or .tif stack")],
+                                      "--frames a frame pattern 'frames/f{:04d}.png', a .npy or .tif stack; "
+                                      "with --prompts a folder")],
+    prompt: Annotated[str | None, typer.Option(help="prompt for the whole image")] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="a batch: one prompt per line, or JSON lines with prompt, width, height, seed, "
+                     "negative, regions; one image per line (NNNNN.png, its line number) in --out DIR"),
+    ] = None,
     width: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 1024,
     height: Annotated[int, typer.Option(min=8, help="pixels, a multiple of 8")] = 512,
     region: Annotated[
@@ -65,6 +72,8 @@ def generate(
     quiet: Quiet = False,
     nproc: Nproc = 1,
     no_clobber: NoClobber = False,
+    ray: RayAddress = None,
+    workers: Workers = None,
 ) -> None:
     """Text to image at any size: tiled denoising, then tiled VAE decoding streamed to the output file.
 
@@ -73,8 +82,25 @@ def generate(
 
     Example (text to video, the decode streamed frame by frame): tilewise generate --model wan-folder
     --prompt "a fox in snow" --width 1280 --height 720 --frames 81 --tile 64 --out "frames/f{:04d}.png"
+
+    Example (a batch, the model loaded once; resumable): tilewise generate --prompts prompts.txt --out images/
     """
     from ..pipelines import GenerateOptions, load_pipeline, parse_region, run_generate
+
+    if (prompt is None) == (prompts is None):
+        raise BadRequest("give --prompt TEXT (one image) or --prompts FILE (a batch), one of them")
+    if prompts is not None:
+        if region or frames is not None or report is not None or nproc != 1:
+            raise BadRequest("--prompts takes regions in its JSON lines, and no --region, --frames, --report "
+                             "or --nproc")
+        opts = dict(width=width, height=height, negative=negative, method=method.value, tile_size=tile,
+                    overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance,
+                    vae_tile=vae_tile, vae_mode=vae_mode.value, progress=not quiet)
+        _batch("generate", prompts, out, model, config, device, {"dtype": dtype, "scheduler": scheduler.value,
+                                                                 "options": opts}, quiet, ray, workers)
+        return
+    if ray is not None or workers is not None:
+        raise BadRequest("--ray applies to batches: generate --prompts FILE")
 
     regions = [parse_region(r) for r in region or []]
     checks.regions(regions, width, height)
@@ -179,8 +205,8 @@ def _write_unet_costs(run_dir: Path, loaded, guidance: float, sizes, f: int) -> 
 
 
 def upscale(
-    image: Annotated[Path, typer.Argument(help="input image")],
-    out: Annotated[Path, typer.Option(help="output image")],
+    image: Annotated[Path, typer.Argument(help="input image; or a folder of images (a batch)")],
+    out: Annotated[Path, typer.Option(help="output image; for a folder of images, a folder (names kept)")],
     scale: Annotated[float, typer.Option(min=0.01, help="output size = scale x input size")] = 2.0,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="how much to re-noise")] = 0.3,
     prompt: Annotated[str, typer.Option(help="prompt for the denoiser")] = "",
@@ -209,6 +235,8 @@ def upscale(
     quiet: Quiet = False,
     nproc: Nproc = 1,
     no_clobber: NoClobber = False,
+    ray: RayAddress = None,
+    workers: Workers = None,
 ) -> None:
     """Tiled img2img upscaling: Lanczos resize, tiled encode, partial noise, tiled denoise, tiled decode.
 
@@ -216,8 +244,24 @@ def upscale(
 
     Example: tilewise upscale photo.png --scale 2 --strength 0.5 --controlnet tile-cn --inversion-steps 10
     --out photo_2x.png
+
+    Example (a folder, the model loaded once; resumable): tilewise upscale photos/ --scale 2 --out big/
     """
     from ..diffusion import UpscaleOptions, run_upscale
+
+    if image.is_dir():
+        if controlnet is not None or nproc != 1:
+            raise BadRequest("upscale DIR takes no --controlnet or --nproc (use --ray for several processes)")
+        opts = dict(scale=scale, strength=strength, tile_size=tile, overlap=overlap, method=method.value,
+                    vae_tile_size=vae_tile, num_inference_steps=steps, seed=seed, disable=quiet,
+                    inversion_steps=inversion_steps)
+        UpscaleOptions(**opts)  # checked now, before the model loads
+        _batch("upscale", image, out, model, config, device, {"dtype": dtype, "prompt": prompt,
+                                                              "guidance": guidance, "options": opts},
+               quiet, ray, workers)
+        return
+    if ray is not None or workers is not None:
+        raise BadRequest("--ray applies to batches: upscale DIR --out DIR")
     from ..pipelines import load_pipeline
     from ..pipelines.fits import check_upscale_fits
 
@@ -238,6 +282,20 @@ def upscale(
     result = run_upscale(loaded.pipe, src.tensor((0.0, 1.0)), job, guidance_scale=guidance, **extra, **cond)
     if rank == 0:
         _write_upscaled(out, result, src, no_clobber)
+
+
+def _batch(kind: str, source: Path, out: Path, model, config, device: str, settings: dict, quiet: bool,
+           ray: str | None, workers: int | None) -> None:
+    """A batch of generate (`source` the prompts file) or upscale (`source` the folder): the model
+    checked, the runners' settings as JSON, the items run here or on Ray (`cli.batch`)."""
+    from .batch import generate_batch, upscale_batch
+
+    checks.model_paths(model, config)
+    paths = {"model": model, "config": config}
+    here = device if ray is not None else options.resolve_device(device)  # on Ray: each worker resolves
+    settings = {**{k: None if v is None else str(v) for k, v in paths.items()}, "device": here, **settings}
+    run = generate_batch if kind == "generate" else upscale_batch
+    run(source, out, settings, quiet, ray, workers)
 
 
 def _controlnet(folder: Path | None, scale: float, device: str, dtype: str) -> dict:

@@ -13,6 +13,7 @@ import typer
 
 from ..errors import BadRequest
 from . import checks, options
+from .batch import RayAddress, Workers
 from .options import Config, Device, DType, Mode, Model, NoClobber, Nproc, Quiet, Report, Staging
 from .ranks import join_ranks
 from .report import finish_report, run_folder, write_plan
@@ -94,11 +95,24 @@ def encode(
             help="input image; 3-D VAE: or a video (frame pattern f{:04d}.png, .npy or .tif stack)"
         ),
     ],
-    out: Annotated[Path, typer.Option(help="output latents .safetensors")],
+    out: Annotated[Path, typer.Option(help="output latents .safetensors; with --buckets the latent cache "
+                                      "folder")],
     mode: Annotated[Mode, typer.Option()] = Mode.exact,
     tile: Annotated[int, typer.Option(min=1, help="VAE tile, latent px")] = 32,
     budget: Annotated[str | None, typer.Option(help="memory budget, e.g. 2GiB")] = None,
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
+    buckets: Annotated[
+        Path | None,
+        typer.Option(help="IMAGE is a dataset and this its manifest (tilewise buckets): write the latent "
+                     "cache"),
+    ] = None,
+    shard_size: Annotated[int, typer.Option(min=1, help="with --buckets: images per shard")] = 64,
+    batch_size: Annotated[int, typer.Option(min=1, help="with --buckets: images per VAE call")] = 8,
+    tile_above: Annotated[
+        int, typer.Option(min=1, help="with --buckets: buckets of more pixels use the exact tiled encode")
+    ] = 512 * 512,
+    ray: RayAddress = None,
+    workers: Workers = None,
     model: Model = None,
     config: Config = None,
     device: Device = "auto",
@@ -106,7 +120,8 @@ def encode(
     nproc: Nproc = 1,
     no_clobber: NoClobber = False,
 ) -> None:
-    """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled).
+    """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled); or, with
+    --buckets, a whole dataset into the latent cache (shards by bucket, resumable).
 
     8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used. --model as
     for decode; sides must be multiples of the VAE's factor (8, 16 for Wan 2.2).
@@ -114,7 +129,20 @@ def encode(
     Example: tilewise encode photo.png --out latents.safetensors
 
     Example: tilewise encode video.npy --model wan-folder --out video.safetensors
+
+    Example: tilewise encode photos/ --buckets manifest.jsonl --out cache/ --ray local
     """
+    if buckets is not None:
+        from .batch import encode_dataset
+
+        if nproc != 1 or config is not None:
+            raise BadRequest("encode --buckets takes --ray for several processes, and --model without "
+                             "--config")
+        encode_dataset(image, buckets, out, shard_size, batch_size, tile_above, tile, budget, model, device,
+                       quiet, ray, workers)
+        return
+    if ray is not None:
+        raise BadRequest("--ray applies to encode DATASET --buckets MANIFEST")
     from ..pipelines import VaeFileOptions, load_vae, run_encode_file
     from ..pipelines.folders import part_config, vae_factor_of
     from ..pipelines.recipes import check_image_size
