@@ -251,3 +251,69 @@ def test_tiled_controlnet_gradients():
     fd = directional(call, dict(sample=x, controlnet_cond=image), "controlnet_cond", [], probe, [v], [], 1e-3)
     dot = float((several["recompute"][1][1] * v).sum())
     assert abs(dot - fd) <= 1e-7 * abs(fd)
+
+
+# ---- transformer ControlNets (SD3, Flux): captured from their stock pipelines ----------------------------
+RESIDUALS = {"sd3": ("block_controlnet_hidden_states",),
+             "flux": ("controlnet_block_samples", "controlnet_single_block_samples")}
+
+
+def control_pair(name: str):
+    """(f(hidden_states, controlnet_cond, tiled, **options) -> prediction, the call's sample and control
+    image, the ControlNet's parameters): the first ControlNet and transformer calls of the stock pipeline,
+    float64, the ControlNet's residuals passed to the transformer as the pipeline passes them."""
+    import tiny_controlnets as tcn
+
+    build, kw, slot, _ = tcn.CASES[name]
+    pipe = build()
+    cn, tr, calls = pipe.controlnet, getattr(pipe, slot), {}
+
+    def hook(key):
+        def record(m, a, k):
+            calls.setdefault(key, bind_call(m, a, k))  # the first call; returns None: inputs unchanged
+        return record
+
+    hooks = [m.register_forward_pre_hook(hook(key), with_kwargs=True) for key, m in (("cn", cn), ("tr", tr))]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        pipe(**{**kw, "num_inference_steps": 1}, generator=tp._g(), output_type="latent")
+    for h in hooks:
+        h.remove()
+    cn, tr = cn.double(), tr.double()
+    cn_args, tr_args = as64(calls["cn"]), as64(calls["tr"])
+
+    def f(hidden_states, controlnet_cond, tiled: bool = False, **options):
+        net, den = (TiledControlNet(cn), TiledDenoiser(tr, **options)) if tiled else (cn, tr)
+        out = net(**{**cn_args, "hidden_states": hidden_states, "controlnet_cond": controlnet_cond,
+                     "return_dict": False})
+        res = dict(zip(RESIDUALS[name], out, strict=False))
+        return den(**{**tr_args, **res, "hidden_states": hidden_states, "return_dict": False})
+
+    return f, tr_args["hidden_states"], cn_args["controlnet_cond"], [*cn.parameters()][::5], tr, tr_args
+
+
+@pytest.mark.parametrize("name", list(RESIDUALS))
+def test_transformer_controlnet_gradients(name):
+    """One tile: the stock pair's gradients (latent, control image, ControlNet parameters); 3 x 3 tiles:
+    recompute equals keep."""
+    f, x, image, params, tr, tr_args = control_pair(name)
+    image = image.clone().requires_grad_()  # a leaf: its gradient is returned after the latent's
+    got = {}
+    several = dict(tile_size=16, overlap=8, method="mixture")
+    assert TiledDenoiser(tr, **several).count(*latent_sides(tr, tr_args, "hidden_states")) == 9
+    for label, options in (("stock", None), ("one", dict(tile_size=256)),
+                           ("keep", {**several, "backward": "keep"}),
+                           ("recompute", {**several, "backward": "recompute"})):
+        def fn(hidden_states, options=options, **_):
+            return f(hidden_states, image, tiled=options is not None, **(options or {}))
+
+        got[label] = grads(fn, dict(hidden_states=x), "hidden_states", [image, *params],
+                           got["stock"][2] if got else None)
+    (want, want_g, _), (one, one_g, _) = got["stock"], got["one"]
+    close(one, want, 1e-12)
+    assert all(g.abs().max() > 0 for g in want_g[:2])  # the latent and the control image
+    for a, b in zip(one_g, want_g, strict=True):
+        close(a, b, 1e-10)
+    close(got["recompute"][0], got["keep"][0], 0)
+    for a, b in zip(got["recompute"][1], got["keep"][1], strict=True):
+        close(a, b, 1e-12)
