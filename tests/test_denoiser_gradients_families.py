@@ -151,14 +151,19 @@ def directional(fn, given: dict, name_x: str, params: list, probe, v: list, vp: 
     return (8 * (loss(eps) - loss(-eps)) - (loss(2 * eps) - loss(-2 * eps))) / (12 * eps)
 
 
-@pytest.mark.parametrize("name", [*PIPES, *DIRECT])
-def test_several_tiles_recompute_equals_keep_and_finite_differences(name):
+FRAMES = dict(tile_frames=2, frame_overlap=1)  # Wan's 3 latent frames in two overlapping windows
+
+
+@pytest.mark.parametrize("name, extra", [*((n, {}) for n in [*PIPES, *DIRECT]), ("wan", FRAMES)],
+                         ids=[*PIPES, *DIRECT, "wan-frame-windows"])
+def test_several_tiles_recompute_equals_keep_and_finite_differences(name, extra):
     model, given = captured(name)
     name_x, params = sample_name(model), list(model.parameters())
-    opts = several_tiles(model, given, name_x)
+    opts = {**several_tiles(model, given, name_x), **extra}
     keep, recompute = (TiledDenoiser(model, backward=b, **opts) for b in ("keep", "recompute"))
     H, W = latent_sides(model, given, name_x)
-    assert keep.count(H, W) >= 4, f"{name}: {keep.count(H, W)} tiles on {H}x{W}"
+    frames = given[name_x].shape[2] if extra else None
+    assert keep.count(H, W, frames) >= 4 * (1 + bool(extra)), f"{name}: {keep.count(H, W, frames)} tiles"
     out_k, g_k, probe = grads(keep, given, name_x, params)
     out_r, g_r, _ = grads(recompute, given, name_x, params, probe)
     close(out_r, out_k, 0)
