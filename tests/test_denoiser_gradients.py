@@ -262,10 +262,26 @@ def test_backward_mode_is_checked(unet):
         TiledDenoiser(unet, 8, 4, backward="store")
 
 
-def test_process_group_with_gradients_is_refused(unet):
-    td = TiledDenoiser(unet, 8, 4, process_group="default")
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is needed")
+def test_process_group_with_gradients_is_refused_before_any_tile(unet, tmp_path):
+    import torch.distributed as dist
+
     x, emb, _ = inputs()
-    with pytest.raises(ValueError, match="process_group=.* with gradients"):
-        td(x.requires_grad_(), T, encoder_hidden_states=emb)
-    with torch.no_grad(), pytest.raises(ValueError, match="needs torch.distributed initialised"):
-        td(x, T, encoder_hidden_states=emb)  # no gradients: the process group's own check
+    td = TiledDenoiser(unet, 8, 4, process_group="default")
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        td(x.clone().requires_grad_(), T, encoder_hidden_states=emb)  # the group's own check first
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    calls = []
+    handle = unet.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"process_group=\.\.\.\) with gradients"):
+            td(x.clone().requires_grad_(), T, encoder_hidden_states=emb)
+        assert not calls  # refused before any tile ran
+        with torch.no_grad():  # without gradients: one rank equals one process
+            out = td(x, T, encoder_hidden_states=emb).sample
+        single = tiled(unet, "multidiffusion")(x, T, encoder_hidden_states=emb).sample
+        assert torch.equal(out, single.detach())
+    finally:
+        handle.remove()
+        dist.destroy_process_group()

@@ -231,7 +231,7 @@ class TiledDenoiser(ModelWrapper):
         call = self.adapter.parse(self.unet, args, kwargs)
         checks.check_frame_inputs(self, self.unet, call)
         grad = gradients.needs_grad(self.unet, call)
-        gradients.check_process_group(self.process_group, grad)
+        gradients.check_process_group(resolve_group(self.process_group), grad)  # a bad group says so first
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
             self.halo = self._probe_halo(call)
