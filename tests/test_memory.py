@@ -186,3 +186,30 @@ def test_measure_peak_cuda_sees_200mib_allocation():
     assert n == 200 * MiB
     assert 200 * MiB <= peak <= 202 * MiB, peak
     del keep
+
+
+def test_measure_live_peak_counts_storages_alive_at_once_backward_included():
+    """Closed form: 4 KB + 4 KB alive, one freed, then 8 KB: peak 12 KB (views and in-place results add
+    nothing, tensors from before the call are not counted); backward's own buffers are counted."""
+    import torch
+
+    from tilewise.memory import measure_live_peak
+
+    before = torch.zeros(10_000)
+
+    def f():
+        a, b = torch.zeros(1000), torch.zeros(1000)
+        del a
+        c = torch.ones(2000)
+        c.add_(1)
+        before.add_(1)
+        return c.view(-1), b[:10]
+
+    (c, _), peak = measure_live_peak(f)
+    assert peak == 4000 + 8000 and c.shape == (2000,)  # b and c; a was freed before c
+    x = torch.randn(1000, requires_grad=True)
+
+    def g():
+        (x.exp() * 2).sum().backward()
+
+    assert measure_live_peak(g)[1] >= 3 * 4000  # exp, its product, and the gradient of x

@@ -241,6 +241,39 @@ def measure_peak(fn: Callable[..., Any], *args: Any, device: Any = None, interva
     return result, meter.peak_bytes
 
 
+def measure_live_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """Run ``fn(*args, **kwargs)`` and return ``(result, peak_bytes)``: the peak of the tensor storages it
+    created that were alive at once (every operator's new outputs, autograd's backward included, from birth
+    to release), whatever the allocator caches: the same on any machine."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live: dict[int, int] = {}
+    peak = [0, 0]  # now, peak
+
+    def release(key: int) -> None:
+        peak[0] -= live.pop(key)
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out  # a view or an in-place result: no new storage
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                storage = t.untyped_storage() if hasattr(t, "untyped_storage") else None
+                if storage is not None and storage._cdata not in live:
+                    live[storage._cdata] = storage.nbytes()
+                    peak[0] += storage.nbytes()
+                    peak[1] = max(peak)
+                    weakref.finalize(storage, release, storage._cdata)
+            return out
+
+    with Live():
+        result = fn(*args, **kwargs)
+    return result, peak[1]
+
+
 # --------------------------------------------------------------------------------------------------
 # fresh subprocess
 

@@ -22,6 +22,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from ..distributed import all_reduce_accumulator, all_reduce_max, rank_world, re
 from ..geometry import TileGrid, as_pair, box_slices
 from ..locality import probe_receptive_field
 from ..wrapper import ModelWrapper
-from . import checks
+from . import checks, gradients
 from .adapters import Call, adapter_for
 from .pieces import Piece, plan_pieces, video_pieces
 from .regions import Region, region_weights
@@ -74,6 +75,12 @@ class TiledDenoiser(ModelWrapper):
     Videos ((B, C, T, H, W) latents, `adapters.families`): tiles cover every frame; `tile_frames` (latent
     frames, a multiple of the model's temporal patch) and `frame_overlap` add overlapping frame windows,
     fused like tiles ("multidiffusion", "mixture").
+    Gradients (`tilewise.diffusion.gradients`): a call that autograd records (grad mode on, and the
+    latent, a conditioning tensor or a parameter of the model or of a TiledControlNet's ControlNet requires
+    grad) is differentiable and exact, the gradient of the fused prediction; `backward="recompute"` runs
+    each tile call under a non-reentrant checkpoint (backward holds one tile call's activations at a time
+    and runs its forward again), "keep" keeps every tile call's graph (no second forward, every tile's
+    activations held). Refused with a process group. A float64 sample is fused in float64.
     """
 
     wrapped = "unet"
@@ -100,6 +107,7 @@ class TiledDenoiser(ModelWrapper):
         positions: str = "global",
         tile_frames: int | None = None,
         frame_overlap: int = 0,
+        backward: str = "recompute",
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
@@ -126,6 +134,7 @@ class TiledDenoiser(ModelWrapper):
         self.progress_bar = None  # an external tqdm-like object updated per tile (used by `upscale`)
         # None: single process; "default" or a ProcessGroup: this rank runs its shard of the tiles
         self.process_group = process_group
+        self.backward = backward  # how a differentiable call keeps what backward needs (`gradients`)
         self._validate()
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
         self._logged: set[tuple[int, int]] = set()
@@ -149,6 +158,7 @@ class TiledDenoiser(ModelWrapper):
     # ---- validation (tilewise.diffusion.checks) -----------------------------------------------------------
     def _validate(self) -> None:
         checks.check_settings(self)
+        gradients.check_backward(self.backward)
 
     def _check_latent(self, sample: torch.Tensor) -> tuple[int, int]:
         checks.check_call(self.unet, sample)
@@ -205,9 +215,10 @@ class TiledDenoiser(ModelWrapper):
         shape = tuple(o[i + 1] - o[i] for i in range(0, len(o), 2))
         kind = "gaussian" if self.method == "mixture" else "uniform"
         if (kind, shape) not in self._weights:
-            win = weight_window(kind, shape[-2:], var=self.var)
+            # float64: a float64 accumulator gets the exact window, a float32 one its rounding as before
+            win = weight_window(kind, shape[-2:], var=self.var, dtype=torch.float64)
             if len(shape) == 3:
-                win = weight_window(kind, (shape[0], 1), var=self.var)[:, :, None] * win
+                win = weight_window(kind, (shape[0], 1), var=self.var, dtype=torch.float64)[:, :, None] * win
             self._weights[(kind, shape)] = win
         return self._weights[(kind, shape)].to(device)
 
@@ -219,6 +230,8 @@ class TiledDenoiser(ModelWrapper):
         checks.check_regions(self)  # regions set after wrapping
         call = self.adapter.parse(self.unet, args, kwargs)
         checks.check_frame_inputs(self, self.unet, call)
+        grad = gradients.needs_grad(self.unet, call)
+        gradients.check_process_group(resolve_group(self.process_group), grad)  # a bad group says so first
         H, W = self._check_latent(call.sample)
         if self.method == "halo" and self.halo == "probe":
             self.halo = self._probe_halo(call)
@@ -226,11 +239,13 @@ class TiledDenoiser(ModelWrapper):
             pieces = self.plan(H, W, call.timestep, frames=call.sample.shape[2])
         else:
             pieces = self.plan(H, W, call.timestep)
-        fused = self._fuse(call, pieces)
+        fused = self._fuse(call, pieces, self.backward if grad else None)
         return self.adapter.output(call, fused)
 
-    def _fuse(self, call: Call, pieces: list[Piece]) -> torch.Tensor:
-        """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated per batch (and over ranks)."""
+    def _fuse(self, call: Call, pieces: list[Piece], backward: str | None = None) -> torch.Tensor:
+        """MultiDiffusion eq. 5: sum_i W_i * F(x_i) / sum_i W_i, accumulated per batch (and over ranks) in
+        float32, or float64 for a float64 sample and over ranks; `backward` (None: no gradients) how tile
+        calls keep what backward needs (`gradients.run`)."""
         sample = call.sample
         B, sides = sample.shape[0], tuple(sample.shape[2:])  # ([frames,] H, W)
         runs = self._runs(sample)
@@ -241,10 +256,11 @@ class TiledDenoiser(ModelWrapper):
         everything = tuple(c for n in sides for c in (0, n))
         whole = group is None and len(pieces) == 1 and pieces[0].out == everything
         acc: Accumulator | None = None
-        dtype = torch.float32 if group is None else torch.float64
+        # a float64 model's prediction is not rounded to float32 (its finite differences would disagree)
+        dtype = torch.float64 if group is not None or sample.dtype == torch.float64 else torch.float32
         bar = self._bar(len(pieces))
         for chunk in _batches(pieces, self.batch_size):
-            outs = self._run_chunk(call, chunk, runs)
+            outs = self._run_chunk(call, chunk, runs, backward)
             for p in chunk:
                 pred = self._combine(p, outs, runs, B, sample.device)[(..., *p.crop)]
                 if whole:
@@ -320,7 +336,7 @@ class TiledDenoiser(ModelWrapper):
         jobs = [(0, "all")] if 0 in active else ([(0, "uncond")] if len(runs["uncond"]) else [])
         return jobs + [(k, "cond") for k in active if k > 0]
 
-    def _run_chunk(self, call: Call, chunk, runs) -> dict:
+    def _run_chunk(self, call: Call, chunk, runs, backward: str | None = None) -> dict:
         """Run the model once per (conditioning, row set) on all pieces of the chunk that need it."""
         groups: dict[tuple[int, str, tuple[int, int]], list[Piece]] = defaultdict(list)
         for p in chunk:
@@ -330,7 +346,8 @@ class TiledDenoiser(ModelWrapper):
         outs = {}
         for (k, rows_name, _), ps in groups.items():
             rows = runs[rows_name]
-            y = self._call(call, ps, k, rows)
+            # bound now: a recomputation during backward runs this call, not the loop's last
+            y = gradients.run(partial(self._call, call, ps, k, rows), backward, call.layout)
             for p, part in zip(ps, y.split(len(rows)), strict=True):
                 outs[(p.index, k, rows_name)] = part
         return outs

@@ -13,7 +13,8 @@ table as their third argument, image tokens first (diffusers 0.42); the position
 
 ZImagePipeline batches classifier-free guidance as [conditional, unconditional] rows, where the fusion
 core's regions read [unconditional, conditional]: a call whose two halves have the same latent has its
-halves swapped on the way in and back on the way out (the prediction is the model's either way).
+halves (latent, conditioning, timestep) swapped on the way in and back on the way out, so that each row's
+prediction, and its gradient, is that of its own latent and conditioning.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class ZImageAdapter(TransformerAdapter):
         call.cond["cap_lens"] = torch.tensor([len(c) for c in caps])
         B = call.sample.shape[0]
         if B % 2 == 0 and torch.equal(call.sample[: B // 2], call.sample[B // 2 :]):  # CFG: [cond, uncond]
+            # the latent too: its halves are equal in value, not in what gradients reach (row i's input)
+            call.sample = swap_halves(call.sample)
             call.cond = {k: swap_halves(v) for k, v in call.cond.items()}
             call.timestep = swap_halves(call.timestep)
             call.layout = "swapped"
