@@ -138,7 +138,9 @@ def test_a_killed_run_is_continued_with_nothing_lost_or_doubled(dataset, cache, 
     keys = [r.key for r in ds.manifest.rows]
     assert len(keys) == len(set(keys)) and sorted(keys) == sorted(r.key for r in clean.manifest.rows)
     for i in range(len(ds)):
-        assert torch.equal(ds[i]["latents"], clean[i]["latents"])
+        # (the killed runs encoded in another process, whose torch may use another thread count: the same
+        # values to float rounding, not bit for bit)
+        assert torch.allclose(ds[i]["latents"], clean[i]["latents"], rtol=0, atol=1e-5)
 
 
 def _run_until(cmd, env, out, shards, sig) -> int:

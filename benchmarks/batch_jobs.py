@@ -16,7 +16,10 @@ Figures:
      recipe (nearest-aspect bucket of the grid, resize to cover, centre crop), and tilewise's pad /
      resize / auto on the same grid.
 
-    .venv/bin/python benchmarks/datasets.py --out benchmarks/results_datasets.md
+    .venv/bin/python benchmarks/batch_jobs.py --out benchmarks/results_datasets.md
+
+(Not named datasets.py: tests put benchmarks/ on sys.path, where a datasets.py shadows the `datasets`
+package.)
 """
 
 from __future__ import annotations
