@@ -6,6 +6,7 @@ values (`Stage`), and what the run takes from it (`Plan.choices`, a `run.options
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ...memory import format_bytes as fb
 from ...vocabulary import Vocabulary
@@ -124,6 +125,7 @@ class Plan:
     untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    backward: Any = None  # `plan.backward.BackwardPlan` when asked for (`TiledVAE.plan(backward=True)`)
 
     @property
     def device(self) -> str:
@@ -229,6 +231,8 @@ class Plan:
         rows.append(f"  estimated time ~{_ms(self.seconds)} on {self.device} (FLOPs / throughput + launches "
                     f"x launch cost + transfers / link bandwidth)")
         rows.append(f"  estimated device peak {fb(self.peak)}")
+        if self.backward is not None:
+            rows.append(str(self.backward))
         return "\n".join(rows)
 
 
