@@ -241,5 +241,9 @@ class _Reverse:
     def _params(self, gs) -> None:
         """Add the parameters' gradients of one backward (None: not used there)."""
         for i, g in enumerate(gs):
-            if g is not None:
-                self.pgrads[i] = g if self.pgrads[i] is None else self.pgrads[i] + g
+            if g is None:
+                continue
+            if self.pgrads[i] is None:
+                self.pgrads[i] = g  # (a new tensor of autograd's: ours to add into)
+            else:
+                self.pgrads[i].add_(g)
