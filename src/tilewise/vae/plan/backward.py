@@ -5,8 +5,10 @@ segments last to first (a staged value freed once its first reader is reversed),
 gradients of the values staged across it (its inputs' and the outputs' of earlier segments read later)
 and, per tile, the recomputed graph of the tile's boxes and the gradients flowing through it (about
 twice the boxes' bytes); a global attention holds every token's normalised input, keys and values, their
-gradients and one query tile's scores (the softmax's backward keeps them). Convolution FLOPs count the recomputation and the two products of each backward (input and
-weight gradients): three times the forward's multiply-adds over the boxes, two FLOPs each.
+gradients and one query tile's scores (the softmax's backward keeps them). Fast mode's crop estimator
+cuts the program as its run does (its fixed GroupNorms cut nothing). Convolution FLOPs count the
+recomputation and the two products of each backward (input and weight gradients): three times the
+forward's multiply-adds over the boxes, two FLOPs each.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import torch
 from ...locality.ops import OpKind, box_area, box_empty, map_box
 from ...locality.program import SegmentKind, back_propagate
 from ...memory import format_bytes
+from ..fast.split import fixed_ops
 from ..run.executor import cut, tile_grid
 from ..run.options import Choices
 from ..run.reverse import NORM_ROWS_BYTES
-from ..settings import Job, Settings
+from ..settings import Job, Mode, Settings
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,9 @@ def backward_plan(job: Job, shape: tuple[int, ...], choices: Choices, settings: 
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     unit = shape[0] * job.item
     size = {v: chans[v] * math.prod(shapes[v]) * unit for v in shapes}
-    segs = cut(p, {}, settings.attention)
+    fixed = fixed_ops(p, job.kind, settings.fast.color_fix) if settings.mode is Mode.FAST else set()
+    segs = cut(p, dict.fromkeys(fixed), settings.attention)  # (fast mode's crop estimator: fixed ones cut
+    # nothing, its tiles run end to end)
     grid = tile_grid(shapes[job.ref], choices.tile_size)
     first = {}  # staged value -> its first reader: the reverse frees it once that segment is done
     for i, seg in reversed(list(enumerate(segs))):
