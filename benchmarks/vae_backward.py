@@ -107,7 +107,8 @@ def main() -> None:
         print(row, flush=True)
     ref = next((r["grads"] for r in rows if r["variant"] == "untiled" and "grads" in r), None)
     side = 8 * args.latent
-    lines = [f"decode backward, {side}x{side} px (latent {args.latent}), {args.device}, tile {args.tile}:", "",
+    head = f"decode backward, {side}x{side} px (latent {args.latent}), {args.device}, tile {args.tile}:"
+    lines = [head, "",
              "| variant | time s | peak MiB | planned bwd MiB | dz error | worst param error |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -200,3 +200,7 @@ def test_refused_gradients_say_why():
         tv.decode(z)
     with torch.no_grad():  # (the forward alone still runs)
         tv.decode(z)
+    y = tw.TiledVAE(vae, tile_size=4, progress=False).decode(z).sample.sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.backward()

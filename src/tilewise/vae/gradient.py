@@ -119,7 +119,7 @@ class _Kept:
     """What the forward kept for the backward; its staging is closed when this dies (the graph freed)."""
 
     def __init__(self, ex: Executor, res, x):
-        self.ex, self.stage, self.stats, self.x = ex, res.staging, res.stats, x
+        self.ex, self.stage, self.stats, self.x, self.used = ex, res.staging, res.stats, x, False
         weakref.finalize(self, res.staging.close)
 
 
@@ -143,6 +143,11 @@ class _Tiled(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         k = ctx.kept
+        if k.used:
+            raise RuntimeError("TiledVAE's backward frees the staged values as it runs: a second backward "
+                               "through the same call (retain_graph=True) is not supported; call decode / "
+                               "encode again")
+        k.used = True
         gx, gp = backward(k.ex, k.stage, k.stats, k.x, grad_out.contiguous(), ctx.params,
                           ctx.needs_input_grad[0])
         return (gx, None, *gp)
