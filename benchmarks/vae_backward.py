@@ -4,10 +4,11 @@ checkpointing (`vae.enable_gradient_checkpointing()`).
 
 The seeded SD-architecture AutoencoderKL of `benchmarks/vae.py` (block_out_channels 128, 256, 512, 512,
 2 resnets a block, fp32), the decoder training (a fine-tuned decoder: its parameters and the latent
-require grad); loss = sum(decode(z) * g) for a seeded g. Every variant runs in its own subprocess: time
-of forward + backward, peak memory growth (CPU: resident set high-water mark; CUDA: max allocated), and
-the gradients' error against the untiled backward's (the latent's and the decoder's parameters', max
-abs over the gradient's max abs).
+require grad); loss = sum(decode(z) * g) for a seeded g. tilewise stages its values on the device
+(`tilewise`) or on disk (`tilewise-disk`: the staged values live in the page cache). Every variant runs
+in its own subprocess: time of forward + backward, peak memory growth (CPU: resident set high-water
+mark; CUDA: max allocated), and the gradients' error against the untiled backward's (the latent's and
+the decoder's parameters', max abs over the gradient's max abs).
 
     python benchmarks/vae_backward.py --latent 32 --tile 16 --out benchmarks/results_vae_backward.md
 """
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("untiled", "checkpointing", "tilewise")
+VARIANTS = ("untiled", "checkpointing", "tilewise", "tilewise-disk")
 
 
 def one(variant: str, latent: int, tile: int, device: str, grads_path: str) -> dict:
@@ -41,10 +42,12 @@ def one(variant: str, latent: int, tile: int, device: str, grads_path: str) -> d
     w = torch.randn(1, 3, 8 * latent, 8 * latent, generator=g).to(device)
     if variant == "checkpointing":
         vae.enable_gradient_checkpointing()
-    model = tw.TiledVAE(vae, tile_size=tile, progress=False) if variant == "tilewise" else vae
+    tiled = variant.startswith("tilewise")
+    staging = "disk" if variant.endswith("disk") else "device"
+    model = tw.TiledVAE(vae, tile_size=tile, staging=staging, progress=False) if tiled else vae
     params = [q for q in vae.decoder.parameters()] + [q for q in vae.post_quant_conv.parameters()]
     extra = {}
-    if variant == "tilewise":
+    if tiled:
         plan = model.plan(tuple(z.shape), backward=True)
         extra = dict(planned_forward_mib=plan.peak / 2**20, planned_backward_mib=plan.backward.peak / 2**20,
                      staged_mib=plan.backward.staged / 2**20, tiles=f"{plan.grid[0]}x{plan.grid[1]}")

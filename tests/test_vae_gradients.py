@@ -18,6 +18,7 @@ from counting import Counter  # noqa: E402
 import tilewise as tw  # noqa: E402
 from tilewise.locality.ops import RunContext  # noqa: E402
 from tilewise.vae.fast.run import crop_stats  # noqa: E402
+from tilewise.vae.settings import Place  # noqa: E402
 
 TOL = 1e-4
 
@@ -148,14 +149,18 @@ def test_backward_peak_is_below_the_untiled_backward_and_planned():
 
 def test_memory_budget_bounds_the_backward_too():
     """Within a memory budget a differentiable call's tile shrinks until the backward's planned peak
-    fits as well as the forward's; a budget no backward meets is refused before anything runs."""
+    fits as well as the forward's (disk staging takes the staged values out of it); a budget no backward
+    meets is refused before anything runs."""
     vae = kl_vae("sd")
     shape, budget = (1, 4, 48, 48), 130 << 20
     tv = tw.TiledVAE(vae, tile_size=64, memory_budget=budget, progress=False)
     forward, both = tv.plan(shape), tv.plan(shape, backward=True)
     assert both.tile_size < forward.tile_size and both.peak <= budget and both.backward.peak <= budget
-    tv.memory_budget = 100 << 20  # (the forward fits, no backward does: its staged values alone ~88 MiB)
-    assert tv.plan(shape).peak <= 100 << 20
+    tv.memory_budget = 60 << 20  # (the staged values alone are ~88 MiB: on disk, out of the peak)
+    both = tv.plan(shape, backward=True)
+    assert both.staging is Place.DISK and both.backward.peak <= 60 << 20 < both.backward.staged
+    tv.memory_budget = 40 << 20  # (the forward fits, no backward does)
+    assert tv.plan(shape).peak <= 40 << 20
     with pytest.raises(tw.errors.WontFit, match="backward"):
         tv.decode(torch.zeros(shape, requires_grad=True))
 

@@ -25,7 +25,7 @@ from ..fast.split import fixed_ops
 from ..run.executor import cut, tile_grid
 from ..run.options import Choices
 from ..run.reverse import NORM_ROWS_BYTES
-from ..settings import Job, Mode, Settings
+from ..settings import Job, Mode, Place, Settings
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,14 @@ class BackwardPlan:
     tile_size: int
     tiles: int  # tile recomputations (every segment's tiles)
     segments: int
-    staged: int  # the forward's staged values, all kept for the reverse
+    staged: int  # the forward's staged values, all kept for the reverse (where the staging puts them)
     grads: int  # most gradient bytes of staged values alive at once
     working: int  # largest tile's recomputed graph and its gradients
     attention_bytes: int  # global attention: tokens, keys, values, their gradients, one tile's scores
     output_bytes: int  # the output and its gradient, the parameters' gradients, a band of `_norms`
-    peak: int  # output + the largest (staged values still kept + gradients alive + working) of a segment
+    peak: int  # output + the largest (staged values still kept + gradients alive + working) of a segment;
+    # staged values count where they are in the device's memory (device staging; host staging on a CPU
+    # plan), not on disk or, for a GPU plan, in host memory
     flops: int  # convolution FLOPs: recompute + input and weight gradients
     untiled_flops: int  # the same for the untiled backward
 
@@ -71,12 +73,16 @@ def backward_plan(job: Job, shape: tuple[int, ...], choices: Choices, settings: 
     for i, seg in reversed(list(enumerate(segs))):
         first.update({u: i for u in seg.inputs if u != p.input})
     staged = sum(size[v] for v in first)
+
+    def resident(v: str) -> bool:  # a staged value in the memory the peak counts (the device's)
+        place = Place.DEVICE if v in choices.on_device else choices.staging.home
+        return place is Place.DEVICE or (place is Place.HOST and not job.gpu)
     live, grads, top, work, attn, tiles, macs = {p.output}, 0, 0, 0, 0, 0, 0
     for i, seg in reversed(list(enumerate(segs))):
         live |= set(seg.inputs)
         held = sum(size[v] for v in live if v != p.output)
         grads = max(grads, held)
-        held += sum(size[v] for v, j in first.items() if j <= i)  # (the staged values still kept)
+        held += sum(size[v] for v, j in first.items() if j <= i and resident(v))  # (staged, still kept)
         if seg.kind is SegmentKind.ATTENTION:
             a = _attention_bytes(seg.ops[0], shapes, chans, grid, job.ref, unit)
             attn, seg_work = max(attn, a), a
