@@ -76,26 +76,33 @@ def run(settings: Settings, job: Job, t, vae) -> tuple:
 def plan(settings: Settings, job: Job, shape: tuple[int, ...], tile_size: int | None = None,
          staging: str | None = None) -> Plan:
     """The plan of a call that asks for gradients: the forward's, with its `backward` (`BackwardPlan`).
-    Within a memory budget (no tile or staging given) the tile halves until the backward's peak fits it
-    too (WontFit when none does)."""
+    Within a memory budget (no tile or staging given) the tile halves, then disk staging is tried, until
+    the backward's peak fits it too (WontFit when none does)."""
     if tile_size is not None or staging is not None or settings.memory_budget is None:
         place = None if staging is None else Place.parse(staging, "staging")
         fwd = make_plan(settings, job, shape, request(settings, job, tile_size, place))
         return replace(fwd, backward=backward_plan(job, shape, fwd.choices, settings))
     fwd = settle(settings, job, shape)
-    budget, choices = settings.memory_budget, fwd.choices
-    while True:
+    for choices in _smaller(fwd.choices):
         back = backward_plan(job, shape, choices, settings)
-        if back.peak <= budget:
-            break
-        if choices.tile_size <= 1:
-            raise WontFit(f"TiledVAE {job.kind} backward of {shape}: its peak {format_bytes(back.peak)} "
-                          f"(staged values {format_bytes(back.staged)}) exceeds memory_budget "
-                          f"{format_bytes(budget)} at any tile; use a larger budget or a smaller input")
-        choices = choices.replace(tile_size=choices.tile_size // 2)
-    if choices is not fwd.choices:
-        fwd = make_plan(settings, job, shape, choices)
-    return replace(fwd, backward=back)
+        if back.peak <= settings.memory_budget:
+            fwd = fwd if choices is fwd.choices else make_plan(settings, job, shape, choices)
+            return replace(fwd, backward=back)
+    raise WontFit(f"TiledVAE {job.kind} backward of {shape}: its peak {format_bytes(back.peak)} at tile 1 "
+                  f"with disk staging exceeds memory_budget {format_bytes(settings.memory_budget)}; use a "
+                  "larger budget or a smaller input")
+
+
+def _smaller(choices: Choices):
+    """The forward's choices, then at half the tile down to 1, then the same with disk staging (the
+    staged values out of memory)."""
+    stagings = [choices] if choices.staging is Place.DISK else [
+        choices, choices.replace(staging=Place.DISK, on_device=frozenset())]
+    for c in stagings:
+        tile = c.tile_size
+        while tile >= 1:
+            yield c if tile == c.tile_size else c.replace(tile_size=tile)
+            tile //= 2
 
 
 def _choices(settings: Settings, job: Job, shape: tuple[int, ...]) -> Choices:
