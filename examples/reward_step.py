@@ -4,8 +4,8 @@ A differentiable image score (the colourfulness of Hasler and Suesstrunk 2003, o
 pushed back through the VAE decoder and a TiledDenoiser to the latent and to a LoRA on the denoiser's
 attention projections, and one optimiser step updates the LoRA. The denoiser's backward holds one
 tile's activations at a time (`backward="recompute"`), so the denoiser's part of the step costs one
-tile's memory at any resolution; the decoder here is the plain `vae.decode` (swap in `tw.TiledVAE` in
-`decoder()` where it is differentiable).
+tile's memory at any resolution; the decode is a `tw.TiledVAE`'s, whose backward is the reverse tile
+program (exact, bounded: docs/gradients.md).
 
 Runs on CPU with the embedded model (`tilewise.models`: a small SD-style UNet and VAE, no download):
 
@@ -73,9 +73,11 @@ def colourfulness(image: torch.Tensor) -> torch.Tensor:
     return (sigma + 0.3 * mu).mean()
 
 
-def decoder(vae):
-    """The differentiable decode: latents -> images in [-1, 1]."""
-    return lambda z: vae.decode(z / vae.config.scaling_factor).sample  # tw.TiledVAE(vae).decode(...)
+def decoder(vae, tile: int = 32):
+    """The differentiable decode, exact and tiled (its backward is the reverse tile program: one tile's
+    activations at a time): latents -> images in [-1, 1]."""
+    tv = tw.TiledVAE(vae, tile_size=tile, progress=False)
+    return lambda z: tv.decode(z / vae.config.scaling_factor).sample
 
 
 def reward_step(pipe, size: int = 512, tile: int = 32, overlap: int = 8, rank: int = 4, lr: float = 1e-2,
@@ -90,7 +92,7 @@ def reward_step(pipe, size: int = 512, tile: int = 32, overlap: int = 8, rank: i
     params = add_lora(unet, rank)
     denoiser = tw.TiledDenoiser(unet, tile_size=tile, overlap=overlap, method="mixture",
                                 backward="recompute")
-    decode = decoder(pipe.vae)
+    decode = decoder(pipe.vae, tile)
     emb = default_prompt_embeds(pipe, prompt)["prompt_embeds"]
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(1, 4, size // 8, size // 8, generator=g)

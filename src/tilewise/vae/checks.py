@@ -17,8 +17,8 @@ from .settings import Job, Kind, Place
 
 def check_input(job: Job, t) -> None:
     """A 2-D job's input: a (B, C, H, W) tensor of the VAE's channels, not empty, not too small for the
-    program, in the VAE's dtype, finite, and not asking for gradients (ValueError / RuntimeError naming
-    the value and what would be valid)."""
+    program, in the VAE's dtype and finite (ValueError naming the value and what would be valid; a call
+    that asks for gradients runs `gradient`)."""
     p = job.program
     what = "latent z" if job.kind is Kind.DECODE else "image x"
     if not isinstance(t, torch.Tensor) or t.ndim != 4:
@@ -38,9 +38,6 @@ def check_input(job: Job, t) -> None:
                          f"no pixels left (the wrapped VAE fails on it too); use a larger {what}")
     check_dtype(t, what, job.dtype)
     check_finite(t, what)
-    if torch.is_grad_enabled() and t.requires_grad:
-        raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
-                           "would break backward(); use the wrapped VAE directly to train")
 
 
 def check_device(job: Job, t: torch.Tensor, what: str) -> None:

@@ -23,7 +23,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from ..distributed import rank_world, resolve_group
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
-from . import runner
+from . import gradient, runner
 from .checks import check_fits, check_input, check_video_fits
 from .devices import DeviceProfile, profile, vae_device
 from .families import FAMILIES, bind, encode_output, family_of, lower_family
@@ -195,8 +195,11 @@ class TiledVAE(ModelWrapper):
             sample = self._ran(video.run(self.settings, job, z))
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         check_input(job, z)
+        if family.quantize and gradient.wants(self.vae, z):
+            raise RuntimeError(f"TiledVAE decode of a {job.model} has no backward (its quantisation runs "
+                               "untiled without one); use the wrapped VAE to train")
         z, loss = self._quantized(z, family, call["force_not_quantize"])
-        sample = self._ran(runner.run(self.settings, job, z, None, self.vae))
+        sample = self._ran(self._run(job, z))
         if not family.quantize:
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         return DecoderOutput(sample=sample, commit_loss=loss) if call["return_dict"] else (sample, loss)
@@ -212,8 +215,15 @@ class TiledVAE(ModelWrapper):
             h = self._ran(video.run(self.settings, job, x))
         else:
             check_input(job, x)
-            h = self._ran(runner.run(self.settings, job, x, None, self.vae))
+            h = self._ran(self._run(job, x))
         return encode_output(family, h, call["return_dict"])
+
+    def _run(self, job: Job, t) -> tuple:
+        """A 2-D decode or encode: with a graph (`gradient`: the reverse tile program as its backward)
+        when the call asks for gradients, else the plain tiled run."""
+        if gradient.wants(self.vae, t):
+            return gradient.run(self.settings, job, t, self.vae)
+        return runner.run(self.settings, job, t, None, self.vae)
 
     def _quantized(self, z, family, force_not_quantize: bool):
         """A VQ family's latent as its decode quantises it (the nearest codebook entry at each position:
@@ -261,14 +271,17 @@ class TiledVAE(ModelWrapper):
         self._ran(runner.run(self.settings, job, z, emit, self.vae))
 
     def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
-             staging: str | None = None, streamed: bool = False, sequential: bool = False) -> Plan:
+             staging: str | None = None, streamed: bool = False, sequential: bool = False,
+             backward: bool = False) -> Plan:
         """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
 
         Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
         encode's exact latent-resolution tail. A 3-D VAE's plan (`VideoPlan`) has its causal steps and
         caches. `streamed`: the plan of `decode_to` (a sink; within a memory budget, no untiled run);
-        `sequential` (3-D VAEs): its sink takes frames in order.
+        `sequential` (3-D VAEs): its sink takes frames in order. `backward` (2-D VAEs): the plan of a
+        call that asks for gradients, its `backward` the reverse program's peak and work (`BackwardPlan`;
+        within a memory budget both the forward's and the backward's peaks fit it).
         """
         job = self.job(kind)
         if self.is_video:
@@ -276,6 +289,8 @@ class TiledVAE(ModelWrapper):
                 raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
                                    sequential=sequential)
+        if backward:
+            return gradient.plan(self.settings, job, tuple(shape), tile_size, staging)
         if tile_size is None and staging is None and self.memory_budget is not None:
             return settle(self.settings, job, tuple(shape), streamed=streamed)
         place = None if staging is None else Place.parse(staging, "staging")

@@ -6,6 +6,7 @@ values (`Stage`), and what the run takes from it (`Plan.choices`, a `run.options
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ...memory import format_bytes as fb
 from ...vocabulary import Vocabulary
@@ -125,6 +126,7 @@ class Plan:
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
     staging_floor: int | None = None  # exact tiled plans within a budget: `staging_floor`'s bytes
+    backward: Any = None  # `plan.backward.BackwardPlan` when asked for (`TiledVAE.plan(backward=True)`)
 
     @property
     def device(self) -> str:
@@ -236,6 +238,8 @@ class Plan:
         rows.append(f"  estimated time ~{_ms(self.seconds)} on {self.device} (FLOPs / throughput + launches "
                     f"x launch cost + transfers / link bandwidth)")
         rows.append(f"  estimated device peak {fb(self.peak)}")
+        if self.backward is not None:
+            rows.append(str(self.backward))
         return "\n".join(rows)
 
 

@@ -102,6 +102,7 @@ class RunResult:
     staged_peak: int
     stats: dict[int, Any]  # id(GroupNorm) -> (mean, var)
     probe_stats: dict[tuple[str, int], GroupStats]  # (value, groups) -> statistics over the probe boxes
+    staging: Staging | None = None  # with `keep_staged`: every staged value, open (the caller closes it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,13 +160,19 @@ class _TileRun:
                        disable=not o.progress, leave=False)
             for i, seg in enumerate(self.segs):
                 self._segment(i, seg, stage, bar)
-                for v in [v for v, j in last.items() if j == i]:
+                for v in [v for v, j in last.items() if j == i and not o.keep_staged]:
                     stage.free(v)
             bar.close()
-        finally:
-            peak = stage.peak
+        except BaseException:
             stage.close()
-        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats)
+            raise
+        peak = stage.peak
+        kept = stage if o.keep_staged else None
+        if kept is None:
+            stage.close()
+        else:
+            stage.lane.finish()  # (every copy into the kept values made)
+        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats, kept)
 
     def _segment(self, i: int, seg: Segment, stage: Staging, bar) -> None:
         """Segment i over every tile: its outputs allocated, its halo rows fetched, its tiles run, its

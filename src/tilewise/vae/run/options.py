@@ -59,6 +59,8 @@ class RunOptions:
     heap_slack: int = TRIM_FREE  # disk staging: freed heap kept resident for reuse (bytes, at most)
     stage_dir: str | None = None  # disk staging's folder (None: the system's temporary folder)
     progress: bool = True  # a progress bar over the tiles
+    keep_staged: bool = False  # keep every staged value and hand the staging over (`RunResult.staging`):
+    # the reverse program's checkpoints (`reverse`); the caller closes it
 
     def __post_init__(self):
         object.__setattr__(self, "attention", Attention.parse(self.attention, "attention"))
