@@ -157,3 +157,20 @@ def _manifest(path):
     from tilewise.jobs import read_manifest
 
     return read_manifest(path)
+
+
+def test_within_a_memory_budget_every_bucket_is_encoded_by_the_tiled_vae_planned_within_it(vae):
+    """With a budget the encoder routes every bucket through the TiledVAE, which tiles an image the budget
+    cannot hold untiled (and equals the untiled encode); without one, only buckets past tile_above."""
+    from tilewise.jobs.cache import LatentEncoder
+
+    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    with torch.no_grad():
+        want = vae.encode(x).latent_dist.mean * vae.config.scaling_factor
+    plain = LatentEncoder(vae, EncodeSettings(tile_above=64 * 96, tile_size=4))
+    budgeted = LatentEncoder(vae, EncodeSettings(tile_above=64 * 96, tile_size=4, memory_budget="48MiB"))
+    assert not plain.tiled(64 * 96) and budgeted.tiled(64 * 96)
+    got = budgeted.encode(x)
+    plan = budgeted._tiled_vae().plan(tuple(x.shape), kind="encode")
+    assert plan.grid[0] * plan.grid[1] > 1 and plan.peak <= 48 << 20  # (tiled, within the budget)
+    assert (got - want).abs().max() <= 1e-4 and (plain.encode(x) - want).abs().max() <= 1e-4

@@ -109,7 +109,8 @@ def encode(
     shard_size: Annotated[int, typer.Option(min=1, help="with --buckets: images per shard")] = 64,
     batch_size: Annotated[int, typer.Option(min=1, help="with --buckets: images per VAE call")] = 8,
     tile_above: Annotated[
-        int, typer.Option(min=1, help="with --buckets: buckets of more pixels use the exact tiled encode")
+        int, typer.Option(min=1, help="with --buckets and no --budget: buckets of more pixels use the exact "
+                          "tiled encode (with --budget every bucket is planned within it)")
     ] = 512 * 512,
     ray: RayAddress = None,
     workers: Workers = None,

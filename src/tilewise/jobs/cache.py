@@ -14,7 +14,8 @@ tilewise. A shard per bucket keeps a batch's rows together, and few files instea
 Resumable: the shard plan is a function of the manifest and `shard_size`, each shard is written under a
 temporary name and renamed when complete (`tilewise.atomic`), and a rerun keeps every shard whose file
 is there and names the planned keys; a crash or Ctrl-C loses at most the shards being written, and no row
-is written twice. Images whose bucket is larger than `tile_above` pixels are encoded by the exact tiled
+is written twice. Within a memory budget every bucket is encoded by the exact TiledVAE planned within
+it; without one, images whose bucket is larger than `tile_above` pixels are encoded by the exact tiled
 VAE (`TiledVAE`, equal to the untiled encode), the others by the VAE itself, a batch of the bucket at once.
 """
 
@@ -62,7 +63,8 @@ def plan_shards(manifest: Manifest, shard_size: int) -> list[ShardSpec]:
 
 @dataclass(frozen=True)
 class EncodeSettings:
-    """How the cache encodes: images per VAE call, the tiled VAE's threshold (bucket pixels) and tile."""
+    """How the cache encodes: images per VAE call, the tiled VAE's threshold (bucket pixels; with a
+    memory_budget every bucket goes through the tiled VAE, planned within it) and tile."""
 
     batch_size: int = 8
     tile_above: int = 512 * 512
@@ -82,8 +84,10 @@ class LatentEncoder:
         self._tiled = None
 
     def tiled(self, pixels: int) -> bool:
-        """Whether a bucket of this many pixels goes through the tiled VAE."""
-        return pixels > self.settings.tile_above
+        """Whether a bucket of this many pixels goes through the tiled VAE: every bucket within a
+        memory_budget (the TiledVAE plans each within it: the plain encode where one tile covers the
+        image, tiles where the image is larger than the budget allows), else those past tile_above."""
+        return self.settings.memory_budget is not None or pixels > self.settings.tile_above
 
     def encode(self, x: Any) -> Any:
         """Latent means of a batch, scaled; exact tiled encode when the bucket is past `tile_above`."""
