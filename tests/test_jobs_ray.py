@@ -71,3 +71,27 @@ def test_generate_on_ray_equals_one_process(cluster, tmp_path):
             d = np.abs(np.asarray(x).astype(int) - np.asarray(y).astype(int))
         print(f"{name}: max |one process - ray| {d.max()} of 255, mean {d.mean():.4f}")
         assert d.max() <= 1 and d.mean() < 0.01, name  # float summation order, then 8-bit rounding
+
+
+def test_the_generate_command_with_ray_local_writes_what_one_process_writes(cluster, tmp_path, caplog):
+    """`tilewise generate --prompts FILE --out DIR --ray local` (joining the cluster this module started):
+    the same files as without --ray, one failed line reported with exit code 6."""
+    from tilewise.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("grass\n" + json.dumps({"prompt": "brick", "width": 30}) + "\ngravel\n")
+    codes = {}
+    for name, extra in (("one", []), ("ray", ["--ray", "local", "--workers", "2"])):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompts", str(prompts), "--out", str(tmp_path / name), "--width", "32",
+                  "--height", "32", "--steps", "2", "-q", *extra])
+        codes[name] = e.value.code
+    assert codes == {"one": 6, "ray": 6}  # (the 30 px line fails in both)
+    assert "Dataset" in caplog.text and "execution finished" in caplog.text  # (Ray Data ran the second)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == ["00001.png", "00003.png", "failed.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == names
+    for name in names[:2]:
+        with Image.open(tmp_path / "one" / name) as x, Image.open(tmp_path / "ray" / name) as y:
+            d = np.abs(np.asarray(x).astype(int) - np.asarray(y).astype(int))
+        assert d.max() <= 1 and d.mean() < 0.01, name  # float summation order, then 8-bit rounding
