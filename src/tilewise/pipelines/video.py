@@ -38,7 +38,10 @@ def latent_norm(vae) -> tuple[Any, Any, float]:
     if "latents_mean" in buffers:
         mean, std = buffers["latents_mean"], buffers["latents_std"]
     else:
-        c = int(next(cfg[k] for k in ("z_dim", "latent_channels") if cfg.get(k)))
+        c = next((int(cfg[k]) for k in ("z_dim", "latent_channels") if cfg.get(k)), None)
+        if c is None:
+            raise ValueError(f"{type(vae).__name__}'s config names no latent channels (z_dim, "
+                             "latent_channels)")
         mean = torch.tensor(cfg.get("latents_mean") or [0.0] * c)
         std = torch.tensor(cfg.get("latents_std") or [1.0] * c)
     shape = (1, -1, 1, 1, 1)

@@ -183,13 +183,14 @@ def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
     host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST))  # (every read a copy)
     room = [settings.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
-    plans = []
-    for chosen in {_shortest_first(host.lifetimes, size, room), _spill_longest(host.lifetimes, size, room)}:
-        if chosen and len(chosen) < len(size):  # (all of them: device staging itself)
+    plans, tried = [], []
+    for chosen in (_shortest_first(host.lifetimes, size, room), _spill_longest(host.lifetimes, size, room)):
+        if chosen and len(chosen) < len(size) and chosen not in tried:  # (all of them: device staging)
+            tried.append(chosen)
             plans.append(make_plan(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=chosen)))
     if not plans:
         return None
-    return min(plans, key=lambda q: (q.peak > settings.memory_budget, q.seconds))
+    return min(plans, key=lambda q: (q.peak > settings.memory_budget, q.seconds))  # (a tie: the first)
 
 
 def _shortest_first(lifetimes, size, room) -> frozenset:
