@@ -116,13 +116,20 @@ def test_gpu_settle_takes_the_untiled_run_when_it_fits_and_stays_within_smaller_
     assert all(not u for u, _ in list(kinds.values())[1:])
 
 
-def test_device_plan_places_what_fits_on_the_device_and_the_rest_in_host_memory():
+@contextlib.contextmanager
+def _staged_decode():
+    """Under fake tensors: a narrow SD VAE, a 32x32 latent, and the peaks of its device- and host-staged
+    CUDA plans at tile 8 (hi, lo) with the host-staged wrapper."""
     with fake():
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
         dev = tw.TiledVAE(vae, tile_size=8, staging="device", progress=False, device_kind="cuda")
         host = tw.TiledVAE(vae, tile_size=8, staging="host", progress=False, device_kind="cuda")
-        hi, lo = dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak
+        yield vae, z, dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak, host
+
+
+def test_device_plan_places_what_fits_on_the_device_and_the_rest_in_host_memory():
+    with _staged_decode() as (vae, z, hi, lo, host):
         # (a link slow beside the compute: what host staging moves is not hidden under this small decode's
         # kernels, so placing values on the device pays)
         slow = CUDA.replace(link_bytes_s=5e9)
@@ -302,12 +309,7 @@ def test_staging_floor_is_the_least_any_placement_moves():
 
 
 def test_exact_gpu_plans_print_the_staging_floor_and_move_no_less():
-    with fake():
-        vae = build_vae("sd", torch.float16, "meta", **NARROW)
-        z = torch.randn(1, 4, 32, 32, device="meta", dtype=torch.float16)
-        dev = tw.TiledVAE(vae, tile_size=8, staging="device", progress=False, device_kind="cuda")
-        host = tw.TiledVAE(vae, tile_size=8, staging="host", progress=False, device_kind="cuda")
-        hi, lo = dev.plan(tuple(z.shape)).peak, host.plan(tuple(z.shape)).peak
+    with _staged_decode() as (vae, z, hi, lo, _):
         for budget in (lo, (hi + lo) // 2, 4 * hi):
             tv = tw.TiledVAE(vae, memory_budget=budget, progress=False,
                              device_kind=CUDA.replace(link_bytes_s=5e9))

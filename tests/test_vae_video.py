@@ -295,3 +295,24 @@ def test_drops_into_a_stock_wan_pipeline():
     out = pipe(generator=torch.Generator().manual_seed(1), **call).frames
     assert pipe.vae.plan((1, 4, 2, 4, 6)).grid == (2, 2)
     assert out.shape == ref.shape == (1, 5, 3, 32, 48) and (out - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_a_call_that_asks_for_gradients_is_refused_until_3d_vaes_have_a_backward(kind):
+    """An input that requires grad, or a training VAE with trainable parameters (whose gradients a no-grad
+    run would silently leave at None), is refused by name; under no_grad, or in eval mode, it runs."""
+    import copy
+
+    vae = copy.deepcopy(video_vae("wan2.1"))
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    t = _latent(1, 5, 7) if kind == "decode" else _video(vae, 1, 3, 5)
+    run = tv.decode if kind == "decode" else tv.encode
+    with pytest.raises(RuntimeError, match=f"{kind} of a .*3-D VAE.* has no backward yet"):
+        run(t.clone().requires_grad_(True))
+    vae.train()
+    with pytest.raises(RuntimeError, match="has no backward yet"):
+        run(t)
+    with torch.no_grad():
+        run(t)
+    vae.eval()
+    run(t)  # (nothing asks for gradients)

@@ -48,17 +48,9 @@ def buckets(
     from ..buckets import BucketPlanner, choose_buckets
 
     if dataset is not None:
-        from .batch import bucket_dataset
-
         if request:
             raise BadRequest("give DATASET or --request sizes, not both")
-        result = bucket_dataset(dataset, out, area, step, max_aspect, policy.value, plot, quiet, no_clobber)
-        if plot is not None and result.manifest.rows:  # the cost plot of the buckets the dataset uses
-            prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
-            typer.echo(prof.table())
-            prof.plot(str(plot))
-            typer.echo(f"wrote {plot}")
-        return
+        return _dataset(dataset, out, area, step, max_aspect, policy.value, plot, repeats, quiet, no_clobber)
     if out is not None:
         raise BadRequest("--out applies to buckets DATASET (the manifest); without DATASET, use --report")
 
@@ -88,6 +80,20 @@ def buckets(
         costs = [{"tokens": t.tokens, "seconds": t.median} for t in prof.timings]
         write_text(run_dir / "costs.json", json.dumps(costs, indent=2))
     finish_report(run_dir)
+
+
+def _dataset(dataset: Path, out: Path | None, area: int, step: int, max_aspect: float, policy: str,
+             plot: Path | None, repeats: int, quiet: bool, no_clobber: bool) -> None:
+    """`buckets DATASET --out MANIFEST`: the manifest (`cli.batch`), then the cost plot of the buckets the
+    dataset uses."""
+    from .batch import bucket_dataset
+
+    result = bucket_dataset(dataset, out, area, step, max_aspect, policy, plot, quiet, no_clobber)
+    if plot is not None and result.manifest.rows:
+        prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
+        typer.echo(prof.table())
+        prof.plot(str(plot))
+        typer.echo(f"wrote {plot}")
 
 
 def _assign(planner, requests: list[tuple[int, int]], area: int, step: int,

@@ -89,16 +89,16 @@ def generate(
 
     if (prompt is None) == (prompts is None):
         raise BadRequest("give --prompt TEXT (one image) or --prompts FILE (a batch), one of them")
+    common = dict(width=width, height=height, negative=negative, method=method.value, tile_size=tile,
+                  overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance,
+                  vae_tile=vae_tile, vae_mode=vae_mode.value)  # (the GenerateOptions of every image)
     if prompts is not None:
         if region or frames is not None or report is not None or nproc != 1:
             raise BadRequest("--prompts takes regions in its JSON lines, and no --region, --frames, --report "
                              "or --nproc")
-        opts = dict(width=width, height=height, negative=negative, method=method.value, tile_size=tile,
-                    overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance,
-                    vae_tile=vae_tile, vae_mode=vae_mode.value, progress=not quiet)
-        _batch("generate", prompts, out, model, config, device, {"dtype": dtype, "scheduler": scheduler.value,
-                                                                 "options": opts}, quiet, ray, workers)
-        return
+        opts = {**common, "progress": not quiet}
+        settings = {"dtype": dtype, "scheduler": scheduler.value, "options": opts}
+        return _batch("generate", prompts, out, model, config, device, settings, quiet, ray, workers)
     if ray is not None or workers is not None:
         raise BadRequest("--ray applies to batches: generate --prompts FILE")
 
@@ -112,12 +112,9 @@ def generate(
     _check_size(model, config, width, height, dtype, device, len(regions))
     checks.output_room(out, height, width, 3, 8)
     group, rank = join_ranks(nproc)
-    job = GenerateOptions(
-        prompt, width, height, negative=negative, regions=regions, method=method.value, tile_size=tile,
-        overlap=overlap, batch_size=batch_size, steps=steps, seed=seed, guidance=guidance, vae_tile=vae_tile,
-        vae_mode=vae_mode.value, out=str(out), progress=not (quiet or rank != 0), process_group=group,
-        replace=not no_clobber, frames=frames, tile_frames=tile_frames, frame_overlap=frame_overlap,
-    )
+    job = GenerateOptions(prompt, **common, regions=regions, out=str(out), progress=not (quiet or rank != 0),
+                          process_group=group, replace=not no_clobber, frames=frames, tile_frames=tile_frames,
+                          frame_overlap=frame_overlap)
     loaded = load_pipeline(model, config=config, scheduler=scheduler.value, device=device, dtype=dtype)
     t0 = time.perf_counter()
     res = run_generate(loaded, job)
@@ -249,17 +246,16 @@ def upscale(
     """
     from ..diffusion import UpscaleOptions, run_upscale
 
+    common = dict(scale=scale, strength=strength, tile_size=tile, overlap=overlap, method=method.value,
+                  vae_tile_size=vae_tile, num_inference_steps=steps, seed=seed,
+                  inversion_steps=inversion_steps)  # (the UpscaleOptions of every image)
     if image.is_dir():
         if controlnet is not None or nproc != 1:
             raise BadRequest("upscale DIR takes no --controlnet or --nproc (use --ray for several processes)")
-        opts = dict(scale=scale, strength=strength, tile_size=tile, overlap=overlap, method=method.value,
-                    vae_tile_size=vae_tile, num_inference_steps=steps, seed=seed, disable=quiet,
-                    inversion_steps=inversion_steps)
+        opts = {**common, "disable": quiet}
         UpscaleOptions(**opts)  # checked now, before the model loads
-        _batch("upscale", image, out, model, config, device, {"dtype": dtype, "prompt": prompt,
-                                                              "guidance": guidance, "options": opts},
-               quiet, ray, workers)
-        return
+        settings = {"dtype": dtype, "prompt": prompt, "guidance": guidance, "options": opts}
+        return _batch("upscale", image, out, model, config, device, settings, quiet, ray, workers)
     if ray is not None or workers is not None:
         raise BadRequest("--ray applies to batches: upscale DIR --out DIR")
     from ..pipelines import load_pipeline
@@ -276,9 +272,7 @@ def upscale(
     extra = _controlnet(controlnet, controlnet_scale, device, dtype)
     loaded = load_pipeline(model, config=config, device=device, dtype=dtype)
     cond = loaded.encode(prompt or "", "")
-    job = UpscaleOptions(scale=scale, strength=strength, tile_size=tile, overlap=overlap, method=method.value,
-                         vae_tile_size=vae_tile, num_inference_steps=steps, seed=seed,
-                         disable=quiet or rank != 0, process_group=group, inversion_steps=inversion_steps)
+    job = UpscaleOptions(**common, disable=quiet or rank != 0, process_group=group)
     result = run_upscale(loaded.pipe, src.tensor((0.0, 1.0)), job, guidance_scale=guidance, **extra, **cond)
     if rank == 0:
         _write_upscaled(out, result, src, no_clobber)

@@ -145,18 +145,10 @@ def encode(
     if ray is not None:
         raise BadRequest("--ray applies to encode DATASET --buckets MANIFEST")
     from ..pipelines import VaeFileOptions, load_vae, run_encode_file
-    from ..pipelines.folders import part_config, vae_factor_of
-    from ..pipelines.recipes import check_image_size
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
     checks.model_paths(model, config, vae_folder=True)
-    if _video_vae(model):
-        checks.video_input(image)
-    else:
-        pic = checks.image_input(image, decode=True)
-        f = vae_factor_of(part_config(model, "vae", config))
-        if f is not None:
-            check_image_size(str(image), pic.width, pic.height, f)
+    _check_encode_input(image, model, config)
     checks.budget(budget)
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
@@ -169,6 +161,21 @@ def encode(
     if rank != 0:
         return
     typer.echo(f"{plan}\nwrote {out}")
+
+
+def _check_encode_input(image: Path, model: Path | None, config: Path | None) -> None:
+    """encode's input before the model loads: a video for a 3-D VAE, else an image whose sides are
+    multiples of the VAE's factor (where its config names it)."""
+    from ..pipelines.folders import part_config, vae_factor_of
+    from ..pipelines.recipes import check_image_size
+
+    if _video_vae(model):
+        checks.video_input(image)
+        return
+    pic = checks.image_input(image, decode=True)
+    f = vae_factor_of(part_config(model, "vae", config))
+    if f is not None:
+        check_image_size(str(image), pic.width, pic.height, f)
 
 
 def _latent_channels(cfg: dict | None) -> int | None:

@@ -41,9 +41,6 @@ def check(settings: Settings, job: Job, t) -> None:
         if h % f or w % f:
             raise ValueError(f"video height and width must be multiples of {f} for encode, got {h}x{w}; "
                              f"pad or crop to {h - h % f or f}x{w - w % f or f}")
-    if torch.is_grad_enabled() and t.requires_grad:
-        raise RuntimeError("TiledVAE does not support autograd: tiled paths run under torch.no_grad and "
-                           "would break backward(); use the wrapped VAE directly to train")
 
 
 def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
