@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from vae_support import kl_vae, structured_latent  # noqa: E402
 
 from tilewise.locality import lower  # noqa: E402
-from tilewise.locality.ops import map_box  # noqa: E402
+from tilewise.locality.boxes import map_box  # noqa: E402
 from tilewise.vae.run.executor import Executor, NonFiniteError, all_finite  # noqa: E402
 from tilewise.vae.run.options import RunOptions  # noqa: E402
 from tilewise.vae.run.stats import GroupStats  # noqa: E402
@@ -66,7 +66,7 @@ def test_finite_check_uses_the_sum_and_survives_its_overflow():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.05)])
 def test_group_norm_with_given_statistics_equals_torch(dtype, tol):
-    from tilewise.locality.ops import apply_group_norm
+    from tilewise.locality.affine import apply_group_norm
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(2, 12, 9, 7, generator=g) * 2 + 4).to(dtype)
@@ -79,7 +79,7 @@ def test_group_norm_with_given_statistics_equals_torch(dtype, tol):
 
 @pytest.mark.parametrize("params", ["none", "weight", "both"])
 def test_group_norm_affine_without_weight_or_bias_equals_torch(params):
-    from tilewise.locality.ops import apply_group_norm
+    from tilewise.locality.affine import apply_group_norm
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 12, 9, 7, generator=g) * 2 + 4

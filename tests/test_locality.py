@@ -117,7 +117,8 @@ def test_working_memory_reuse_keeps_values_and_inputs():
     staged value, also through an identity activation that aliases its input."""
     import torch.nn.functional as F
 
-    from tilewise.locality.ops import Add, Conv, GroupNorm, Pointwise, Resample, RunContext, sub_tensor
+    from tilewise.locality.boxes import sub_tensor
+    from tilewise.locality.ops import Add, Conv, GroupNorm, Pointwise, Resample, RunContext
     from tilewise.locality.program import Program
 
     g = torch.Generator().manual_seed(5)
@@ -166,7 +167,7 @@ def test_working_memory_reuse_keeps_values_and_inputs():
 
 
 def test_upsampled_crop_equals_materialised():
-    from tilewise.locality.ops import Upsampled
+    from tilewise.locality.boxes import Upsampled
 
     x = torch.randn(1, 3, 5, 6)
     full = torch.nn.functional.interpolate(x[..., 1:5, 2:6], scale_factor=2.0, mode="nearest")

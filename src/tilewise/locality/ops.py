@@ -1,4 +1,4 @@
-"""The primitive ops of a tile program and their locality; boxes, and how sync ops get their inputs.
+"""The primitive ops of a tile program and their locality, and how sync ops get their inputs.
 
 A value is a (B, C, H, W) tensor. Every op knows, for an output box of its destination value, which box
 of each source value it reads (`input_boxes`, unclipped: parts outside the image are the conv's zero
@@ -6,8 +6,8 @@ padding), and can compute any output box from source tensors that cover at least
 boxes (`run`). Running every op on the full box is the untiled forward; running it on a tile's box with
 explicit zero padding only where the box leaves the image is what makes tiles exact at image borders.
 `RunContext` says where the sync ops (GroupNorm statistics, attention keys and values) take theirs from.
-(One file of a little over 400 lines: every op here is the same three methods over the same box
-arithmetic, and a reader checks one op's `input_boxes` against its `run` side by side.)
+(Every op here is the same three methods over the box arithmetic of `boxes`; a reader checks one op's
+`input_boxes` against its `run` side by side.)
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from ..geometry import Box
 from ..vocabulary import Vocabulary
+from .affine import apply_affine, group_norm_affine
+from .boxes import Upsampled, clip_box, sub_tensor, zero_pad
 from .streamed_attention import heads_view, streamed_attention
 
 
@@ -45,75 +47,6 @@ class OpKind(Vocabulary):
     SLICE = "slice"
     WHOLE = "whole"
     MODULE = "module"
-
-
-def clip_box(box: Box, shape: tuple[int, int]) -> Box:
-    """Intersect a box with the image [0, H) x [0, W)."""
-    y0, y1, x0, x1 = box
-    h, w = shape
-    return max(y0, 0), min(y1, h), max(x0, 0), min(x1, w)
-
-
-def zero_pad(need: Box, inner: Box) -> tuple[tuple[int, int, int, int], bool]:
-    """The zero padding (left, right, top, bottom) a conv reading `need` adds around the part `inner` of
-    it that lies in the image, and whether the conv can add it itself (the same on both sides of each
-    axis, as for the untiled call or a tile spanning the image's width and height): then no padded copy
-    is made (one kernel and one tile-sized buffer fewer)."""
-    pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
-    return pad, pad[0] == pad[1] and pad[2] == pad[3]
-
-
-def union_box(a: Box | None, b: Box) -> Box:
-    """Bounding box of two boxes."""
-    if a is None:
-        return b
-    return min(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3])
-
-
-def box_empty(box: Box) -> bool:
-    """True when the box holds no pixel."""
-    return box[1] <= box[0] or box[3] <= box[2]
-
-
-def box_area(box: Box) -> int:
-    """Pixels in a box (0 when empty)."""
-    return max(0, box[1] - box[0]) * max(0, box[3] - box[2])
-
-
-def map_box(box: Box, ref: tuple[int, int], shape: tuple[int, int]) -> Box:
-    """Map a box on the reference grid to a value of another resolution (floor of the scaled edges)."""
-    y0, y1, x0, x1 = box
-    return y0 * shape[0] // ref[0], y1 * shape[0] // ref[0], x0 * shape[1] // ref[1], x1 * shape[1] // ref[1]
-
-
-def sub_tensor(t, have: Box, want: Box):
-    """Slice the `want` box out of tensor `t` that covers box `have` (want must lie inside have)."""
-    if want[0] < have[0] or want[1] > have[1] or want[2] < have[2] or want[3] > have[3]:
-        raise AssertionError(f"box {want} is not inside the computed box {have}")
-    if isinstance(t, Upsampled):
-        return t.crop(have, want)
-    return t[..., want[0] - have[0] : want[1] - have[0], want[2] - have[2] : want[3] - have[2]]
-
-
-@dataclass
-class Upsampled:
-    """A nearest-upsampled box not materialised: `crop` computes just the part a reader asks for.
-
-    Used when a Resample's only reader is the convolution right after it (diffusers' Upsample2D): the
-    convolution reads its input in row bands, so only a band of the upsampled value ever exists
-    (at 1024 px the upsampled tile is ~70 MiB; the band a few MiB). Values are those of Resample.run.
-    """
-
-    source: Any  # tensor covering box `src_box` of the resample's input
-    src_box: Box
-    scale: int
-
-    def crop(self, have: Box, want: Box):
-        s = self.scale
-        need = (want[0] // s, (want[1] - 1) // s + 1, want[2] // s, (want[3] - 1) // s + 1)
-        x = sub_tensor(self.source, self.src_box, need)
-        x = F.interpolate(x, scale_factor=float(s), mode="nearest")
-        return sub_tensor(x, (need[0] * s, need[1] * s, need[2] * s, need[3] * s), want)
 
 
 @dataclass
@@ -402,49 +335,6 @@ class AttentionCore(Op):
 
     def describe(self):
         return f"attention heads={self.heads}"
-
-
-def apply_group_norm(x, stats, groups, eps, weight, bias, out=None):
-    """GroupNorm with given per-(batch, group) mean and variance (float64): one per-channel affine
-    y = a x + s with a = weight rstd, s = bias - a mean, computed in float32 (or wider) and rounded once
-    to x's dtype. out=x overwrites x with the same values."""
-    return apply_affine(x, group_norm_affine(stats, groups, eps, weight, bias, x.dtype, x.shape[1]), out=out)
-
-
-def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
-    """(a, s): GroupNorm with statistics (mean, var) (float64, (B, groups)) as the per-channel affine
-    y = a x + s, (B, C, 1, 1) tensors in float32 or wider: the group's r = (var + eps)^-1/2 and r mean in
-    float64, both spread to the channels and rounded once, then a = r weight and s = bias - r mean weight
-    (six kernels with weight and bias; computed once per GroupNorm and run)."""
-
-    mean, var = stats
-    b, cg = mean.shape[0], channels // groups
-    r = torch.empty((2, b, groups), dtype=torch.float64, device=mean.device)
-    torch.rsqrt(var + eps, out=r[0])
-    torch.mul(r[0], mean, out=r[1])
-    dt = torch.promote_types(dtype, torch.float32)
-    rc = torch.empty((2, b, groups, cg), dtype=dt, device=mean.device)
-    rc.copy_(r.unsqueeze(-1).expand(2, b, groups, cg))  # (one kernel: spread and rounded)
-    rc = rc.view(2, b, channels)
-    if weight is None:
-        a, s = rc[0], rc[1].neg()
-    elif bias is None:
-        a, s = rc[0] * weight, (rc[1] * weight).neg_()
-    else:
-        a, s = rc[0] * weight, torch.addcmul(bias, rc[1], weight, value=-1)
-    return a.view(-1, channels, 1, 1), s.view(-1, channels, 1, 1)
-
-
-def apply_affine(x, affine, out=None):
-    """y = a x + s per channel (`group_norm_affine`) in one kernel, in float32 or wider, stored in x's
-    dtype; into `out` (x itself is allowed) or a new tensor in x's memory layout."""
-
-    a, s = affine
-    if torch.is_grad_enabled() and (a.requires_grad or x.requires_grad):  # (out= has no autograd)
-        return (x * a + s).to(x.dtype)
-    if out is None:
-        out = torch.empty_like(x)
-    return torch.addcmul(s, x, a, out=out)
 
 
 @dataclass

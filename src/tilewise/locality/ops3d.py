@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .ops import Op, OpKind, Resample, RunContext, box_area, clip_box, sub_tensor
+from .boxes import box_area, clip_box, sub_tensor
+from .ops import Op, OpKind, Resample, RunContext
 
 
 def frames_of(op: Op, ts: list[int], step: int) -> int:

@@ -12,7 +12,8 @@ from fractions import Fraction
 
 import torch
 
-from .ops import Op, OpKind, clip_box, sub_tensor
+from .boxes import clip_box, sub_tensor
+from .ops import Op, OpKind
 
 EVERYWHERE = 1 << 40  # (a box beyond any image: clipped to the whole of it)
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from ..geometry import Box
 from ..vocabulary import Vocabulary
-from .ops import Op, OpKind, RunContext, Upsampled, clip_box, union_box
+from .boxes import Upsampled, clip_box, union_box
+from .ops import Op, OpKind, RunContext
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ...geometry import Box
-from ...locality.ops import OpKind, RunContext, box_empty, map_box, sub_tensor
+from ...locality.boxes import box_empty, map_box, sub_tensor
+from ...locality.ops import OpKind, RunContext
 from ...locality.program import Program, back_propagate, last_use, run_op, split_segments
 from ..run.bands import band_rows, row_local, run_bands
 from ..run.executor import ExecContext

@@ -14,7 +14,8 @@ import logging
 from typing import Any
 
 from ...distributed import broadcast, rank_world
-from ...locality.ops import OpKind, map_box
+from ...locality.boxes import map_box
+from ...locality.ops import OpKind
 from ...locality.program import Program
 from ..run.executor import Executor, tile_grid
 from ..run.options import Choices, RunOptions

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...locality.ops import OpKind, box_area, box_empty, map_box
+from ...locality.boxes import box_area, box_empty, map_box
+from ...locality.ops import OpKind
 from ...locality.program import SegmentKind, back_propagate
 from ...memory import format_bytes
 from ..fast.split import fixed_ops

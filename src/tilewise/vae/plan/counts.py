@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from ...locality.ops import OpKind, box_area, clip_box, map_box, zero_pad
+from ...locality.boxes import box_area, clip_box, map_box, zero_pad
+from ...locality.ops import OpKind
 from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
 from ..run.bands import band_rows, row_local, tile_bands, working_bytes

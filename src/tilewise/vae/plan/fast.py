@@ -9,7 +9,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ...locality.ops import OpKind, box_area, map_box
+from ...locality.boxes import box_area, map_box
+from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
 from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program

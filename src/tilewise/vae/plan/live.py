@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ...locality.ops import OpKind, box_area, clip_box, zero_pad
+from ...locality.boxes import box_area, clip_box, zero_pad
+from ...locality.ops import OpKind
 from ...locality.program import last_use
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ...geometry import Box
-from ...locality.ops import OpKind, box_area, box_empty, map_box, sub_tensor
+from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
+from ...locality.ops import OpKind
 from ...locality.program import Segment, SegmentKind, back_propagate, run_op
 from .staging import Staging
 

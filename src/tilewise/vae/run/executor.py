@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from ...distributed import rank_world
 from ...geometry import Box, TileGrid
-from ...locality.ops import Op, OpKind, RunContext, box_area, box_empty, map_box, sub_tensor
+from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
+from ...locality.ops import Op, OpKind, RunContext
 from ...locality.program import Program, Segment, SegmentKind, back_propagate, last_use, split_segments
 from ..settings import Attention
 from .attention import keys_values, query_grid

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ...locality.ops import OpKind, RunContext, box_empty, map_box, sub_tensor
+from ...locality.boxes import box_empty, map_box, sub_tensor
+from ...locality.ops import OpKind, RunContext
 from ...locality.program import SegmentKind, back_propagate
 from .executor import Executor, tile_grid
 from .staging import Staging

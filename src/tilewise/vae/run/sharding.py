@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import _comm_device, _global, all_gather_cat, all_merge_moments, shard
-from ...locality.ops import box_empty, map_box
+from ...locality.boxes import box_empty, map_box
 from ...locality.program import SegmentKind, back_propagate
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ...distributed import all_reduce_sum, rank_world
-from ...locality.ops import OpKind, box_empty, map_box, sub_tensor
+from ...locality.boxes import box_empty, map_box, sub_tensor
+from ...locality.ops import OpKind
 from ...locality.ops3d import StepContext
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...locality.ops import OpKind, box_area
+from ...locality.boxes import box_area
+from ...locality.ops import OpKind
 from ...locality.program import SegmentKind
 from ...memory import format_bytes
 from ..run.executor import tile_grid
