@@ -131,3 +131,24 @@ def test_return_dict_output_class():
     assert type(got) is type(want)
     assert (got.sample - want.sample).abs().max() <= 1e-5
     assert (got.audio_sample - want.audio_sample).abs().max() <= 1e-5
+
+
+def test_image_to_video_per_token_timestep():
+    """LTX2ImageToVideoPipeline's call: the video timestep per token (0 on the first frame's), the audio's
+    per row; one tile equals the untiled call, several tiles give its shapes."""
+    tr = ltx2()
+    frames, h, w = 3, 5, 7
+    kw = inputs(tr, frames, h, w)
+    t = kw["timestep"]
+    mask = torch.zeros(2, frames * h * w)
+    mask[:, : h * w] = 1  # the conditioning (first) frame's tokens
+    kw |= {"timestep": t[:, None] * (1 - mask), "audio_timestep": t, "sigma": t}
+    want = call(tr, kw)
+    one = call(TiledDenoiser(tr, tile_size=(5, 7), overlap=0), kw)
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(one, want, strict=True))
+    seen = []
+    handle = tr.time_embed.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    got = call(TiledDenoiser(tr, tile_size=4, overlap=2), kw)
+    handle.remove()
+    assert [v.shape for v in got] == [v.shape for v in want]
+    assert len(seen) > 1 and all(s.numel() < kw["timestep"].numel() for s in seen)  # the tiles' tokens
