@@ -81,6 +81,8 @@ def test_tiles_shapes_and_audio_error(frames, h, w, capsys):
         print(f"\nLTX-2 {frames}x{h}x{w}, 4x4 tiles overlap 2: relative error video {err_v:.3g}, "
               f"audio (mean of tiles) {err_a:.3g}")
     assert err_a > 0  # the audio is an approximation: recorded, not bounded
+    batched = call(TiledDenoiser(tr, tile_size=4, overlap=2, method="mixture", batch_size=3), kw)
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(batched, got, strict=True))  # tiles per call
 
 
 def test_isolated_audio_is_exact():
