@@ -10,6 +10,12 @@ it refuses. Every other argument is per-row conditioning (a tensor whose leading
 goes to every tile unchanged. `GridAdapter` runs any such entry: the fusion core sees the latent as a
 (B, C, [T,] H, W) grid in latent pixels and gets predictions back on it.
 
+`fill` makes what the model would make for the whole latent when the call passes none (LTX-2's
+video_coords, from its rope), so that tiles take theirs from it. `stream` names a second output that is not
+on the grid (LTX-2's audio, which attends every video token): every tile call gets the whole audio input
+and predicts it, and the output is the tiles' mean (option `audio="mean"`, an approximation exact with one
+tile or when the stream sees no video, `isolate_modalities=True`; `audio="exact"` refuses the rest).
+
 With `positions="global"`, positions computed inside the model or passed without a batch dimension are
 one set per call, so each tile is its own model call (its rows batched); `positions="tile"`: tokens
 numbered as a tile's own (the model computes them for the tile's size; passed positions are the
