@@ -75,6 +75,9 @@ class TiledDenoiser(ModelWrapper):
     Videos ((B, C, T, H, W) latents, `adapters.families`): tiles cover every frame; `tile_frames` (latent
     frames, a multiple of the model's temporal patch) and `frame_overlap` add overlapping frame windows,
     fused like tiles ("multidiffusion", "mixture").
+    `audio` (LTX-2, whose audio stream attends every video token): "mean" returns the tiles' audio
+    predictions averaged, an approximation (exact with one tile, or with isolate_modalities=True, where the
+    audio sees no video); "exact" refuses a call on several tiles that is not exact.
     Gradients (`tilewise.diffusion.gradients`): a call that autograd records (grad mode on, and the
     latent, a conditioning tensor or a parameter of the model or of a TiledControlNet's ControlNet requires
     grad) is differentiable and exact, the gradient of the fused prediction; `backward="recompute"` runs
@@ -108,6 +111,7 @@ class TiledDenoiser(ModelWrapper):
         tile_frames: int | None = None,
         frame_overlap: int = 0,
         backward: str = "recompute",
+        audio: str = "mean",
     ) -> None:
         super().__init__()
         if not isinstance(unet, torch.nn.Module) or isinstance(unet, TiledDenoiser):
@@ -122,7 +126,7 @@ class TiledDenoiser(ModelWrapper):
         self.vae_scale_factor, self.cfg = vae_scale_factor, cfg
         # how this model family is called on a tile (tilewise.diffusion.adapters)
         self.adapter = adapter_for(unet, micro_conditioning=micro_conditioning,
-                                   vae_scale_factor=vae_scale_factor, positions=positions)
+                                   vae_scale_factor=vae_scale_factor, positions=positions, audio=audio)
         self.positions = positions
         self.tile_frames, self.frame_overlap = tile_frames, frame_overlap
         self.align = self.adapter.align(unet) if align is None else align

@@ -8,9 +8,11 @@ latent's shape (hooked per tile for `positions="global"`: `adapters.positions`).
 
 from __future__ import annotations
 
+import torch
+
 from .joint import Joint
 from .positions import MethodSource, ModuleSource, take_tokens
-from .spec import Spec
+from .spec import Spec, Stream
 
 ROPE = (ModuleSource("rope"),)  # a rotary table computed from the latent's shape by `model.rope`
 CONTROL = "(ControlNet residuals of this family) are not tiled yet; run its ControlNet pipeline untiled"
@@ -55,6 +57,23 @@ def _token_replace(c, inputs):
         return ("(image_condition_type='token_replace', HunyuanVideo I2V) modulates the first latent frame's "
                 "tokens as the image's; every frame window would take its own first frame for it")
     return None
+
+
+def _ltx2_coords(model, given):
+    """LTX-2's video_coords for the whole latent, as its forward makes them when the call passes none."""
+    sizes = [given.get(k) for k in ("num_frames", "height", "width")]
+    x = given.get("hidden_states")
+    if given.get("video_coords") is not None or x is None or any(not isinstance(s, int) for s in sizes):
+        return {}
+    return {"video_coords": model.rope.prepare_video_coords(x.shape[0], *sizes, x.device,
+                                                            fps=given.get("fps", 24.0))}
+
+
+def _per_token(v, idx, n):
+    """A value per video token along axis 1 (per-token sigma) at the tile's tokens; a per-row one whole."""
+    if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == n:
+        return v.index_select(1, idx.to(v.device))
+    return v
 
 
 def _allegro_rope(v, idx, n):
@@ -117,6 +136,16 @@ SPECS: tuple[Spec, ...] = (
          layout="tokens", sizes=("num_frames", "height", "width"), tokens={"video_coords": 2, "timestep": 1},
          batched_tokens=("video_coords", "timestep"),
          sources=(ModuleSource("rope", sizes=("num_frames", "height", "width"), unless="video_coords"),)),
+    # LTX-2: LTX-Video's packed video tokens and video_coords rows (made for the whole latent by its rope
+    # when the call passes none), per-token timesteps and sigma (I2V); the audio latent, prompt and coords
+    # per row for every tile, its prediction the tiles' mean (`audio=`; `Stream`)
+    Spec("ltx2", ("LTX2VideoTransformer3DModel",), lambda c: (c.patch_size_t, c.patch_size, c.patch_size),
+         layout="tokens", sizes=("num_frames", "height", "width"),
+         tokens={"video_coords": 2, "timestep": 1, "sigma": _per_token, "video_keyframes_mask": 1},
+         batched_tokens=("video_coords", "timestep", "sigma", "video_keyframes_mask"), fill=_ltx2_coords,
+         stream=Stream(1, "audio_sample", exact_when="isolate_modalities"),
+         refused={"video_self_attention_mask": "(IC-LoRA: a mask over every pair of video tokens) is not "
+                                               "tiled yet; run the IC-LoRA pipeline untiled"}),
     # Kandinsky 5 (video and image) and 6: channels-last (B, T, H, W, C); positions the pipeline passes
     # per axis (`visual_rope_pos`, Kandinsky 6: made for the whole latent when not passed)
     Spec("kandinsky5", ("Kandinsky5Transformer3DModel",), _wan_patch, layout="bthwc",
@@ -211,8 +240,6 @@ REFUSED: dict[str, str] = {
     "HunyuanVideoFramepackTransformer3DModel": "its history latents (clean, 2x, 4x) are packed with their "
                                                "own rotary positions beside the latent's tokens; not tiled "
                                                "yet",
-    "LTX2VideoTransformer3DModel": "its audio stream attends every video token and is predicted with it; "
-                                   "not tiled yet (LTX-Video 0.9 is)",
     "WanAnimate2Transformer3DModel": "its call takes lists of per-sample latents with a KV cache of "
                                      "reference segments (offset_grid_sizes, origin_area); not tiled yet "
                                      "(Wan 2.2 Animate, WanAnimateTransformer3DModel, is)",

@@ -10,6 +10,12 @@ it refuses. Every other argument is per-row conditioning (a tensor whose leading
 goes to every tile unchanged. `GridAdapter` runs any such entry: the fusion core sees the latent as a
 (B, C, [T,] H, W) grid in latent pixels and gets predictions back on it.
 
+`fill` makes what the model would make for the whole latent when the call passes none (LTX-2's
+video_coords, from its rope), so that tiles take theirs from it. `stream` names a second output that is not
+on the grid (LTX-2's audio, which attends every video token): every tile call gets the whole audio input
+and predicts it, and the output is the tiles' mean (option `audio="mean"`, an approximation exact with one
+tile or when the stream sees no video, `isolate_modalities=True`; `audio="exact"` refuses the rest).
+
 With `positions="global"`, positions computed inside the model or passed without a batch dimension are
 one set per call, so each tile is its own model call (its rows batched); `positions="tile"`: tokens
 numbered as a tile's own (the model computes them for the tile's size; passed positions are the
@@ -32,6 +38,8 @@ from .positions import Geometry, method_inputs, module_hooks, take_tokens, token
 from .spec import LAYOUTS, Spec
 from .transformer import TransformerAdapter, bind_call
 
+AUDIO = ("mean", "exact")  # a stream output (LTX-2's audio): the tiles' mean, or refused unless exact
+
 __all__ = ["AxisPositions", "Frames", "GridAdapter", "GridLayout", "PerTile", "RowsAt", "Spatial", "Spec",
            "Tokens"]
 
@@ -48,6 +56,8 @@ class GridLayout:
     names: tuple[str, ...] = ()  # the model's sample and timestep arguments (UNets)
     config: Any = None  # the model's config (a resampled input's patch)
     prefix_out: Any = None  # a joint sequence's output before the target's tokens (`adapters.joint`)
+    stream_sum: Any = None  # a stream output (`Spec.stream`): the sum of the tile calls' predictions
+    stream_n: int = 0  # how many tile calls (each on all rows) it sums
 
     @property
     def post(self) -> tuple[int, ...]:
@@ -114,8 +124,11 @@ class GridLayout:
 class GridAdapter(TransformerAdapter):
     """A transformer family declared by a `Spec` (see the module docstring)."""
 
-    def __init__(self, spec: Spec, positions: str = "global", **options: Any) -> None:
+    def __init__(self, spec: Spec, positions: str = "global", audio: str = "mean", **options: Any) -> None:
         super().__init__(positions)  # micro_conditioning, vae_scale_factor: other families' options
+        if audio not in AUDIO:
+            raise ValueError(f"audio={audio!r}: expected one of {AUDIO}")
+        self.audio = audio
         self.spec, self.family, self.classes = spec, spec.family, spec.classes
         self.sample_arg, self.timestep_arg, self.prompt_arg = spec.sample, spec.timestep, spec.prompt
         self.pooled_arg, self.refused = spec.pooled, spec.refused
@@ -123,6 +136,9 @@ class GridAdapter(TransformerAdapter):
         # one set of positions per model call: tiles at different places each get their own call
         inside = positions == "global" and bool(spec.sources or unbatched)
         self.shares_positions = spec.one_call_per_tile or inside
+        if spec.stream is not None:
+            self.no_regions = ("its audio stream is predicted with the whole prompt's video; a region's "
+                               "prompt would predict another audio for its rows")
         if spec.joint is not None:
             self.no_regions = ("its prompt is a vision-language sequence whose slots and mask (img_mask) "
                                "belong to that prompt; a region's embeddings have neither")
@@ -144,6 +160,8 @@ class GridAdapter(TransformerAdapter):
         name, spec = type(model).__name__, self.spec
         given = bind_call(model, args, kwargs)
         self.refuse(name, given)
+        if spec.fill is not None:  # what the model would make for the whole latent, made so
+            given.update({k: v for k, v in spec.fill(model, given).items() if given.get(k) is None})
         x = given[spec.sample]
         ndim = {"bchw": 4, "tokens": 3}.get(spec.layout, 5)
         if not isinstance(x, torch.Tensor) or x.ndim != ndim:
@@ -223,11 +241,30 @@ class GridAdapter(TransformerAdapter):
             out = model(**inputs, **{spec.timestep: t}, **kw, return_dict=call.return_dict)
         if lay.out_type is None:
             lay.out_type = type(out)
+        if spec.stream is not None:
+            self._stream(lay, out, kw, boxes, rows, call.sample.shape[0])
         if not isinstance(out, torch.Tensor):  # Kandinsky 5 returns its prediction bare
             out = out[0] if isinstance(out, tuple) else out.sample
         if spec.joint is not None:
             out = joint.target(lay, out, n, rows, call.sample.shape[0])
         return lay.canonical(out, "the prediction", x.shape[2:])
+
+    def _stream(self, lay: GridLayout, out, kw: dict, boxes, rows: int, batch: int) -> None:
+        """Sum a stream output (`Spec.stream`) of tile calls on all rows, one per tile, for `output`."""
+        st = self.spec.stream
+        exact = bool(kw.get(st.exact_when)) if st.exact_when else False
+        whole = tuple(c for side in lay.sides for c in (0, side))
+        if self.audio == "exact" and not exact and any(tuple(b) != whole for b in boxes):
+            raise NotImplementedError(
+                f"audio='exact': {st.name} attends every video token, which no tile of {lay.sides} holds "
+                f"(tile {boxes[0]}); use one tile covering the latent, {st.exact_when}=True, or "
+                "audio='mean' (the tiles' predictions averaged, an approximation)")
+        if rows != batch:  # a probe on fewer rows: not a prediction of the call's
+            return
+        value = out[st.index] if isinstance(out, tuple) else getattr(out, st.name)
+        total = value.reshape(len(boxes), rows, *value.shape[1:]).sum(0)
+        lay.stream_sum = total if lay.stream_sum is None else lay.stream_sum + total
+        lay.stream_n += len(boxes)
 
     def _tile_timestep(self, lay: GridLayout, t, boxes):
         """Per-token timesteps at the tiles' tokens, per-frame ones for their frame window."""
@@ -265,6 +302,10 @@ class GridAdapter(TransformerAdapter):
             value = joint.with_prefix(lay, value)
         if issubclass(lay.out_type, torch.Tensor):
             return value
+        extra = {}
+        if self.spec.stream is not None:  # the tiles' mean (with one tile: its own prediction)
+            s = lay.stream_sum if lay.stream_n == 1 else lay.stream_sum / lay.stream_n
+            extra[self.spec.stream.name] = s
         if not call.return_dict:
-            return (value,)
-        return lay.out_type(sample=value)
+            return (value, *extra.values())
+        return lay.out_type(sample=value, **extra)

@@ -45,3 +45,18 @@ class Spec:
     # (config, the call's inputs by name, None when the wrapper is built) -> why frame windows (tile_frames)
     # cannot be used with this model or these inputs (None: they can)
     refuse_frames: Callable[[Any, dict | None], str | None] | None = None
+    # (model, the call's inputs by name) -> inputs the model would make for the whole latent when the call
+    # passes none (LTX-2's video_coords), made so that tiles take theirs from them
+    fill: Callable[[Any, dict], dict] | None = None
+    stream: Stream | None = None  # a second, non-spatial output predicted with the latent (LTX-2's audio)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A non-spatial output stream every tile call predicts whole (LTX-2's audio): `index` in the tuple
+    output, `name` of the output class' field; `exact_when`: the boolean argument that makes it independent of
+    the latent (then every tile predicts it exactly)."""
+
+    index: int
+    name: str
+    exact_when: str | None = None
