@@ -35,7 +35,9 @@ def test_video_families_that_cannot_be_tiled_exactly_are_refused_at_construction
 BY_NAME = {
     "AutoencoderOobleck": "an audio VAE", "AutoencoderKLLTX2Audio": "an audio VAE",
     "AutoencoderKLKVAEAudio": "an audio VAE", "AutoencoderKLMiniMaxH3Audio": "an audio VAE",
-    "AutoencoderSAME": "an audio VAE", "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
+    "AutoencoderSAME": "an audio VAE", "Cosmos3AVAEAudioTokenizer": "an audio VAE",
+    "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
+    "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
     "AutoencoderRAE": "its encoder is a pretrained ViT", "AutoencoderKLQwenImage21": "its causal loop",
     "AutoencoderKLKVAEVideo": "its GroupNorms",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
