@@ -38,7 +38,8 @@ BY_NAME = {
     "AutoencoderSAME": "an audio VAE", "Cosmos3AVAEAudioTokenizer": "an audio VAE",
     "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
-    "AutoencoderRAE": "its encoder is a pretrained ViT", "AutoencoderKLQwenImage21": "its causal loop",
+    "AutoencoderRAE": "its encoder is a pretrained ViT",
+    "AutoencoderKLQwenImage21": "an image VAE in a video's layout",
     "AutoencoderKLKVAEVideo": "its GroupNorms",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
 }

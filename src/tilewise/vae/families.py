@@ -86,9 +86,9 @@ FAMILIES: dict[str, Family] = {
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
     "AutoencoderKLQwenImage21": Family(video=True, refused=(
-        "its causal loop (QwenImage21CausalConv3d, a Conv2d over folded frames, with a feature cache per "
-        "chunk) is not reached by the traced lowering, and the hand lowering of Wan / Qwen-Image "
-        "(locality.lowering3d) does not cover its blocks yet; use the wrapped VAE")),
+        "an image VAE in a video's layout (B, C, 1, H, W): its convolutions (QwenImage21CausalConv3d) are "
+        "2-D ones on the single frame, which neither the video lowering (frames) nor the 2-D path (4-D "
+        "values) takes yet; use the wrapped VAE")),
     "AutoencoderKLKVAEVideo": Family(video=True, refused=(
         "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
         "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "
