@@ -1,6 +1,7 @@
 """Video VAE families as table entries (`tilewise.vae.families`): the ones traced from what they compute
 decode and encode exactly (`test_vae_video.py`); the others are refused when the TiledVAE is built, by
-name, with the call and module path that cannot be tiled and why (never accepted and failing later)."""
+name, with the call and module path that cannot be tiled and why, or by their table entry's reason
+(audio VAEs, ViT decoders, causal loops not lowered yet): never accepted and failing later."""
 
 import pytest
 
@@ -27,3 +28,28 @@ REFUSED = {
 def test_video_families_that_cannot_be_tiled_exactly_are_refused_at_construction(name):
     with pytest.raises(LoweringError, match=REFUSED[name]):
         tw.TiledVAE(refused_family(name), progress=False)
+
+
+# classes refused by name from the families' table (the reason is theirs, not a failed trace): built with
+# their default configs on the meta device (nothing is computed; the refusal comes before any lowering)
+BY_NAME = {
+    "AutoencoderOobleck": "an audio VAE", "AutoencoderKLLTX2Audio": "an audio VAE",
+    "AutoencoderKLKVAEAudio": "an audio VAE", "AutoencoderKLMiniMaxH3Audio": "an audio VAE",
+    "AutoencoderSAME": "an audio VAE", "Cosmos3AVAEAudioTokenizer": "an audio VAE",
+    "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
+    "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
+    "AutoencoderRAE": "its encoder is a pretrained ViT",
+    "AutoencoderKLQwenImage21": "an image VAE in a video's layout",
+    "AutoencoderKLKVAEVideo": "its GroupNorms",
+    "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
+}
+
+
+@pytest.mark.parametrize("cls", sorted(BY_NAME))
+def test_families_refused_by_name_are_refused_at_construction_with_the_reason(cls):
+    import diffusers
+
+    with torch.device("meta"):
+        vae = getattr(diffusers, cls)()
+    with pytest.raises(LoweringError, match=f"TiledVAE cannot tile {cls}: {BY_NAME[cls]}"):
+        tw.TiledVAE(vae, progress=False)

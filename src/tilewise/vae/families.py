@@ -67,8 +67,8 @@ def _ltx_check(vae) -> str:
 
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
-UNVERIFIED = ("a 3-D VAE whose tiled decode and encode are not yet tested against the stock VAE (never "
-              "accepted before they are); use the wrapped VAE")
+AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents over time), not images or "
+         "videos; TiledVAE tiles image and video VAEs only; use the wrapped VAE")
 FAMILIES: dict[str, Family] = {
     "AutoencoderKL": KL,
     "AutoencoderTiny": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latents, encoded="tiny"),
@@ -85,8 +85,32 @@ FAMILIES: dict[str, Family] = {
     **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
-    **{name: Family(video=True, refused=UNVERIFIED) for name in (
-        "AutoencoderKLQwenImage21", "AutoencoderKLMiniMaxH3", "AutoencoderKLKVAEVideo")},
+    "AutoencoderKLQwenImage21": Family(video=True, refused=(
+        "an image VAE in a video's layout (B, C, 1, H, W): its convolutions (QwenImage21CausalConv3d) are "
+        "2-D ones on the single frame, which neither the video lowering (frames) nor the 2-D path (4-D "
+        "values) takes yet; use the wrapped VAE")),
+    "AutoencoderKLKVAEVideo": Family(video=True, refused=(
+        "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
+        "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "
+        "wrapped VAE")),
+    "AutoencoderVidTok": Family(video=True, refused=(
+        "its encoder and decoder run a chunked causal loop over frames whose layers carry caches between "
+        "chunks (VidTokEncoder3D / VidTokDecoder3D), which the lowering does not reach yet; use the "
+        "wrapped VAE")),
+    # 2-D VAEs traced as their decode and encode compute (tested exact against the stock VAE)
+    **{name: KL for name in ("AutoencoderKLFlux2", "AutoencoderKLKVAE", "AutoencoderKLHunyuanImage")},
+    **{name: Family(refused=AUDIO) for name in (
+        "AutoencoderOobleck", "AutoencoderKLLTX2Audio", "AutoencoderKLKVAEAudio",
+        "AutoencoderKLMiniMaxH3Audio", "AutoencoderSAME", "Cosmos3AVAEAudioTokenizer", "MMAudioVAE",
+        "LongCatAudioDiTVae")},
+    "AutoencoderKLMiniMaxH3": Family(video=True, refused=(
+        "its decoder is a ViT (MiniMaxH3VideoViTDecoder3d: full self-attention over every latent voxel of a "
+        "clip, with register tokens), so each output pixel reads the whole clip: no tile program reproduces "
+        "it; use the wrapped VAE")),
+    "AutoencoderRAE": Family(refused=(
+        "its encoder is a pretrained ViT (DINOv2 / SigLIP / MAE) on an image resized to encoder_input_size "
+        "and its decoder a ViT with global self-attention over every patch: no tile program reproduces them; "
+        "use the wrapped VAE")),
     "AutoencoderKLAllegro": Family(video=True, refused=(
         "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
         "enable_tiling); use the wrapped VAE")),
