@@ -42,6 +42,8 @@ BY_NAME = {
     "AutoencoderKLQwenImage21": "an image VAE in a video's layout",
     "AutoencoderKLKVAEVideo": "its GroupNorms",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
+    "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",
+    "Kandinsky6SRVAE": "its causal convolutions carry their padding state",
 }
 
 
@@ -52,4 +54,11 @@ def test_families_refused_by_name_are_refused_at_construction_with_the_reason(cl
     with torch.device("meta"):
         vae = getattr(diffusers, cls)()
     with pytest.raises(LoweringError, match=f"TiledVAE cannot tile {cls}: {BY_NAME[cls]}"):
+        tw.TiledVAE(vae, progress=False)
+
+
+def test_a_protein_autoencoder_is_refused_by_name():
+    # (RFD4ProteinaAutoencoder is built only from its residue tables; a module of its class name stands in)
+    vae = type("RFD4ProteinaAutoencoder", (torch.nn.Module,), {})()
+    with pytest.raises(LoweringError, match="cannot tile RFD4ProteinaAutoencoder: a protein autoencoder"):
         tw.TiledVAE(vae, progress=False)

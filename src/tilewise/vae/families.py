@@ -117,6 +117,17 @@ FAMILIES: dict[str, Family] = {
     "ConsistencyDecoderVAE": Family(refused=(
         "its decoder is a diffusion model (a UNet run for num_inference_steps steps from noise), not one "
         "pass of local operators: no tile program reproduces it; decode with the wrapped VAE")),
+    "LTX2VideoDiffusionDecoderModel": Family(video=True, refused=(
+        "it is a diffusion decoder (LTX-2.5: pixels denoised over steps from noise, conditioned on the "
+        "latents, by LTX2VideoDiffusionDecodePipeline), not one pass of local operators: no tile program "
+        "reproduces it; decode with the wrapped model")),
+    "Kandinsky6SRVAE": Family(video=True, refused=(
+        "its causal convolutions carry their padding state between 16-frame segments (a chunked loop "
+        "with caches, Kandinsky6SRCausalConv3d), which the lowering does not reach yet; use the wrapped "
+        "VAE")),
+    "RFD4ProteinaAutoencoder": Family(refused=(
+        "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
+        "not images or videos")),
     "AutoencoderKLTemporalDecoder": Family(refused=(
         "its decoder mixes the frames of num_frames (temporal convolutions and blending across the batch), "
         "which the tile programs do not lower yet; use the wrapped VAE")),
