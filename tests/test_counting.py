@@ -263,11 +263,11 @@ def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
     # (budget: the sampled tiles do not fit at once and run staged, one at a time, on regions
     # back-propagated through the whole part, with no finite checks; host staging, and tiles at the
     # image border whose convolutions pad an upsampled input: it dies before the convolution's output
-    # is made, as the plan has it)
+    # is made, as the plan has it; the sample given, so the plan does not sample fewer tiles instead)
     with fake():
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         tv = tw.TiledVAE(vae, mode="fast", tile_size=16, fast_low=fast_low, memory_budget=budget,
-                         progress=False, device_kind="cuda")
+                         progress=False, device_kind="cuda", fast_sample=0.5 if budget else None)
         t = torch.randn(1, 4, 64, 64) if kind == "decode" else torch.randn(1, 3, 256, 256)
         t = t.to("meta", torch.float16)
         plan = tv.plan(tuple(t.shape), kind=kind)

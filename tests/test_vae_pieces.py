@@ -83,10 +83,11 @@ def test_fast_mode_in_pieces_computes_what_one_piece_does(kind, staging):
 
 @pytest.mark.parametrize("kind,budget", [("decode", None), ("encode", None), ("decode", 6_000_000)])
 def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
-    with fake():  # (budget: the sampled tiles do not fit at once and run staged, in every piece)
+    with fake():  # (budget: the sampled tiles do not fit at once and run staged, in every piece; the
+        # sample given, so the plan does not sample fewer tiles instead: tests/test_fast_plan.py)
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         tv = tw.TiledVAE(vae, mode="fast", tile_size=16, memory_budget=budget, progress=False,
-                         device_kind=FREE_LAUNCHES)
+                         device_kind=FREE_LAUNCHES, fast_sample=0.5 if budget else None)
         t = torch.randn(1, 4, 64, 64) if kind == "decode" else torch.randn(1, 3, 256, 256)
         t = t.to("meta", torch.float16)
         plan = tv.plan(tuple(t.shape), kind=kind)

@@ -48,7 +48,7 @@ def run(settings: Settings, job: Job, t, emit, vae) -> tuple:
             logger.warning("TiledVAE %s: out of memory at tile_size %d, retrying with %d%s", job.kind, tile,
                            tile // 2, " (fast mode in one piece, its low pass in those tiles)"
                            if choices.fast_cuts or choices.low_tile else "")
-            choices = choices.replace(tile_size=tile // 2, fast_cuts=(), low_tile=0)
+            choices = choices.replace(tile_size=tile // 2, fast_cuts=(), low_tile=0, head_tile=0)
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 

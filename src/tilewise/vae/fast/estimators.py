@@ -88,10 +88,11 @@ def estimate_stats(program: Program, x, ref: str, crop: int, fixed: set[int], sa
     return {i: s for i, s in ctx.record.items() if i in fixed}
 
 
-def sample_tiles(grid, fraction: float) -> list:
-    """Stratified subset of a tile grid: about `fraction` of the rows times the columns, evenly spread."""
-    ky = max(1, min(grid.rows, round(grid.rows * fraction**0.5)))
-    kx = max(1, min(grid.cols, round(grid.cols * fraction**0.5)))
+def sample_tiles(grid, fraction: float, most: int = 0) -> list:
+    """Stratified subset of a tile grid: about `fraction` of the rows times the columns, evenly spread
+    (at most `most` rows and columns of them; 0: no cap)."""
+    ky = max(1, min(grid.rows, round(grid.rows * fraction**0.5), most or grid.rows))
+    kx = max(1, min(grid.cols, round(grid.cols * fraction**0.5), most or grid.cols))
     rows = {int((i + 0.5) * grid.rows / ky) for i in range(ky)}
     cols = {int((i + 0.5) * grid.cols / kx) for i in range(kx)}
     return [t for t in grid.tiles if t.row in rows and t.col in cols]

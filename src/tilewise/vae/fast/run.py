@@ -73,7 +73,7 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     trim = options.staging is Place.DISK and x.device.type == "cpu"
     exact_peak = 0
     if job.kind is Kind.DECODE:
-        res = Executor(first, tile, first.input, options, x.device, group).run(x)
+        res = Executor(first, choices.head_tile or tile, first.input, options, x.device, group).run(x)
         part, ref, h, exact_peak = second, second.input, res.output, res.staged_peak
         del res  # (h is the only reference to the head's output: the first piece releases it)
         if trim:
@@ -109,7 +109,7 @@ def _run_pieces(job: Job, fast: FastSettings, part: Program, ref: str, held: lis
         pref, ptile = piece_grid(piece, shapes, ref, choices.tile_size, job.kind)
         stats, done = {}, {}
         if rank_world(group)[0] == 0:  # with ranks: estimated once, on rank 0, then broadcast
-            stats, done = _estimate(fast, piece, h, pref, ptile, options, choices.staged_estimate, adjust)
+            stats, done = _estimate(fast, piece, h, pref, ptile, options, choices, adjust)
         stats = broadcast_stats(stats, piece, group)
         if trim:
             trim_heap(0)
@@ -127,19 +127,21 @@ def _run_pieces(job: Job, fast: FastSettings, part: Program, ref: str, held: lis
     return out, h, staged_peak
 
 
-def tile_cores(fast: FastSettings, hw, tile: int) -> list:
-    """The cores of the sampled tiles of a grid of `tile` over a value of spatial shape hw."""
-    return [t.core for t in sample_tiles(tile_grid(hw, tile), fast.fraction(Estimator.TILES))]
+def tile_cores(fast: FastSettings, hw, tile: int, most: int = 0) -> list:
+    """The cores of the sampled tiles of a grid of `tile` over a value of spatial shape hw (at most
+    `most` rows and columns of them)."""
+    return [t.core for t in sample_tiles(tile_grid(hw, tile), fast.fraction(Estimator.TILES), most)]
 
 
-def _estimate(fast: FastSettings, part: Program, x, ref: str, tile: int, options: RunOptions, staged: bool,
-              adjust: dict[int, Any] | None):
+def _estimate(fast: FastSettings, part: Program, x, ref: str, tile: int, options: RunOptions,
+              choices: Choices, adjust: dict[int, Any] | None):
     """Step 2 of `run_fast` on (a piece of) the part: (id(GroupNorm) -> (mean, var), sampled tile index
-    -> output core)."""
+    -> output core); the plan's `choices` say how many tiles are sampled and whether they are staged."""
     rh, rw = part.shapes(tuple(x.shape[-2:]))[ref]
     fixed = {id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM}
-    tiles = sample_tiles(tile_grid((rh, rw), tile), fast.fraction(Estimator.TILES))
-    if options.staging is Place.DISK or staged:  # one tile's working set at a time, the regions staged
+    tiles = sample_tiles(tile_grid((rh, rw), tile), fast.fraction(Estimator.TILES), choices.fast_most)
+    if options.staging is Place.DISK or choices.staged_estimate:  # one tile's working set at a time,
+        # the regions staged
         return staged_tile_stats(part, x, ref, tiles, fixed, options, adjust)
     return sampled_tile_stats(part, x, ref, tiles, fixed, options, adjust)
 
@@ -157,7 +159,7 @@ def _low_pass_stats(job: Job, fast: FastSettings, part: Program, x, ref: str, ch
     low, small, low_ref = low_pass(job.kind, part, x, ref, fast.low, job.factor)
     full = part.shapes(tuple(x.shape[-2:]))[ref]
     lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
-    cores = tile_cores(fast, full, choices.tile_size)
+    cores = tile_cores(fast, full, choices.tile_size, choices.fast_most)
     ex = Executor(low, choices.low_tile or choices.tile_size, low_ref, options.replace(check_emitted=False),
                   x.device, probes=tuple(map_box(c, full, lo) for c in cores))
     res = ex.run(small, emit=lambda box, value: None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
@@ -15,52 +15,88 @@ from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
 from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
 from ..run.executor import tile_grid
+from ..run.options import Choices
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import ADJUST, Setting, sample_stats_cost, stats_copy
 from .live import Sizes, together_peak
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
 
+# The least fraction of the tiles a GPU plan samples where the default sample's statistics would cross the
+# link: four photographs at 512 px, embedded VAE, max abs error of fast decode against untiled (mean over
+# the photos) 0.060 with the default half of the tiles, 0.068 with a quarter, 0.23 with 1/16 (BENCHMARKS.md
+# #31).
+FEWEST = 0.25
+HEAD_TILES = (512, 256, 192, 128)  # the tiles a GPU plan tries for decode's head, beside the run's
+
 
 def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setting, full: int,
-                cuts: tuple[int, ...] | None = None) -> tuple[list[Pass], tuple[int, ...], int]:
+                ask: Choices) -> tuple[list[Pass], dict]:
     """The passes of `run_fast` for a program cut at k, each with what it holds from the passes before
-    it, the pieces' cuts and the low pass's tile (0: `tile`).
+    it, and the choices made (`Choices` fields: fast_cuts, low_tile, fast_most, head_tile).
 
-    `cuts` None: a GPU plan takes the pieces (`fast.split.piece_cuts`) of least estimated time among those
-    within the memory budget (the fewest device bytes when none is), a CPU plan none. A GPU plan's low
-    pass runs in one tile where that fits the budget (its halos cost launches, not FLOPs)."""
+    `ask.fast_cuts` None: a GPU plan takes the pieces (`fast.split.piece_cuts`) of least estimated time
+    among those within the memory budget (the fewest device bytes when none is), a CPU plan none; and,
+    where the default sample's sampled tiles would be staged across the link (or not fit), fewer sampled
+    tiles (`sample_caps`) while that is faster: their statistics from what fits on the device. Given cuts
+    come with their `fast_most` and `head_tile`. A GPU plan's low pass runs in one tile where that fits
+    the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits."""
     first, second = split_program(job.program, k)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
-    passes, held = [], 0
+    head, held, head_tile = [], 0, 0
     if job.kind is Kind.DECODE:
-        q = pass_plan(PassSpec(PassKind.HEAD, first, shape, tile, first.input), exact, job.profile, full)
-        passes.append(q)
+        head_tile = ask.head_tile if ask.fast_cuts is not None else 0
+        q, head_tile = _head_pass(job, settings, first, shape, tile, exact, full, head_tile)
+        head.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held)
-    low_tile = 0
-    if settings.fast.low:
-        lp, low_tile = fp.low_pass_plan()
-        passes.append(lp)
+    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most)
+    cuts = ask.fast_cuts
     best = None
-    for c in [cuts] if cuts is not None else fp.cut_options():
-        got = fp.piece_passes(c)
-        peak = max(q.peak for q in got)
-        fits = settings.memory_budget is None or peak <= settings.memory_budget
-        seconds = sum(q.timed(job.profile, s.item < 4).seconds for q in got)
-        key = (not fits, seconds if fits else peak)
-        if best is None or key < best[0]:
-            best = (key, c, got)
-    _, cuts, got = best
-    passes += got
+    for cap in [ask.fast_most] if cuts is not None else fp.sample_caps():
+        got = replace(fp, most=cap).estimated_passes(cuts)
+        if best is None or got[0] < best[0]:
+            best = got
+        if not got[0][0] and not _crosses(got[3], s):
+            break  # (the most tiles sampled that fit, their statistics on the device)
+    _, cuts, low_tile, got, cap = best
+    passes = head + got
     if job.kind is Kind.ENCODE:
         rp = got[-1]
         spec = PassSpec(PassKind.TAIL, second, rp.output_shape, tile, second.output)
         q = pass_plan(spec, exact, job.profile, full)
         passes.append(q.with_held(rp.output_bytes))
-    return passes, tuple(cuts), low_tile
+    return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
+
+
+def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,
+               head_tile: int) -> tuple[Pass, int]:
+    """Decode's exact latent-resolution head and its tile (0: `tile`): given, or on a GPU plan the
+    tile of least estimated time among `tile` and the bigger HEAD_TILES whose pass fits the budget."""
+    def planned(t: int) -> Pass:
+        return pass_plan(PassSpec(PassKind.HEAD, first, shape, t or tile, first.input), exact, job.profile,
+                         full)
+
+    if head_tile or not exact.gpu:
+        return planned(head_tile), head_tile
+    side = max(first.shapes(tuple(shape[-2:]))[first.input])
+    budget = settings.memory_budget
+    best = (planned(0), 0)
+    for t in sorted({min(side, t) for t in HEAD_TILES if t > tile}):
+        q = planned(t)
+        if (budget is None or q.peak <= budget) and _timed(q, job, exact) < _timed(best[0], job, exact):
+            best = (q, t)
+    return best
+
+
+def _timed(q: Pass, job: Job, s: Setting) -> float:
+    return q.timed(job.profile, s.item < 4).seconds
+
+
+def _crosses(passes: list[Pass], s: Setting) -> bool:
+    """Whether fast mode's sampled tiles are staged across the link (a GPU plan staging off the device)."""
+    return any(q.kind is PassKind.SAMPLED_STAGED and q.h2d + q.d2h for q in passes) and s.gpu
 
 
 @dataclass(frozen=True)
@@ -79,9 +115,42 @@ class _FastPlan:
     exact: Setting
     full: int
     held: int
+    most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
 
     def sampled(self, grid) -> set[int]:
-        return {t.index for t in sample_tiles(grid, self.settings.fast.fraction(Estimator.TILES))}
+        return {t.index for t in sample_tiles(grid, self.settings.fast.fraction(Estimator.TILES), self.most)}
+
+    def sample_caps(self) -> list[int]:
+        """The caps on the sampled rows and columns a GPU plan tries: the default sample (0) first, then
+        one row and column fewer each time while at least FEWEST of the tiles are sampled (none with
+        `fast_sample` given, or on a CPU plan)."""
+        if not self.s.gpu or self.settings.fast.sample is not None:
+            return [0]
+        grid = tile_grid(self.part.shapes(tuple(self.part_shape[-2:]))[self.ref], self.tile)
+        fraction = self.settings.fast.fraction(Estimator.TILES)
+        chosen = sample_tiles(grid, fraction)
+        k = max(len({t.row for t in chosen}), len({t.col for t in chosen}))
+        least = FEWEST * grid.rows * grid.cols
+        return [0, *(c for c in range(k - 1, 0, -1) if len(sample_tiles(grid, fraction, c)) >= least)]
+
+    def estimated_passes(self, cuts: tuple[int, ...] | None) -> tuple:
+        """((not fits, estimated seconds or peak), cuts, low pass tile, passes, cap) of this sample: the
+        low pass and the pieces' passes, of the cuts given or the best of `cut_options`."""
+        passes, low_tile = [], 0
+        if self.settings.fast.low:
+            lp, low_tile = self.low_pass_plan()
+            passes.append(lp)
+        best = None
+        for c in [cuts] if cuts is not None else self.cut_options():
+            got = self.piece_passes(c)
+            peak = max(q.peak for q in passes + got)
+            fits = self.settings.memory_budget is None or peak <= self.settings.memory_budget
+            seconds = sum(q.timed(self.job.profile, self.s.item < 4).seconds for q in passes + got)
+            key = (not fits, seconds if fits else peak)
+            if best is None or key < best[0]:
+                best = (key, c, got)
+        key, c, got = best
+        return key, c, low_tile, passes + got, self.most
 
     def cut_options(self) -> list[tuple]:
         """The pieces a GPU plan tries: every subset of the cuts (all or none beyond three), each cut where

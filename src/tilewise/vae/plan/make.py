@@ -61,11 +61,11 @@ def make_plan(settings: Settings, job: Job, shape: tuple[int, ...], ask: Choices
     k = fast_split(p, job.kind, settings.mode, settings.fast)
     # (a GPU plan in fast mode too: with one tile its estimation passes only add work, launches and bytes)
     one = untiled and (exact or job.gpu) and max(shapes[job.ref]) <= tile
-    cuts, low_tile = (), 0
+    made = dict(fast_cuts=(), low_tile=0, fast_most=0, head_tile=0)
     if one:
         passes = [untiled_pass(p, shape, s)]
     elif k is not None:
-        passes, cuts, low_tile = fast_passes(job, settings, k, shape, tile, s, full, ask.fast_cuts)
+        passes, made = fast_passes(job, settings, k, shape, tile, s, full, ask)
     else:
         fixed = frozenset(fixed_ops(p, job.kind, settings.fast.color_fix)) if not exact else frozenset()
         spec = PassSpec(PassKind.TILED, p, shape, tile, job.ref, fixed, banded=exact)
@@ -73,7 +73,7 @@ def make_plan(settings: Settings, job: Job, shape: tuple[int, ...], ask: Choices
     first = passes[0]
     passes[0] = first.replace(launches=first.launches + INPUT_CHECK[0], syncs=first.syncs + INPUT_CHECK[1])
     passes = [q.timed(job.profile, s.item < 4) for q in passes]
-    chosen = ask.replace(band_bytes=run.band_bytes, fast_cuts=cuts, low_tile=low_tile,
+    chosen = ask.replace(band_bytes=run.band_bytes, **made,
                          read_ahead=ask.read_ahead and any(q.ahead for q in passes),
                          staged_estimate=any(q.kind is PassKind.SAMPLED_STAGED for q in passes))
     return _assemble(settings, job, shape, chosen, passes, fast=k is not None and not one, untiled=one,

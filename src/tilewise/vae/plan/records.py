@@ -223,6 +223,11 @@ class Plan:
                         "piece), the values between them held whole on the device")
         if self.low_tile:
             rows.append(f"  low pass in one tile of {self.low_tile} px (tiles' halos would cost launches)")
+        if self.choices.fast_most:
+            rows.append(f"  sampled tiles: at most {self.choices.fast_most} rows and columns of them (their "
+                        "statistics on the device, not staged across the link)")
+        if self.choices.head_tile:
+            rows.append(f"  exact latent-resolution head in tiles of {self.choices.head_tile} px")
         for q in self.passes:
             rows.append(f"  pass {q.name}: {q.tiles} tiles, {q.segments} segments, {len(q.stages)} staged "
                         f"values (at most {fb(q.staged_peak)}), working ~{fb(q.working)}, "

@@ -16,7 +16,7 @@ from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
 from .counts import remembered
 from .make import make_plan, request
-from .records import Plan
+from .records import PassKind, Plan
 
 CPU_TILES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # the tiles a CPU plan tries, biggest first
 GPU_TILES = (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # ... a GPU plan, below the whole latent
@@ -223,8 +223,13 @@ def _spill_longest(lifetimes, size, room) -> frozenset:
 
 
 def _resident(plan: Plan) -> int:
-    """Device bytes of a plan that no smaller tile shrinks: staged values on the device, the output."""
-    return (plan.staged_peak if plan.staging is Place.DEVICE else 0) + plan.output_bytes
+    """Device bytes of a plan that no smaller tile shrinks: staged values on the device, the output (not
+    fast mode's staged sampled tiles: a smaller tile samples smaller regions, or few enough to run
+    together)."""
+    if plan.staging is not Place.DEVICE:
+        return plan.output_bytes
+    staged = [q.staged_peak for q in plan.passes if q.kind is not PassKind.SAMPLED_STAGED]
+    return (max(staged, default=0) if plan.passes else plan.staged_peak) + plan.output_bytes
 
 
 def _no_fit(settings: Settings, best: Plan) -> ValueError:

@@ -30,6 +30,8 @@ class Choices:
     fast_cuts: tuple[int, ...] | None = ()  # fast mode: its estimated part in pieces cut there
     low_tile: int = 0  # fast mode: the low pass's tile (0: the run's tile)
     staged_estimate: bool = False  # fast mode: the sampled tiles staged segment by segment
+    fast_most: int = 0  # fast mode: at most this many rows and columns of sampled tiles (0: no cap)
+    head_tile: int = 0  # fast mode: decode's exact latent-resolution head's tile (0: the run's tile)
 
     def __post_init__(self):
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
