@@ -295,6 +295,9 @@ class TiledVAE(ModelWrapper):
         if self.is_video:
             if len(shape) != 5:
                 raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+            if backward:
+                raise ValueError(f"plan(backward=True) covers the 2-D VAEs; a {job.model}'s backward (causal "
+                                 "steps recomputed, docs/gradients.md) is not planned yet")
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
                                    sequential=sequential)
         if backward:
