@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ..geometry import Box
 from ..vocabulary import Vocabulary
 from .boxes import Upsampled, clip_box, union_box
@@ -78,7 +80,10 @@ def run_op(ops: list[Op], i: int, ctx: RunContext, vals: dict, need: dict[str, B
 def may_overwrite(op: Op, i: int, last: dict[str, int], keep, ins: list, shared) -> bool:
     """Whether op (the i-th) may overwrite its first input: this is the input's last read, the value is
     not kept, no other source of op is the same value, and it shares no memory with `shared` (the
-    program input, staged values and every other live value: identity ops alias their input)."""
+    program input, staged values and every other live value: identity ops alias their input). Never while
+    autograd records (a graph may have saved the input: the 3-D VAEs' recomputed steps)."""
+    if torch.is_grad_enabled():
+        return False
     s = op.src[0]
     if last.get(s) != i or s in keep or op.src.count(s) > 1 or isinstance(ins[0], Upsampled):
         return False

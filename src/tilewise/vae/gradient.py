@@ -14,7 +14,8 @@ an inference call outside `torch.no_grad` keeps no staged values).
 
 Fast mode with the crop estimator (`fast_estimator="crops"`) differentiates with its estimated
 statistics held constant (they are estimates; the gradient is the fast forward's with them fixed);
-fast mode's sampled-tile passes, process groups and 3-D VAEs are refused at the call.
+fast mode's sampled-tile passes and process groups are refused at the call. The 3-D causal VAEs have their
+own backward (`video.gradient`: causal steps recomputed last to first).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from .plan.records import Plan
 from .plan.settle import settle
 from .settings import Attention, FastSettings, Job, Kind, Mode, Place, Settings
 from .video import face as video
+from .video import gradient as video_gradient
 from .video.plan import make_video_plan
 
 logger = logging.getLogger(__name__)
@@ -192,8 +193,7 @@ class TiledVAE(ModelWrapper):
                     {"return_dict": True, "force_not_quantize": False})
         if self.is_video:
             video.check(self.settings, job, z)
-            self._no_video_backward(job, z)
-            sample = self._ran(video.run(self.settings, job, z))
+            sample = self._ran(self._run_video(job, z))
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         check_input(job, z)
         if family.quantize and gradient.wants(self.vae, z):
@@ -212,21 +212,19 @@ class TiledVAE(ModelWrapper):
         call = bind(type(self.vae).encode, self.vae, (x, *args), kwargs, {"return_dict": True})
         if self.is_video:
             video.check(self.settings, job, x)
-            self._no_video_backward(job, x)
             video.dropped_frames(job, x)
-            h = self._ran(video.run(self.settings, job, x))
+            h = self._ran(self._run_video(job, x))
         else:
             check_input(job, x)
             h = self._ran(self._run(job, x))
         return encode_output(family, h, call["return_dict"])
 
-    def _no_video_backward(self, job: Job, t) -> None:
-        """A 3-D VAE's call that asks for gradients (`gradient.wants`: an input that requires grad, or a
-        training VAE's parameters) is refused: its tiled run has no backward yet."""
+    def _run_video(self, job: Job, t) -> tuple:
+        """A 3-D decode or encode: with a graph (`video.gradient`: the causal steps recomputed last to
+        first as its backward) when the call asks for gradients, else the plain tiled run."""
         if gradient.wants(self.vae, t):
-            raise RuntimeError(f"TiledVAE {job.kind} of a {job.model} (a 3-D VAE) has no backward yet "
-                               "(the 2-D VAEs have one: docs/gradients.md); use the wrapped VAE to train, or "
-                               "call it under torch.no_grad()")
+            return video_gradient.run(self.settings, job, t, self.vae)
+        return video.run(self.settings, job, t)
 
     def _run(self, job: Job, t) -> tuple:
         """A 2-D decode or encode: with a graph (`gradient`: the reverse tile program as its backward)
@@ -297,6 +295,9 @@ class TiledVAE(ModelWrapper):
         if self.is_video:
             if len(shape) != 5:
                 raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+            if backward:
+                raise ValueError(f"plan(backward=True) covers the 2-D VAEs; a {job.model}'s backward (causal "
+                                 "steps recomputed, docs/gradients.md) is not planned yet")
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
                                    sequential=sequential)
         if backward:

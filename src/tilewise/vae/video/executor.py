@@ -210,9 +210,7 @@ class _VideoRun:
         try:
             if self.ex.order is Order.FRAMES:
                 for k in steps:
-                    for i, seg in enumerate(self.segs):
-                        self._segment_step(i, seg, k, bar)
-                        self._free(i, k)
+                    self.step(k, bar)
             else:
                 for i, seg in enumerate(self.segs):
                     self._segment_tiles(i, seg, bar)
@@ -222,6 +220,12 @@ class _VideoRun:
         if self.out is not None and self.ex.group is not None:
             all_reduce_sum([self.out], self.ex.group, self.out.dtype)
         return VideoResult(self.out, self.cache_peak, self.store.peak)
+
+    def step(self, k: int, bar) -> None:
+        """Causal step k on every tile, segment by segment (frame order), its staged values freed."""
+        for i, seg in enumerate(self.segs):
+            self._segment_step(i, seg, k, bar)
+            self._free(i, k)
 
     def _segment_tiles(self, i: int, seg, bar) -> None:
         """Tile-major: segment i tile by tile, each through every step (attention: step by step)."""
