@@ -51,8 +51,11 @@ BY_NAME = {
 def test_families_refused_by_name_are_refused_at_construction_with_the_reason(cls):
     import diffusers
 
-    with torch.device("meta"):
-        vae = getattr(diffusers, cls)()
+    try:
+        with torch.device("meta"):
+            vae = getattr(diffusers, cls)()
+    except RuntimeError:  # (MMAudioVAE builds CPU tables in __init__; the refusal is by class, so a stand-in)
+        vae = type(cls, (torch.nn.Module,), {})()
     with pytest.raises(LoweringError, match=f"TiledVAE cannot tile {cls}: {BY_NAME[cls]}"):
         tw.TiledVAE(vae, progress=False)
 
