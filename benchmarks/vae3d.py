@@ -1,13 +1,19 @@
 """Benchmark: exact tiled decode / encode of a 3-D causal VAE against untiled and diffusers' enable_tiling.
 
-AutoencoderKLWan with Wan 2.1's layout (dim_mult 1,2,4,4, num_res_blocks 2, z_dim 16, temporal
-compression 4, spatial 8) at base width --base-dim (96 is Wan 2.1's; the default 32 keeps CPU runs
-short), seeded random weights, fp32. Every variant runs in its own subprocess (fresh peak RSS); errors
+--family (seeded random weights, fp32):
+- wan: AutoencoderKLWan with Wan 2.1's layout (dim_mult 1,2,4,4, num_res_blocks 2, z_dim 16, temporal
+  compression 4, spatial 8) at base width --base-dim (96 is Wan 2.1's; the default 32 keeps CPU runs
+  short);
+- qwen: AutoencoderKLQwenImage (Qwen-Image's layout, the same as Wan 2.1's) at base width --base-dim;
+- ltx: AutoencoderKLLTXVideo with LTX-Video 0.9.0's blocks (latent 128 channels, patch 4: 32x spatial,
+  8x temporal) at --base-dim / 96 of its widths (128, 256, 512, 512) and one layer per block.
+ Every variant runs in its own subprocess (fresh peak RSS); errors
 are against the untiled output. Variants:
 
 - untiled: vae.decode / vae.encode;
 - diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile, blended);
-- tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major);
+- tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major), or
+  with --budget B: TiledVAE(vae, memory_budget=B) (the plan picks the tile);
 - tilewise-sink-frames: decode_to a float32 .npy per frame (frames in order: frame-major run, streamed);
 - tilewise-sink-tiles: decode_to a float32 (T, H, W, C) .npy stack (random access: tile-major, streamed).
 
@@ -15,6 +21,7 @@ are against the untiled output. Variants:
 measured growth at the first size scaled by the pixel count, marked as a projection).
 
     python benchmarks/vae3d.py --latent 32 --frames 3 --tile 16 --big 64 --out benchmarks/results_vae3d.md
+    python benchmarks/vae3d.py --family ltx --latent 8 --frames 3 --tile 4 --big 16 --budget 400MiB
 
 The timed runs (both tasks at --latent) come first, the memory-only ones (--big) after them.
 """
@@ -34,28 +41,39 @@ from vae import errors
 VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles")
 
 
-def build_vae(base_dim: int):
-    """The seeded Wan 2.1-layout AutoencoderKLWan."""
+# family -> (class name, latent channels, temporal compression, spatial compression)
+FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenImage", 16, 4, 8),
+            "ltx": ("AutoencoderKLLTXVideo", 128, 8, 32)}
+
+
+def build_vae(family: str, base_dim: int):
+    """The seeded VAE of a family (module docstring)."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)
-    return AutoencoderKLWan(base_dim=base_dim, z_dim=16).eval()
+    cls = getattr(diffusers, FAMILIES[family][0])
+    if family == "ltx":
+        widths = tuple(max(8, c * base_dim // 96) for c in (128, 256, 512, 512))
+        return cls(block_out_channels=widths, decoder_block_out_channels=widths,
+                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5).eval()
+    return cls(base_dim=base_dim, z_dim=16).eval()
 
 
-def make_input(task: str, side: int, frames: int):
-    """decode: a seeded randn latent (1, 16, frames, side, side); encode: a smooth moving video in [-1, 1]
-    of 1 + 4 (frames - 1) frames of 8 side px."""
+def make_input(family: str, task: str, side: int, frames: int):
+    """decode: a seeded randn latent (1, C, frames, side, side); encode: a smooth moving video in [-1, 1]
+    of 1 + t (frames - 1) frames of s side px (t, s: the family's compressions)."""
     import torch
     import torch.nn.functional as F
 
+    _, c, tc, sc = FAMILIES[family]
     g = torch.Generator().manual_seed(1234)
     if task == "decode":
-        return torch.randn(1, 16, frames, side, side, generator=g)
-    t = 1 + 4 * (frames - 1)
+        return torch.randn(1, c, frames, side, side, generator=g)
+    t = 1 + tc * (frames - 1)
     coarse = torch.randn(1, 3, 2, 6, 6, generator=g)
-    x = F.interpolate(coarse, size=(t, 8 * side, 8 * side), mode="trilinear") + 0.1 * torch.randn(
-        1, 3, t, 8 * side, 8 * side, generator=g)
+    x = F.interpolate(coarse, size=(t, sc * side, sc * side), mode="trilinear") + 0.1 * torch.randn(
+        1, 3, t, sc * side, sc * side, generator=g)
     return x.clamp(-1, 1)
 
 
@@ -68,20 +86,23 @@ def worker(args) -> None:
     from tilewise.memory import current_rss, peak_rss, reset_peak_rss
 
     torch.set_num_threads(args.threads)
-    vae = build_vae(args.base_dim)
-    x = make_input(args.task, args.size, args.frames)
+    vae = build_vae(args.family, args.base_dim)
+    x = make_input(args.family, args.task, args.size, args.frames)
+    sc = FAMILIES[args.family][3]
     v = args.variant
     out = {"variant": v}
     if v == "diffusers":
-        px = 8 * args.tile
+        px = sc * args.tile
         vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
                           tile_sample_stride_height=px * 3 // 4, tile_sample_stride_width=px * 3 // 4)
     model = vae
     if v.startswith("tilewise"):
-        model = tw.TiledVAE(vae, tile_size=args.tile, progress=False)
+        size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
+        model = tw.TiledVAE(vae, progress=False, **size)
         sink = v.startswith("tilewise-sink")  # what decode_to plans: streamed, frames in order or not
         plan = model.plan(tuple(x.shape), args.task, streamed=sink, sequential=v.endswith("frames"))
-        out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order)
+        out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order,
+                   tile=plan.tile_size)
     base = current_rss()
     reset_peak_rss()
     t0 = time.perf_counter()
@@ -110,7 +131,9 @@ def run_variant(args, variant: str, task: str, size: int, tmp: str) -> dict:
     res = os.path.join(tmp, f"{task}-{size}-{variant}")
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--task", task, "--size", str(size),
            "--frames", str(args.frames), "--tile", str(args.tile), "--threads", str(args.threads),
-           "--base-dim", str(args.base_dim), "--result", res]
+           "--base-dim", str(args.base_dim), "--family", args.family, "--result", res]
+    if args.budget:
+        cmd += ["--budget", args.budget]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     with open(res + ".json") as f:
         out = json.load(f)
@@ -129,7 +152,8 @@ def table(rows: list[dict]) -> list[str]:
         err = (f"{r['max_abs']:.3g} | {r['mean_abs']:.3g}" if "max_abs" in r else " | ")
         secs = "" if r.get("projected") else f"{r['seconds']:.1f}"
         growth = f"{r['rss_growth'] / 2**20:.0f}" + (" (projected)" if r.get("projected") else "")
-        lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {r.get('order', '')} | {secs} | "
+        order = r.get("order", "") + (f", tile {r['tile']}" if "tile" in r else "")
+        lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {order} | {secs} | "
                      f"{ratio} | {growth} | {plan} | {macs} | {err} |")
     return lines
 
@@ -140,7 +164,10 @@ def main() -> None:
     p.add_argument("--big", type=int, default=0, help="latent side of the memory-only size (0 skips)")
     p.add_argument("--frames", type=int, default=5, help="latent frames (default 5: 17 video frames)")
     p.add_argument("--tile", type=int, default=8, help="tile side in latent px, both tilers (default 8)")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="wan", help="the VAE (default wan)")
     p.add_argument("--base-dim", type=int, default=32, help="VAE base width (Wan 2.1: 96; default 32)")
+    p.add_argument("--budget", default=None, help="tilewise's memory_budget (the plan picks the tile; "
+                   "default: none, tiles of --tile)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per variant (default 2)")
     p.add_argument("--tasks", default="decode,encode")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS}")
@@ -168,24 +195,28 @@ def main() -> None:
             untiled[task] = results["untiled"]
             for v in order:
                 r = results[v]
-                size = _size(task, args.latent, args.frames)
+                size = _size(args.family, task, args.latent, args.frames)
                 r.update(errors(np.load(r["path"]), ref), task=task, size=size,
                          ratio=r["seconds"] / results["untiled"]["seconds"])
                 rows.append(r)
                 print(table([r])[-1], flush=True)
         for task in tasks if args.big else []:
             scale = (args.big / args.latent) ** 2
-            big_rows.append(dict(variant="untiled", task=task, size=_size(task, args.big, args.frames),
+            size = _size(args.family, task, args.big, args.frames)
+            big_rows.append(dict(variant="untiled", task=task, size=size,
                                  rss_growth=untiled[task]["rss_growth"] * scale, projected=True))
             for v in _order(task, variants)[1:]:
                 r = run_variant(args, v, task, args.big, tmp)
-                r.update(task=task, size=_size(task, args.big, args.frames))
+                r.update(task=task, size=_size(args.family, task, args.big, args.frames))
                 big_rows.append(r)
                 print(table([r])[-1], flush=True)
     rows += big_rows
-    head = (f"AutoencoderKLWan, Wan 2.1 layout at base width {args.base_dim}, seeded random weights, fp32, "
-            f"CPU, {args.threads} thread(s); tiles of {args.tile} latent px ({8 * args.tile} px) for both "
-            f"tilers.\n"
+    sc = FAMILIES[args.family][3]
+    tiles = (f"diffusers' tiles of {args.tile} latent px ({sc * args.tile} px), tilewise's within "
+             f"memory_budget={args.budget}" if args.budget else
+             f"tiles of {args.tile} latent px ({sc * args.tile} px) for both tilers")
+    head = (f"{FAMILIES[args.family][0]} ({args.family}) at base width {args.base_dim}, seeded random "
+            f"weights, fp32, CPU, {args.threads} thread(s); {tiles}.\n"
             f"Command: python benchmarks/vae3d.py {' '.join(sys.argv[1:])}\n")
     text = head + "\n" + "\n".join(table(rows)) + "\n"
     print(text)
@@ -199,10 +230,11 @@ def _order(task: str, variants: list[str]) -> list[str]:
     return [v for v in dict.fromkeys(["untiled", *variants]) if task == "decode" or "sink" not in v]
 
 
-def _size(task: str, side: int, frames: int) -> str:
+def _size(family: str, task: str, side: int, frames: int) -> str:
     """The video size of a run: frames x height x width in pixels."""
-    t = 1 + 4 * (frames - 1)
-    return f"{t}x{8 * side}x{8 * side}" + (" (latent in)" if task == "decode" else "")
+    _, _, tc, sc = FAMILIES[family]
+    t = 1 + tc * (frames - 1)
+    return f"{t}x{sc * side}x{sc * side}" + (" (latent in)" if task == "decode" else "")
 
 
 if __name__ == "__main__":
