@@ -80,9 +80,14 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLQwenImage": Family(video=True),
     "AutoencoderKLLTXVideo": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
     "AutoencoderKLLTX2Video": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    # the whole video in one pass (its GroupNorms and mid-block attention over every frame: sync ops of a
+    # one-step program); its own framewise decoding / encoding of long videos (on by default past 16
+    # frames) is a temporal tiling with blending, which the exact path does not reproduce
+    "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
+                                        encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (HunyuanVideo: GroupNorm over the whole video; CogVideoX, Cosmos: caches of a chunked loop, ...)
-    **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
+    # (CogVideoX, Cosmos: caches of a chunked loop, ...)
+    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
     "AutoencoderKLQwenImage21": Family(video=True, refused=(

@@ -26,8 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..settings import Job, Settings
-from .executor import Order, VideoExecutor, _Store, _VideoRun, nbytes
+from .executor import Order, VideoExecutor, _VideoRun
 from .plan import choose_video
+from .stores import Store, nbytes
 
 __all__ = ["run"]
 
@@ -148,7 +149,7 @@ class _Reverse:
         r.caches = {}
         for (key, op), pair in leaves.items():
             r.caches.setdefault(key, {})[op] = pair
-        r.store = _Store(self.ex.staging, torch.device(self.ex.device))
+        r.store = Store(self.ex.staging, torch.device(self.ex.device))
         r.xs = self.x[:, :, a:b].detach().requires_grad_(self.want_x)
         self.blocks = []
         with torch.enable_grad():
