@@ -28,8 +28,22 @@ class VideoGroupNorm(GroupNorm):
     and the whole frame (nn.GroupNorm on a 5-D tensor); its affine is per channel, as a 2-D one."""
 
     def affine(self, stats, x):
+        if stats[0].requires_grad or stats[1].requires_grad:  # (a recomputed step: differentiable)
+            return self._affine_graph(stats, x)
         a, s = super().affine(stats, x)
         return a.unsqueeze(-1), s.unsqueeze(-1)  # (B, C, 1, 1, 1)
+
+    def _affine_graph(self, stats, x):
+        """`group_norm_affine` with autograd (statistics that carry a graph: no out= kernels)."""
+        mean, var = stats
+        cg, dt = x.shape[1] // self.groups, torch.promote_types(x.dtype, torch.float32)
+        r = torch.rsqrt(var + self.eps)
+        a, s = r.repeat_interleave(cg, 1).to(dt), (-r * mean).repeat_interleave(cg, 1).to(dt)
+        if self.weight is not None:
+            a, s = a * self.weight, s * self.weight
+        if self.bias is not None:
+            s = s + self.bias
+        return a.view(*a.shape, 1, 1, 1), s.view(*s.shape, 1, 1, 1)
 
     def describe(self):
         return f"group_norm G={self.groups} over the step's frames"

@@ -3,15 +3,12 @@
 and `.unflatten(1, (T, H, W)).permute(0, 4, 1, 2, 3)` back. The permute is placed only where that chain
 follows it (else the measured rules take the permute, as they do for LTX's channel norms); the Attention
 becomes its `VideoGroupNorm` and a `StepAttention` over every token of the step. Its mask, a constant of
-the computation, is evaluated (its calls replayed on the CPU) and must be HunyuanVideo's causal mask
-between frames (a token attends to its frame and the frames before) or no mask.
+the computation, must be HunyuanVideo's causal mask between frames (a token attends to its frame and the
+frames before; read from the calls that make it, not evaluated) or no mask.
 """
 
 from __future__ import annotations
 
-import torch
-
-from ..build import LoweringError
 from ..ops3d_sync import StepAttention, VideoGroupNorm
 from ..units import check_attention
 from .capture import Call, Ref
@@ -83,53 +80,38 @@ def _attention(low: Lowering, call: Call, x: str, tokens: int) -> str:
 
 
 def _causal(low: Lowering, call: Call, mask, t: int, h: int, w: int) -> bool:
-    """Whether an attention mask (a constant: evaluated) is the causal mask between the t frames of h x w
-    tokens (True) or none (False, all zeros); refused where it is another."""
+    """Whether an attention mask is HunyuanVideo's causal mask between the t frames of h x w tokens
+    (`prepare_causal_attention_mask`), read from the calls that made it (the mask itself is (t h w)^2
+    values, not evaluated): where(a <= b, 0, -inf) of meshgrid(i, i, indexing="xy") (a: the key's frame
+    index, b: the query's) of i = arange(s, s + t).repeat_interleave(h w), cast, unsqueezed, expanded."""
     if not isinstance(mask, Ref) or mask.node in low.tainted:
         raise refused(low, call, "an attention mask that depends on the input", final=True)
-    m = _evaluate(low, mask.node, {})
-    frame = torch.arange(t).repeat_interleave(h * w)
-    allowed = frame[None, :] <= frame[:, None]  # (query, key): the key's frame is not after the query's
-    want = torch.zeros(allowed.shape, dtype=m.dtype).masked_fill_(~allowed, float("-inf"))
-    if m.shape[-2:] != want.shape:
-        raise refused(low, call, f"an attention mask of shape {tuple(m.shape)} over {t * h * w} tokens",
-                      final=True)
-    if torch.equal(m, want.expand_as(m)):
+    c = _made(low, mask)
+    while c is not None and c.name in ("to", "unsqueeze", "expand", "contiguous"):
+        c = _made(low, c.args[0])
+    ok = c is not None and c.name == "where" and tuple(c.args[1:]) == (0, float("-inf"))
+    le = _made(low, c.args[0]) if ok else None
+    ok = ok and le is not None and le.name == "le" and all(isinstance(a, Ref) for a in le.args)
+    grid = _made(low, le.args[0]) if ok else None
+    ok = ok and grid is not None and grid is _made(low, le.args[1]) and grid.name == "meshgrid"
+    ok = ok and grid.kwargs.get("indexing") == "xy" and [a.node for a in le.args] == grid.outs[:2]
+    ok = ok and len(grid.args) == 2 and grid.args[0] == grid.args[1]
+    rep = _made(low, grid.args[0]) if ok else None
+    ok = ok and rep is not None and rep.name == "repeat_interleave" and arg_of(rep, 1, "repeats") == h * w
+    ok = ok and arg_of(rep, 2, "dim") is None
+    idx = _made(low, rep.args[0]) if ok else None
+    ok = ok and idx is not None and idx.name == "arange" and all(isinstance(a, int) for a in idx.args)
+    if ok and len(range(*idx.args)) == t and (len(idx.args) < 3 or idx.args[2] == 1):
         return True
-    if not m.any():
-        return False
-    raise refused(low, call, "an attention mask other than the causal mask between frames (HunyuanVideo's) "
-                  "or none", final=True)
+    raise refused(low, call, "an attention mask over a video value's tokens that is not the causal mask "
+                  "between frames of HunyuanVideo's prepare_causal_attention_mask (read from the calls that "
+                  "make it)", final=True)
 
 
-def _evaluate(low: Lowering, node: int, memo: dict):
-    """A constant's value: the calls that made it replayed on the CPU (the capture ran on meta)."""
-    if node in memo:
-        return memo[node]
-    k = low.cap.producer.get(node)
-    if k is None:
-        t = low.cap.values[node]
-        if t.device.type == "meta":
-            raise LoweringError(f"cannot lower {type(low.root).__name__}: an attention mask made of a meta "
-                                "tensor cannot be evaluated")
-        return t
-    c = low.cap.calls[k]
-
-    def real(obj):
-        if isinstance(obj, Ref):
-            return _evaluate(low, obj.node, memo)
-        if isinstance(obj, torch.device) and obj.type == "meta" or obj == "meta":
-            return torch.device("cpu")
-        if isinstance(obj, dict):
-            return {key: real(v) for key, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return type(obj)(real(v) for v in obj)
-        return obj
-
-    out = c.func(*real(c.args), **real(c.kwargs))
-    outs = [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)]
-    memo.update(zip(c.outs, outs, strict=True))
-    return memo[node]
+def _made(low: Lowering, ref) -> Call | None:
+    """The call that made a Ref's value (None for a constant or a plain value)."""
+    k = low.cap.producer.get(ref.node) if isinstance(ref, Ref) else None
+    return None if k is None else low.cap.calls[k]
 
 
 def _only_reader(low: Lowering, i: int, node: int) -> tuple[int, Call] | None:

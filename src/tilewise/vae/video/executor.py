@@ -241,6 +241,9 @@ class _VideoRun:
         (and over the ranks: Chan's merge in float64)."""
         for op in self.norms[i]:
             key = (op.src[0], op.groups, k)
+            if torch.is_grad_enabled():  # (a step recomputed for gradients: statistics with their graph)
+                self.ctx.step_stats[id(op), k] = self._stats_graph(op.src[0], op.groups, k)
+                continue
             if key not in self.merged:
                 acc = self.moments.setdefault(key, GroupStats(op.groups))
                 if op.src[0] == self.program.input:  # (every rank holds all of it)
@@ -250,6 +253,15 @@ class _VideoRun:
                     merge_group_stats(acc, self.ex.group, self.x.shape[0])
                 self.merged.add(key)
             self.ctx.step_stats[id(op), k] = self.moments[key].result()
+
+    def _stats_graph(self, v: str, groups: int, k: int):
+        """(mean, var) of step k of value v over its whole staged tensor, with autograd (the gradient
+        through the statistics, as nn.GroupNorm's): float64 (B, groups)."""
+        h, w = self.shapes[v]
+        t = self._read(v, k, (0, h, 0, w))
+        g = t.unflatten(1, (groups, t.shape[1] // groups)).float()
+        var, mean = torch.var_mean(g, dim=(2, 3, 4, 5), correction=0)
+        return mean.double(), var.double()
 
     def _sum_over_ranks(self, seg, k: int) -> None:
         """The step's staged outputs of a segment (and output frames, when streamed) whole on every rank:

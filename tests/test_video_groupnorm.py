@@ -1,0 +1,131 @@
+"""3-D VAEs whose GroupNorms reduce over frames x space (HunyuanVideo): each GroupNorm a sync op of the
+video program, its statistics merged over every tile of the causal step; the mid-block's attention over
+every token of the step with the causal mask between frames. Tiled decode, encode and gradients equal the
+stock VAE's one-pass computation (fp32, max abs <= 1e-4)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from video_vae_support import video_vae  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.locality.ops3d_sync import StepAttention, VideoGroupNorm  # noqa: E402
+from tilewise.locality.program3d import VideoProgram  # noqa: E402
+from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
+from tilewise.vae.video.plan import make_video_plan  # noqa: E402
+
+TOL = 1e-4
+
+
+def _latent(frames, h, w, seed=0, batch=1):
+    return torch.randn(batch, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def _stock_decode(vae, z):
+    """The stock decode in one pass (`decode` itself for <= 4 latent frames; past them its framewise
+    decoding, on by default, is a temporal tiling with blending, which it is switched off for)."""
+    vae.use_framewise_decoding = False
+    try:
+        return vae.decode(z).sample
+    finally:
+        vae.use_framewise_decoding = True
+
+
+# odd latent sizes, tiles of 3 latent px (a 2 x 3 grid); one frame, several, more than the stock VAE
+# decodes in one pass by default (6 > 4)
+@pytest.mark.parametrize("frames", [1, 3, 6])
+def test_hunyuan_video_decode_is_exact(frames):
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = _latent(frames, 5, 7, seed=frames)
+    with torch.no_grad():
+        ref = _stock_decode(vae, z)
+        out = tv.decode(z).sample
+    assert out.shape == ref.shape == (1, 3, 1 + 4 * (frames - 1), 40, 56)
+    assert (out - ref).abs().max() <= TOL
+    plan = tv.plan(tuple(z.shape))
+    assert plan.grid == (2, 3) and plan.sync_ops == sum(op.sync for op in tv.program("decode").ops) > 20
+    if frames <= 4:  # (the stock decode's own path: one pass)
+        with torch.no_grad():
+            assert (vae.decode(z).sample - ref).abs().max() == 0
+
+
+# 9 frames (1 + 4 k), 10 and 4 (the causal strided convolutions take any count)
+@pytest.mark.parametrize("frames", [1, 4, 9, 10])
+def test_hunyuan_video_encode_is_exact(frames):
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    x = torch.rand(1, 3, frames, 24, 40, generator=torch.Generator().manual_seed(frames)) * 2 - 1
+    with torch.no_grad():
+        ref = vae.encode(x).latent_dist
+        out = tv.encode(x).latent_dist
+    assert out.mean.shape == ref.mean.shape == (1, 4, 1 + (frames - 1) // 4, 3, 5)
+    assert (out.mean - ref.mean).abs().max() <= TOL and (out.logvar - ref.logvar).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("order,staging", [("frames", "host"), ("tiles", "device")])
+def test_both_orders_are_exact_and_hold_what_the_plan_says(order, staging):
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = _latent(2, 7, 5, seed=2, batch=2)
+    plan = make_video_plan(tv.settings, tv.job("decode"), tuple(z.shape), staging=staging, order=order)
+    p = tv.program("decode")
+    ex = VideoExecutor(p, plan.tile_size, p.input, staging=staging, order=order, progress=False)
+    with torch.no_grad():
+        res = ex.run(z)
+        ref = _stock_decode(vae, z)
+    assert (res.output - ref).abs().max() <= TOL
+    assert res.staged_peak == plan.staged_peak > 0 and res.cache_peak == plan.cache_bytes == 0
+    norms = sum(op.kind == "group_norm" for op in p.ops)
+    assert plan.stats_bytes == norms * 2 * 2 * 4 * 8  # (mean, var) x batch 2 x 4 groups, float64
+    assert "GroupNorm statistics" in str(plan) and plan.attention_bytes > 0
+
+
+def test_gradients_through_the_decode_equal_the_stock_vae():
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = _latent(2, 5, 6, seed=4)
+    w = torch.randn(1, 3, 5, 40, 48, generator=torch.Generator().manual_seed(5))
+    d = vae.decoder
+    params = [d.mid_block.attentions[0].to_q.weight, d.up_blocks[1].resnets[0].norm1.weight,
+              d.conv_in.conv.weight]
+    grads = []
+    for run in (lambda t: _stock_decode(vae, t), lambda t: tv.decode(t).sample):
+        zz = z.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad((run(zz) * w).sum(), [zz, *params]))
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max() <= TOL * b.abs().max()
+
+
+def test_fast_mode_runs_exact_and_the_plan_says_why():
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, mode="fast", progress=False)
+    z = _latent(1, 5, 5, seed=7)
+    with torch.no_grad():
+        assert (tv.decode(z).sample - _stock_decode(vae, z)).abs().max() <= TOL
+    assert "merged exactly over every tile of each step: the run is exact" in str(tv.plan(tuple(z.shape)))
+
+
+def test_the_stock_pipeline_call_of_the_vae_is_exact():
+    """HunyuanVideoPipeline decodes `self.vae.decode(latents / scaling_factor, return_dict=False)[0]` (its
+    text encoder is a Llama: the VAE is called as the pipeline calls it)."""
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    latents = _latent(2, 5, 7, seed=8)
+    with torch.no_grad():
+        ref = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        out = tv.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+    assert (out - ref).abs().max() <= TOL
+
+
+def test_a_norm_over_the_frames_of_a_step_is_refused_in_a_program_of_several_steps():
+    vae = video_vae("hunyuan")
+    p = tv_program = tw.TiledVAE(vae, progress=False).program("decode")
+    several = VideoProgram(ops=tv_program.ops, input=p.input, output=p.output, in_channels=p.in_channels,
+                           name="several", first=1, every=4)
+    assert any(isinstance(op, VideoGroupNorm) for op in p.ops) and any(isinstance(op, StepAttention)
+                                                                       for op in p.ops)
+    with pytest.raises(ValueError, match="reduces over the frames of a causal step, but the program runs 1 "
+                                         r"\+ 4 k frames a step"):
+        VideoExecutor(several, 3, p.input, progress=False)
