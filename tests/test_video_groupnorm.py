@@ -129,3 +129,25 @@ def test_a_norm_over_the_frames_of_a_step_is_refused_in_a_program_of_several_ste
     with pytest.raises(ValueError, match="reduces over the frames of a causal step, but the program runs 1 "
                                          r"\+ 4 k frames a step"):
         VideoExecutor(several, 3, p.input, progress=False)
+
+
+def _decode_on_ranks(rank: int, world: int):
+    torch.set_num_threads(1)
+    tv = tw.TiledVAE(video_vae("hunyuan"), tile_size=3, progress=False, process_group="default")
+    with torch.no_grad():
+        return tv.decode(_latent(2, 7, 5, seed=9)).sample
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is needed")
+def test_a_process_group_merges_each_steps_statistics_over_the_ranks():
+    """Each rank runs its band of tile rows; every GroupNorm's moments are merged over the ranks (Chan,
+    float64) before its segment: 2 gloo ranks equal the stock VAE."""
+    from tilewise import distributed as td
+
+    vae = video_vae("hunyuan")
+    with torch.no_grad():
+        ref = _stock_decode(vae, _latent(2, 7, 5, seed=9))
+    res = td.spawn(_decode_on_ranks, 2, start_method="fork", limit=120.0, timeout=60)
+    for out in res:
+        assert out.shape == ref.shape and (out - ref).abs().max() <= TOL
