@@ -86,7 +86,8 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
                                         encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX, Cosmos: caches of a chunked loop, ...)
+    # (CogVideoX, Cosmos: caches of a chunked loop; Mochi: a GroupNorm of each frame, frames in the batch;
+    # HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
@@ -134,8 +135,10 @@ FAMILIES: dict[str, Family] = {
         "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
         "not images or videos")),
     "AutoencoderKLTemporalDecoder": Family(refused=(
-        "its decoder mixes the frames of num_frames (temporal convolutions and blending across the batch), "
-        "which the tile programs do not lower yet; use the wrapped VAE")),
+        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
+        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
+        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
+        "not lower values with frames in the batch yet; use the wrapped VAE")),
 }
 
 

@@ -1,5 +1,5 @@
 """The rules of video values ((B, C, T, H, W) tensors, a 3-D VAE's): each call on them placed as an op
-of a video program (`ops3d`) by what it is.
+of a video program (`ops3d`, `ops3d_sync`) by what it is.
 
 - `conv3d`: `CausalConv3d`, its padding merged from what feeds it: its own zero padding, an `F.pad`
   (zeros; replicate: the border repeated in space, the first frame in time; reflect in space), and a
@@ -7,14 +7,22 @@ of a video program (`ops3d`) by what it is.
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
 - a slice of frames (`x[:, :, a:b]`), frames repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
-- `group_norm` of a video value: refused with what it reduces over (groups x frames x space: a sync
-  over the whole video, which the video executor does not run), and so is a concatenation along time of
-  frames of different values (a cache a chunked causal loop carries from call to call): no measurement
-  of the module around them places them either.
+- `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
+  frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
+  `interpolate` by integer factors in time and space, `unsqueeze(2)`), concatenated back in order: a
+  `FrameCat` (HunyuanVideo's upsampler);
+- `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
+  step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
+- HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
+- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm) is
+  refused, and so is a concatenation along time of frames of different values that are not such parts
+  (a cache a chunked causal loop carries from call to call): no measurement of the module around them
+  places them either.
 
-These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video); a value's
-frames are then whole in every op. A rule returns False where a call is not one it places (the 2-D rules
-are tried next: channels, arithmetic, ...), or a string saying why it refuses it.
+These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video,
+HunyuanVideo); a value's frames are then whole in every op. A rule returns False where a call is not
+one it places (the 2-D rules are tried next: channels, arithmetic, ...), or a string saying why it
+refuses it.
 """
 
 from __future__ import annotations

@@ -20,8 +20,15 @@ ALIASES = {"contiguous", "clone", "detach"}
 def tokens_rule(low: Lowering, i: int, call: Call) -> bool | str:
     """permute(0, 2, 3, 4, 1) of a video value followed by flatten(1, 3) and an Attention: its tokens."""
     x = arg_of(call, 0, "input")
-    dims = tuple(call.args[1:]) if len(call.args) > 2 else arg_of(call, 1, "dims")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None or tuple(dims or ()) != (0, 2, 3, 4, 1):
+    dims = _permutation(call)
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    if dims == (0, 2, 1, 3, 4) and _reaches(low, i, call.outs[0], "group_norm"):
+        raise refused(low, call, "a GroupNorm of each frame, the frames folded into the batch (statistics "
+                      "per frame over the whole frame, as MochiChunkedGroupNorm3D's): a sync over every "
+                      "frame apart, which the video lowering does not place yet (it places GroupNorms over "
+                      "the step's frames)", final=True)
+    if dims != (0, 2, 3, 4, 1):
         return False
     flat = _only_reader(low, i, call.outs[0])
     if flat is None or flat[1].name != "flatten" or _dims(flat[1], 1, "start_dim", "end_dim") != (1, 3):
@@ -118,6 +125,20 @@ def _only_reader(low: Lowering, i: int, node: int) -> tuple[int, Call] | None:
     """The one call after call i that reads node, or None where none or several do."""
     found = [(k, c) for k, c in enumerate(low.cap.calls[i + 1 :], i + 1) if node in c.refs()]
     return found[0] if len(found) == 1 else None
+
+
+def _reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:
+    """Whether a call named `name` reads node or what the next calls make of it (up to `depth` calls)."""
+    nodes = {node}
+    for c in low.cap.calls[i + 1 :]:
+        if nodes & set(c.refs()):
+            if c.name == name:
+                return True
+            nodes.update(c.outs)
+            depth -= 1
+            if depth < 0:
+                return False
+    return False
 
 
 def _dims(call: Call, i: int, a: str, b: str) -> tuple:

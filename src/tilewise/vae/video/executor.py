@@ -1,6 +1,7 @@
 """Run a video tile program over a spatial tile grid and the model's causal steps (3-D causal VAEs).
 
-The program is cut at its sync ops (per-frame attention) as a 2-D one is. A unit of work is one segment
+The program is cut at its sync ops (per-frame attention, attention over the step's tokens, GroupNorms
+of video values) as a 2-D one is. A unit of work is one segment
 on one tile for one causal step: the ops run on exactly the boxes the tile's cores need (back-propagated
 from the segment's outputs), every temporal op reading the frames before the step from the cache of
 its box (`StepContext`), and the cores of the outputs go to the staged values of that step (or the
@@ -15,13 +16,21 @@ output). Two orders run the same units:
 
 An attention segment computes the keys and values of every token of each frame of the step first, then
 the queries tile by tile (global, exact), or each tile's own tokens (attention="tile", approximate).
+A GroupNorm of a video value (`ops3d_sync.VideoGroupNorm`, HunyuanVideo's) starts a segment: the tile
+cores of its input, as the segment before stores them, add their moments to the step's statistics
+(`run.stats.GroupStats`: float64, Chan's merge), which are complete before its segment runs and applied
+per tile there (the same statistics for every tile). These reduce over every frame of a step, so they
+run only in one-step programs (`check_steps`: a program of several steps with one is refused by name).
+A step recomputed for gradients (`gradient`) takes its statistics from the whole staged value with
+autograd instead.
 
 With a process group (frame order only) each rank runs the tiles of its band of tile rows
 (`sharding.RowBands`, as a 2-D run) and keeps those tiles' causal caches; after each segment of a step,
 the step's staged outputs, which every rank wrote only at its tiles' cores (zeros elsewhere), are summed
 over the ranks in their own dtype (disjoint cores: the sum is exact), so every rank reads any halo and
-any attention key from the whole value. The output frames of each step are summed the same way: every
-rank returns the whole output; `emit` (rank 0's sink) gets each step's frames whole.
+any attention key from the whole value; each GroupNorm's moments of the step are merged over the ranks
+(`sharding.merge_group_stats`) before its segment. The output frames of each step are summed the same
+way: every rank returns the whole output; `emit` (rank 0's sink) gets each step's frames whole.
 """
 
 from __future__ import annotations

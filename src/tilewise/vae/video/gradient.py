@@ -11,6 +11,9 @@ it (every segment on every tile, the same boxes and halos, attention keys of the
 input frames and its entering caches as leaves; the gradients of its output frames and of the caches it
 leaves (the leaves' gradients of step s + 1) are backed through it in one `autograd.grad`, which gives
 the step's input frames', the parameters' and its entering caches' gradients (carried to step s - 1).
+A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recomputed step, from its
+whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
+have one step, so that step's graph is the whole video's (tiled as the forward ran it).
 
 Held by the backward: the kept caches of every step (`stored_bytes`, freed step by step as the reverse
 passes them), one step's recomputed graph (all of its tiles: the graph of one causal step, not of the
