@@ -151,3 +151,72 @@ def test_a_process_group_merges_each_steps_statistics_over_the_ranks():
     res = td.spawn(_decode_on_ranks, 2, start_method="fork", limit=120.0, timeout=60)
     for out in res:
         assert out.shape == ref.shape and (out - ref).abs().max() <= TOL
+
+
+class _TokenAttention(torch.nn.Module):
+    """A causal 3-D convolution, then diffusers' Attention over every frame's tokens as HunyuanVideo's
+    mid-block calls it, with its causal mask, no mask, or another mask (`mask`)."""
+
+    def __init__(self, mask: str):
+        from diffusers.models.attention_processor import Attention
+
+        super().__init__()
+        self.conv = torch.nn.Conv3d(4, 8, 3, padding=(0, 1, 1))
+        self.attn = Attention(8, heads=2, dim_head=4, norm_num_groups=2, residual_connection=True, bias=True,
+                              _from_deprecated_attn_block=True)
+        self.mask = mask
+
+    def forward(self, x):
+        from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+        h = self.conv(torch.nn.functional.pad(x, (0, 0, 0, 0, 2, 0), mode="replicate"))
+        b, c, t, hh, ww = h.shape
+        tokens = h.permute(0, 2, 3, 4, 1).flatten(1, 3)
+        mask = None
+        if self.mask == "causal":
+            mask = prepare_causal_attention_mask(t, hh * ww, h.dtype, h.device, batch_size=b)
+        elif self.mask == "other":
+            mask = torch.zeros(b, t * hh * ww, t * hh * ww, dtype=h.dtype, device=h.device)
+        y = self.attn(tokens, attention_mask=mask)
+        return y.unflatten(1, (t, hh, ww)).permute(0, 4, 1, 2, 3)
+
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_attention_over_every_frames_tokens_is_exact_with_the_causal_mask_or_none(mask):
+    from tilewise.locality.trace import lower_traced
+
+    torch.manual_seed(0)
+    m = _TokenAttention(mask).eval()
+    p = lower_traced(m, m, torch.empty(1, 4, 9, 13, 11, device="meta"))
+    att = [op for op in p.ops if isinstance(op, StepAttention)]
+    assert len(att) == 1 and att[0].causal is (mask == "causal") and att[0].heads == 2
+    x = _latent(4, 7, 6, seed=11, batch=2)
+    with torch.no_grad():
+        ref = m(x)
+        out = VideoExecutor(p, 3, p.input, progress=False).run(x).output
+    assert (out - ref).abs().max() <= TOL
+
+
+def test_another_attention_mask_over_the_tokens_is_refused():
+    from tilewise.locality import LoweringError
+    from tilewise.locality.trace import lower_traced
+
+    m = _TokenAttention("other").eval()
+    with pytest.raises(LoweringError, match="an attention mask over a video value's tokens that is not the "
+                                            "causal mask between frames"):
+        lower_traced(m, m, torch.empty(1, 4, 9, 13, 11, device="meta"))
+
+
+def test_decode_to_a_video_sink_streams_the_exact_video(tmp_path):
+    import numpy as np
+
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = _latent(2, 5, 4, seed=12)
+    with torch.no_grad():
+        ref = _stock_decode(vae, z)
+    with tw.open_video_sink(str(tmp_path / "v.npy"), 5, 40, 32, bits=32) as sink:
+        tv.decode_to(z, sink)
+    got = torch.from_numpy(np.load(tmp_path / "v.npy"))  # (T, H, W, C) in [-1, 1] as written
+    assert got.shape == (5, 40, 32, 3)
+    assert (got - ref[0].permute(1, 2, 3, 0)).abs().max() <= TOL
