@@ -25,11 +25,11 @@ def _latent(frames, h, w, seed=0, batch=1):
 def _stock_decode(vae, z):
     """The stock decode in one pass (`decode` itself for <= 4 latent frames; past them its framewise
     decoding, on by default, is a temporal tiling with blending, which it is switched off for)."""
-    vae.use_framewise_decoding = False
+    was, vae.use_framewise_decoding = vae.use_framewise_decoding, False
     try:
         return vae.decode(z).sample
     finally:
-        vae.use_framewise_decoding = True
+        vae.use_framewise_decoding = was
 
 
 # odd latent sizes, tiles of 3 latent px (a 2 x 3 grid); one frame, several, more than the stock VAE

@@ -132,8 +132,8 @@ def factor(vae) -> int:
 
 def refused_family(name: str):
     """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
-    exactly yet): CogVideoX and Cosmos (caches their chunked loops carry), Mochi (GroupNorm per frame),
-    SVD's temporal decoder (frames mixed over the batch)."""
+    exactly yet): CogVideoX (caches its chunked loop carries), Cosmos and Mochi (GroupNorms of each
+    frame, the frames folded into the batch), SVD's temporal decoder (frames mixed over the batch)."""
     import diffusers as d
     import torch
 

@@ -86,7 +86,7 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
                                         encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX, Cosmos: caches of a chunked loop; Mochi: a GroupNorm of each frame, frames in the batch;
+    # (CogVideoX: caches of a chunked loop; Mochi, Cosmos: a GroupNorm of each frame, frames in the batch;
     # HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",

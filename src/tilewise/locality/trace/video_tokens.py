@@ -25,9 +25,9 @@ def tokens_rule(low: Lowering, i: int, call: Call) -> bool | str:
         return False
     if dims == (0, 2, 1, 3, 4) and _reaches(low, i, call.outs[0], "group_norm"):
         raise refused(low, call, "a GroupNorm of each frame, the frames folded into the batch (statistics "
-                      "per frame over the whole frame, as MochiChunkedGroupNorm3D's): a sync over every "
-                      "frame apart, which the video lowering does not place yet (it places GroupNorms over "
-                      "the step's frames)", final=True)
+                      "per frame over the whole frame: Mochi's MochiChunkedGroupNorm3D, Cosmos' "
+                      "CosmosCausalGroupNorm): a sync over every frame apart, which the video lowering does "
+                      "not place yet (it places GroupNorms over the step's frames)", final=True)
     if dims != (0, 2, 3, 4, 1):
         return False
     flat = _only_reader(low, i, call.outs[0])
