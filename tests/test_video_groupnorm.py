@@ -98,6 +98,21 @@ def test_gradients_through_the_decode_equal_the_stock_vae():
         assert (a - b).abs().max() <= TOL * b.abs().max()
 
 
+def test_gradients_through_the_encode_equal_the_stock_vae():
+    vae = video_vae("hunyuan")
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    x = torch.rand(1, 3, 5, 24, 40, generator=torch.Generator().manual_seed(6)) * 2 - 1
+    e = vae.encoder
+    params = [e.mid_block.attentions[0].to_k.weight, e.conv_norm_out.bias,
+              e.down_blocks[0].resnets[0].norm2.weight]
+    grads = []
+    for run in (vae, tv):
+        xx = x.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(run.encode(xx).latent_dist.mean.square().sum(), [xx, *params]))
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max() <= TOL * b.abs().max()
+
+
 def test_fast_mode_runs_exact_and_the_plan_says_why():
     vae = video_vae("hunyuan")
     tv = tw.TiledVAE(vae, tile_size=3, mode="fast", progress=False)
