@@ -35,13 +35,15 @@ def _stock_decode(vae, z):
 # odd latent sizes, tiles of 3 latent px (a 2 x 3 grid); one frame, several, more than the stock VAE
 # decodes in one pass by default (6 > 4)
 @pytest.mark.parametrize("frames", [1, 3, 6])
-def test_hunyuan_video_decode_is_exact(frames):
+def test_hunyuan_video_decode_is_exact(frames, caplog):
     vae = video_vae("hunyuan")
     tv = tw.TiledVAE(vae, tile_size=3, progress=False)
     z = _latent(frames, 5, 7, seed=frames)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("INFO", logger="tilewise"):
         ref = _stock_decode(vae, z)
         out = tv.decode(z).sample
+    said = "would decode these 6 latent frames framewise (use_framewise_decoding past 4" in caplog.text
+    assert said is (frames > 4)
     assert out.shape == ref.shape == (1, 3, 1 + 4 * (frames - 1), 40, 56)
     assert (out - ref).abs().max() <= TOL
     plan = tv.plan(tuple(z.shape))
