@@ -358,7 +358,7 @@ class _VideoRun:
 
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
-        for g in {g for u, g in self.tracked if u == v}:
+        for g in {g for u, g in self.tracked if u == v} if not torch.is_grad_enabled() else ():
             key = (v, g, k)
             if key not in self.moments:
                 self.moments[key] = GroupStats(g)
