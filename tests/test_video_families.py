@@ -13,13 +13,12 @@ import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
 
 REFUSED = {
-    "hunyuan": r"AutoencoderKLHunyuanVideo \(decode\).*group_norm at 'decoder\.mid_block\.resnets\.0\."
-               r"norm1': a GroupNorm of a video value: its statistics are over groups x frames x space",
     "cogvideox": r"AutoencoderKLCogVideoX \(decode\).*cat at 'decoder\.conv_in': a concatenation along time "
                  r"of frames of different values \(a causal cache",
-    "cosmos": r"AutoencoderKLCosmos \(decode\).*CosmosUpBlock3d at 'decoder\.up_blocks\.1'\) is global",
-    "mochi": r"AutoencoderKLMochi \(decode\).*MochiChunkedGroupNorm3D at 'decoder\.up_blocks\.1\.resnets\.0"
-             r"\.norm1'\) is global",
+    "cosmos": r"AutoencoderKLCosmos \(decode\).*permute at 'decoder\.mid_block\.resnets\.0\.norm1': a "
+              r"GroupNorm of each frame, the frames folded into the batch",
+    "mochi": r"AutoencoderKLMochi \(decode\).*permute at 'decoder\.block_in\.resnets\.0\.norm1': a "
+             r"GroupNorm of each frame, the frames folded into the batch",
     "svd": r"AutoencoderKLTemporalDecoder: its decoder mixes the frames of num_frames",
 }
 

@@ -1,5 +1,5 @@
 """Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5, LTX-2, the HunyuanImage
-refiner) for the video
+refiner, HunyuanVideo) for the video
 tests.
 
 Real diffusers classes from tiny configs (few channels, one layer per block) with seeded random weights;
@@ -92,7 +92,27 @@ def refiner(seed: int = 0):
                                             layers_per_block=1).eval()
 
 
-VAES = {"qwen": qwen, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
+def hunyuan(seed: int = 0):
+    """AutoencoderKLHunyuanVideo (8x spatial, 4x temporal here): GroupNorms over frames x space, the
+    mid-block's attention over every frame's tokens with a causal mask between frames; its norms'
+    weights and biases randomised."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLHunyuanVideo(latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+                                    up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+                                    block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in vae.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+    return vae.eval()
+
+
+VAES = {"qwen": qwen, "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
         "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner}
 
 _CACHE: dict = {}
@@ -112,18 +132,13 @@ def factor(vae) -> int:
 
 def refused_family(name: str):
     """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
-    exactly yet): HunyuanVideo (GroupNorm over the whole video), CogVideoX and Cosmos (caches their
-    chunked loops carry), Mochi (GroupNorm per frame), SVD's temporal decoder (frames mixed over the
-    batch)."""
+    exactly yet): CogVideoX (caches its chunked loop carries), Cosmos and Mochi (GroupNorms of each
+    frame, the frames folded into the batch), SVD's temporal decoder (frames mixed over the batch)."""
     import diffusers as d
     import torch
 
     torch.manual_seed(0)
     builders = {
-        "hunyuan": lambda: d.AutoencoderKLHunyuanVideo(
-            latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1, norm_num_groups=4),
         "cogvideox": lambda: d.AutoencoderKLCogVideoX(
             down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
             block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4),

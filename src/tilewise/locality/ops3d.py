@@ -7,7 +7,9 @@ those of 2-D programs), and `frames(ts, step)` says how many frames it makes of 
 counts. A temporal op reads the frames before the step from its cache in `StepContext`: exactly the
 frames it reads back (2 for Wan's 3x3x3 convolutions, the last one for its temporal downsampling), over
 the box it reads, so each tile carries the cache of its own boxes. Per-frame attention is a sync op
-over the tokens of one frame. The 2-D `Pointwise` and `Add` ops work on these values as they are.
+over the tokens of one frame; the sync ops over every frame of a step (a video GroupNorm, attention over
+the step's tokens) are in `ops3d_sync`. The 2-D `Pointwise` and `Add` ops work on these values as they
+are.
 """
 
 from __future__ import annotations

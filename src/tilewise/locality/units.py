@@ -34,6 +34,28 @@ def group_norm(b: Builder, norm, x: str, where: str) -> str:
                   weight=norm.weight if norm.affine else None, bias=norm.bias if norm.affine else None)
 
 
+def check_attention(a) -> str:
+    """Why diffusers Attention `a` is not one `attention` lowers (its processor, q / k norms, cross
+    attention, a scale other than d^-1/2), or ""."""
+    from diffusers.models.attention_processor import (
+        Attention,
+        AttnProcessor,
+        AttnProcessor2_0,
+        FusedAttnProcessor2_0,
+    )
+
+    if type(a) is not Attention or type(a.processor) not in (AttnProcessor, AttnProcessor2_0,
+                                                              FusedAttnProcessor2_0):
+        return f"an Attention with processor {type(getattr(a, 'processor', a)).__name__}"
+    if a.norm_q is not None or a.norm_k is not None or a.is_cross_attention:
+        return "an Attention with query / key norms or cross attention"
+    if abs(a.scale - (a.inner_dim // a.heads) ** -0.5) > 1e-12:
+        return f"an Attention with scale {a.scale} (not head_dim^-1/2)"
+    if a.spatial_norm is not None:
+        return "an Attention with a spatial norm"
+    return ""
+
+
 def attention(b: Builder, a, x: str, where: str, normed: str | None = None) -> str:
     """diffusers Attention (AttnProcessor / AttnProcessor2_0, self-attention over spatial tokens; with
     FusedAttnProcessor2_0 the same attention from one fused projection: its to_q / to_k / to_v remain).

@@ -43,6 +43,8 @@ class Family:
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
+    note: Callable | None = None  # note(vae, kind, shape) -> how the call's result differs from the wrapped
+    # VAE's own for that call ("" where it does not), logged
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -65,6 +67,21 @@ def _ltx_check(vae) -> str:
     return ""
 
 
+def _hunyuan_note(vae, kind: Kind, shape) -> str:
+    """Where HunyuanVideo's own decode / encode would run framewise (its temporal tiling with blending,
+    on by default past 16 video frames), what the tiled path computes instead."""
+    t, frames = int(shape[2]), int(vae.tile_sample_min_num_frames)
+    if kind is Kind.DECODE:
+        flag, past, what = "use_framewise_decoding", frames // int(vae.temporal_compression_ratio), "latent"
+    else:
+        flag, past, what = "use_framewise_encoding", frames, "video"
+    if not getattr(vae, flag) or t <= past:
+        return ""
+    return (f"the wrapped VAE would {kind.value} these {t} {what} frames framewise ({flag} past {past}: a "
+            f"temporal tiling with blending, approximate); TiledVAE {kind.value}s them in one pass, exactly "
+            f"(as the wrapped VAE with {flag} = False)")
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents over time), not images or "
@@ -80,9 +97,16 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLQwenImage": Family(video=True),
     "AutoencoderKLLTXVideo": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
     "AutoencoderKLLTX2Video": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    # the whole video in one pass (its GroupNorms and mid-block attention over every frame: sync ops of a
+    # one-step program); its own framewise decoding / encoding of long videos (on by default past 16
+    # frames) is a temporal tiling with blending, which the exact path does not reproduce
+    "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
+                                        encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True,
+                                        note=_hunyuan_note),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (HunyuanVideo: GroupNorm over the whole video; CogVideoX, Cosmos: caches of a chunked loop, ...)
-    **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
+    # (CogVideoX: caches of a chunked loop; Mochi, Cosmos: a GroupNorm of each frame, frames in the batch;
+    # HunyuanVideo 1.5: its upsampler's frames not measured, ...)
+    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
     "AutoencoderKLQwenImage21": Family(video=True, refused=(
@@ -129,8 +153,10 @@ FAMILIES: dict[str, Family] = {
         "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
         "not images or videos")),
     "AutoencoderKLTemporalDecoder": Family(refused=(
-        "its decoder mixes the frames of num_frames (temporal convolutions and blending across the batch), "
-        "which the tile programs do not lower yet; use the wrapped VAE")),
+        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
+        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
+        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
+        "not lower values with frames in the batch yet; use the wrapped VAE")),
 }
 
 

@@ -222,6 +222,10 @@ class TiledVAE(ModelWrapper):
     def _run_video(self, job: Job, t) -> tuple:
         """A 3-D decode or encode: with a graph (`video.gradient`: the causal steps recomputed last to
         first as its backward) when the call asks for gradients, else the plain tiled run."""
+        family = family_of(self.vae)
+        note = family.note(self.vae, job.kind, tuple(t.shape)) if family.note is not None else ""
+        if note:
+            logger.info("TiledVAE %s: %s", job.model, note)
         if gradient.wants(self.vae, t):
             return video_gradient.run(self.settings, job, t, self.vae)
         return video.run(self.settings, job, t)

@@ -26,14 +26,15 @@ value's last reader comes first where it can (a resnet's shortcut projection bef
 block input then dies sooner, as the hand lowering orders it).
 
 Video values ((B, C, T, H, W): a 3-D VAE's) have their own rules (`video`: conv3d with its causal padding,
-slices / repeats / concatenations of frames; measured ops keep or change the frames as measured); a
-video example gives a one-step video program (`program3d.VideoProgram`: every frame in one step, as the
-computation ran them), which the video executor runs.
+slices / repeats / splits / concatenations of frames, nearest interpolation, GroupNorm over the step's
+frames; `video_tokens`: HunyuanVideo's attention over every frame's tokens; measured ops keep or change
+the frames as measured); a video example gives a one-step video program (`program3d.VideoProgram`: every
+frame in one step, as the computation ran them), which the video executor runs.
 
 The package: `capture` records the calls; `rules` places each call by what it is; `video` the calls on
-video values; `measured` places what no rule does by measuring it (a run of calls back to the spatial
-layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives them
-(`lower_traced`); `state` is what they share.
+video values (`video_tokens` their tokens through an Attention); `measured` places what no rule does by
+measuring it (a run of calls back to the spatial layout, or the module around a call); `schedule` orders
+and fuses the ops; `lower` drives them (`lower_traced`); `state` is what they share.
 """
 
 from .capture import capture

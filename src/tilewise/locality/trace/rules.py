@@ -14,7 +14,8 @@ from ..ops_traced import Cat, Combine, Slice
 from ..units import attention
 from .capture import Call, Ref, capture, needed
 from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
-from .video import VIDEO_RULES
+from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
+from .video_tokens import token_call
 
 ALIASES = {"contiguous", "clone", "detach", "dropout", "float", "to", "type_as", "half", "bfloat16", "double"}
 
@@ -33,12 +34,25 @@ IN_PLACE_FORM = {"silu": "silu_", "relu": "relu_", "mish": "mish_"}  # (activati
 
 def lower_call(low: Lowering, i: int, call: Call) -> None:
     """Place one recorded call (module docstring); LoweringError for one no rule places."""
+    if any(n in low.tokens for n in call.refs()):  # (a video value's tokens, to or from an Attention)
+        token_call(low, i, call)
+        return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
+        return
+    if any(n in low.squeezed for n in spatial):
+        rule = SQUEEZED_RULES.get(call.name) or (_unary if call.name in UNARY else None)
+        placed = rule(low, i, call) if rule is not None else False
+        if placed is not True:
+            raise refused(low, call, placed or "a call on a video value's one frame squeezed to (B, C, H, W) "
+                          "(placed: interpolate, unsqueeze(2), elementwise functions)")
+        low.squeezed.update(n for n in call.outs if low.spatial(n) and low.cap.values[n].ndim == 4)
+        _keep_parts(low, call)
         return
     video = VIDEO_RULES.get(call.name) if any(low.cap.values[n].ndim == 5 for n in spatial) else None
     placed = video(low, i, call) if video is not None else False
     if placed is True:
+        _keep_parts(low, call)
         return
     if isinstance(placed, str):
         raise refused(low, call, placed)
@@ -48,6 +62,15 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     placed = rule is not None and rule(low, i, call)
     if placed is not True:
         raise refused(low, call, placed or "no rule places it as an op of a tile program")
+    _keep_parts(low, call)
+
+
+def _keep_parts(low: Lowering, call: Call) -> None:
+    """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
+    if call.name in KEEP_PARTS and len(call.outs) == 1:
+        parts = {low.frame_parts[n] for n in call.refs() if n in low.frame_parts}
+        if len(parts) == 1:
+            low.frame_parts[call.outs[0]] = parts.pop()
 
 
 def _conv(low: Lowering, i: int, call: Call) -> bool:

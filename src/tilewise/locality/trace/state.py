@@ -35,6 +35,13 @@ class Lowering:
     # times before it and its last back times after it (a causal convolution's padding, `trace.video`)
     frame_refs: dict[int, tuple] = field(default_factory=dict)
     tpads: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # node -> (source node, k, parts): part k of a split of the source's frames (its first frame and the
+    # others), kept through calls that keep it a part (`trace.video`: such parts concatenate back)
+    frame_parts: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
+    # node -> (video value name, layout): a video value's tokens, "channels_last" (B, T, H, W, C) or
+    # "flat" (B, T H W, C), on their way to and from an Attention unit (`trace.video_tokens`)
+    tokens: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def spatial(self, node: int) -> str | None:
         v = self.values.get(node)

@@ -1,5 +1,5 @@
 """The rules of video values ((B, C, T, H, W) tensors, a 3-D VAE's): each call on them placed as an op
-of a video program (`ops3d`) by what it is.
+of a video program (`ops3d`, `ops3d_sync`) by what it is.
 
 - `conv3d`: `CausalConv3d`, its padding merged from what feeds it: its own zero padding, an `F.pad`
   (zeros; replicate: the border repeated in space, the first frame in time; reflect in space), and a
@@ -7,14 +7,22 @@ of a video program (`ops3d`) by what it is.
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
 - a slice of frames (`x[:, :, a:b]`), frames repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
-- `group_norm` of a video value: refused with what it reduces over (groups x frames x space: a sync
-  over the whole video, which the video executor does not run), and so is a concatenation along time of
-  frames of different values (a cache a chunked causal loop carries from call to call): no measurement
-  of the module around them places them either.
+- `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
+  frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
+  `interpolate` by integer factors in time and space, `unsqueeze(2)`), concatenated back in order: a
+  `FrameCat` (HunyuanVideo's upsampler);
+- `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
+  step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
+- HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
+- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm) is
+  refused, and so is a concatenation along time of frames of different values that are not such parts
+  (a cache a chunked causal loop carries from call to call): no measurement of the module around them
+  places them either.
 
-These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video); a value's
-frames are then whole in every op. A rule returns False where a call is not one it places (the 2-D rules
-are tried next: channels, arithmetic, ...), or a string saying why it refuses it.
+These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video,
+HunyuanVideo); a value's frames are then whole in every op. A rule returns False where a call is not
+one it places (the 2-D rules are tried next: channels, arithmetic, ...), or a string saying why it
+refuses it.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ from __future__ import annotations
 import torch
 
 from ..ops3d import CausalConv3d, Rearrange
+from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, refused
+from .video_tokens import tokens_rule
 
 
 def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
@@ -145,6 +155,9 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
         ref = low.frame_refs.get(t.node, (t.node, None, None, 1) if low.spatial(t.node) else None)
         if ref is None:
             return "a concatenation along time of a value that is not a video value"
+        if src not in (None, ref[0]) and (joined := _parts_cat(low, call, tensors)) is not None:
+            low.set(call.outs[0], joined)
+            return True
         if src not in (None, ref[0]):
             raise refused(low, call, "a concatenation along time of frames of different values (a causal "
                           "cache carried over from an earlier call of a chunked loop, as CogVideoX's and "
@@ -179,9 +192,118 @@ def _as_padding(parts: list, src: int, out: int) -> dict:
     return {out: (src, sum(p[2] for p in before), sum(p[2] for p in after))}
 
 
-def _group_norm(low: Lowering, i: int, call: Call) -> str:
-    raise refused(low, call, "a GroupNorm of a video value: its statistics are over groups x frames x "
-                  "space, a sync over the whole video, which the video executor does not run", final=True)
+def _group_norm(low: Lowering, i: int, call: Call) -> bool | str:
+    """group_norm of a video value: statistics per (batch, group) over its frames and the whole frame, a
+    sync op over the step (`VideoGroupNorm`; in a one-step program, the whole video's GroupNorm)."""
+    x = arg_of(call, 0, "input")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    weight, bias = const_value(low, arg_of(call, 2, "weight")), const_value(low, arg_of(call, 3, "bias"))
+    out = low.b.emit(VideoGroupNorm, (low.spatial(x.node),), call.where,
+                     groups=int(arg_of(call, 1, "num_groups")), eps=float(arg_of(call, 4, "eps", 1e-5)),
+                     weight=weight, bias=bias)
+    low.set(call.outs[0], out)
+    return True
+
+
+def _split(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.split((1, T - 1), dim=2) (a video value's first frame and the others; or the others and its
+    last): one Rearrange per part, remembered as parts of x (`frame_parts`) that may concatenate back."""
+    x, sizes = arg_of(call, 0, "input"), arg_of(call, 1, "split_size_or_sections")
+    dim = arg_of(call, 2, "dim", 0)
+    if not isinstance(x, Ref) or low.spatial(x.node) is None or dim not in (2, -3):
+        return False
+    t = int(low.cap.values[x.node].shape[2])
+    sizes = [int(s) for s in sizes] if isinstance(sizes, list | tuple) else None
+    if sizes == [1, t - 1] and t > 2:
+        spans = [(None, 1), (1, None)]
+    elif sizes == [t - 1, 1] and t > 2:
+        spans = [(None, -1), (-1, None)]
+    else:
+        return (f"a split of {t} frames into {sizes} (only a value's first or last frame and the others are "
+                "placed: other sizes follow the example's frame count)")
+    for k, (n, (a, b)) in enumerate(zip(call.outs, spans, strict=True)):
+        low.frame_refs[n] = (x.node, a, b, 1)
+        low.frame_parts[n] = (x.node, k, len(spans))
+        out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, f"frames {_span(a, b)}"),
+                         fn=lambda t, ctx, a=a, b=b: t[:, :, a:b], frames_fn=lambda t, step, a=a, b=b:
+                         len(range(t)[a:b]), label=f"frames {_span(a, b)}")
+        low.set(n, out)
+    return True
+
+
+def _interpolate(low: Lowering, i: int, call: Call) -> bool | str:
+    """Nearest interpolation of a video value by integer factors (time, space, space; of a squeezed
+    one-frame value: space): a Rearrange upsampling its crop (output pixel i reads input pixel i // s)."""
+    x = arg_of(call, 0, "input")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    mode = arg_of(call, 3, "mode", "nearest")
+    if mode != "nearest" or arg_of(call, 7, "antialias", False):
+        return f"interpolate mode={mode!r} of a video value (nearest by integer factors is placed)"
+    src, dst = low.cap.values[x.node].shape[2:], low.cap.values[call.outs[0]].shape[2:]
+    if any(d % s for s, d in zip(src, dst, strict=True) if s):
+        return f"interpolate of a video value from {tuple(src)} to {tuple(dst)} (integer factors are placed)"
+    factors = [d // s if s else 1 for s, d in zip(src, dst, strict=True)]
+    if len(factors) == 2:  # (a squeezed one-frame value: its single frame in space)
+        factors = [1, *factors]
+    ft, fh, fw = factors
+    if fh != fw:
+        return f"interpolate of a video value by {factors} (the same factor in height and width is placed)"
+
+    def fn(t, ctx, f=(ft, fh, fw)):
+        if not t.shape[2]:  # (no frames: a first frame's others, of a one-frame video)
+            return t.new_empty((*t.shape[:2], 0, t.shape[3] * f[1], t.shape[4] * f[2]))
+        return torch.nn.functional.interpolate(t, scale_factor=f, mode="nearest")
+
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "interpolate"), fn=fn, up=fh,
+                     frames_fn=lambda t, step, ft=ft: t * ft, label=f"nearest x{ft},{fh},{fw}")
+    low.set(call.outs[0], out)
+    return True
+
+
+def _squeeze(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.squeeze(2) of a one-frame video value: the same value, remembered as squeezed (the next calls
+    on it are those of `SQUEEZED_RULES`)."""
+    x, dim = arg_of(call, 0, "input"), arg_of(call, 1, "dim")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+        return False
+    if dim not in (2, -3) or low.cap.values[x.node].shape[2] != 1:
+        return f"squeeze(dim={dim}) of a video value (a one-frame value's time axis is placed)"
+    low.set(call.outs[0], low.spatial(x.node))
+    low.squeezed.add(call.outs[0])
+    return True
+
+
+def _unsqueeze(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.unsqueeze(2) of a squeezed one-frame value: the video value again."""
+    x, dim = arg_of(call, 0, "input"), arg_of(call, 1, "dim")
+    if dim not in (2, -3):
+        return f"unsqueeze(dim={dim}) of a squeezed video frame (its time axis back, dim=2, is placed)"
+    low.set(call.outs[0], low.spatial(x.node))
+    return True
+
+
+def _squeezed_unary(low: Lowering, i: int, call: Call) -> bool | str:
+    """An alias of a squeezed frame (contiguous, ...): still the squeezed frame."""
+    x = arg_of(call, 0, "input")
+    if call.name not in ("contiguous", "clone", "detach") or not isinstance(x, Ref):
+        return False
+    low.set(call.outs[0], low.spatial(x.node))
+    return True
+
+
+def _parts_cat(low: Lowering, call: Call, tensors) -> str | None:
+    """The parts of one split of frames concatenated back in order (each part maybe resampled apart:
+    HunyuanVideo's upsampler): a FrameCat of them, or None where they are not."""
+    parts = [low.frame_parts.get(t.node) for t in tensors]
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        return None
+    if [p[1] for p in parts] != list(range(parts[0][2])) or len({t.node for t in tensors}) != len(tensors):
+        return None
+    if len({low.cap.values[t.node].shape[3:] for t in tensors}) != 1:
+        return None
+    return low.b.emit(FrameCat, tuple(low.spatial(t.node) for t in tensors), op_name(call, "frames"))
 
 
 def _span(a, b) -> str:
@@ -193,4 +315,11 @@ def _triple(v) -> tuple[int, int, int]:
 
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
-               "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm}
+               "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
+               "interpolate": _interpolate, "squeeze": _squeeze, "permute": tokens_rule}
+# the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
+# would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
+SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "contiguous": _squeezed_unary,
+                  "clone": _squeezed_unary, "detach": _squeezed_unary}
+# calls whose output is still the part of a split of frames their input is (`frame_parts`)
+KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float"}

@@ -1,6 +1,7 @@
 """Run a video tile program over a spatial tile grid and the model's causal steps (3-D causal VAEs).
 
-The program is cut at its sync ops (per-frame attention) as a 2-D one is. A unit of work is one segment
+The program is cut at its sync ops (per-frame attention, attention over the step's tokens, GroupNorms
+of video values) as a 2-D one is. A unit of work is one segment
 on one tile for one causal step: the ops run on exactly the boxes the tile's cores need (back-propagated
 from the segment's outputs), every temporal op reading the frames before the step from the cache of
 its box (`StepContext`), and the cores of the outputs go to the staged values of that step (or the
@@ -15,13 +16,21 @@ output). Two orders run the same units:
 
 An attention segment computes the keys and values of every token of each frame of the step first, then
 the queries tile by tile (global, exact), or each tile's own tokens (attention="tile", approximate).
+A GroupNorm of a video value (`ops3d_sync.VideoGroupNorm`, HunyuanVideo's) starts a segment: the tile
+cores of its input, as the segment before stores them, add their moments to the step's statistics
+(`run.stats.GroupStats`: float64, Chan's merge), which are complete before its segment runs and applied
+per tile there (the same statistics for every tile). These reduce over every frame of a step, so they
+run only in one-step programs (`check_steps`: a program of several steps with one is refused by name).
+A step recomputed for gradients (`gradient`) takes its statistics from the whole staged value with
+autograd instead.
 
 With a process group (frame order only) each rank runs the tiles of its band of tile rows
 (`sharding.RowBands`, as a 2-D run) and keeps those tiles' causal caches; after each segment of a step,
 the step's staged outputs, which every rank wrote only at its tiles' cores (zeros elsewhere), are summed
 over the ranks in their own dtype (disjoint cores: the sum is exact), so every rank reads any halo and
-any attention key from the whole value. The output frames of each step are summed the same way: every
-rank returns the whole output; `emit` (rank 0's sink) gets each step's frames whole.
+any attention key from the whole value; each GroupNorm's moments of the step are merged over the ranks
+(`sharding.merge_group_stats`) before its segment. The output frames of each step are summed the same
+way: every rank returns the whole output; `emit` (rank 0's sink) gets each step's frames whole.
 """
 
 from __future__ import annotations
@@ -37,13 +46,15 @@ from tqdm.auto import tqdm
 from ...distributed import all_reduce_sum, rank_world
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
-from ...locality.ops3d import StepContext
+from ...locality.ops3d_sync import StepAttention, VideoGroupNorm
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
 from ..run.executor import tile_grid
-from ..run.sharding import RowBands
+from ..run.sharding import RowBands, merge_group_stats
+from ..run.stats import GroupStats
 from ..settings import Attention, Place
+from .stores import Store, VideoContext, cache_bytes, folded
 
 logger = logging.getLogger(__name__)
 
@@ -61,55 +72,9 @@ ORDERS = Order.words()
 VIDEO_STAGINGS = ("device", "host")
 
 
-def nbytes(t) -> int:
-    """Bytes of a tensor's elements."""
-    return t.numel() * t.element_size()
-
-
-def cache_bytes(caches: dict) -> int:
-    """Bytes of one tile's caches (id(op) -> (box, frames))."""
-    return sum(nbytes(f) for _, f in caches.values())
-
-
-class _Store:
-    """Staged values of the run: (value, step) -> full-size tensor, on the device or the host."""
-
-    def __init__(self, where: Place, device, zeroed: bool = False):
-        self.device = device
-        self.home = device if where is Place.DEVICE else torch.device("cpu")
-        self.values: dict[tuple[str, int], Any] = {}
-        self.alive = self.peak = 0
-        self.zeroed = zeroed  # (a rank writes its tiles' cores; the ranks' values are then summed)
-
-    def make(self, key, shape, dtype) -> Any:
-        """The tensor of `key`, allocated on first use (zeros where ranks sum their parts)."""
-        if key not in self.values:
-            new = torch.zeros if self.zeroed else torch.empty
-            self.values[key] = new(shape, dtype=dtype, device=self.home)
-            self.alive += nbytes(self.values[key])
-            self.peak = max(self.peak, self.alive)
-        return self.values[key]
-
-    def write(self, key, shape, dtype, box, block) -> None:
-        self.make(key, shape, dtype)[..., box[0] : box[1], box[2] : box[3]].copy_(block)
-
-    def read(self, key, box):
-        t = self.values[key][..., box[0] : box[1], box[2] : box[3]]
-        return t.to(self.device, non_blocking=True)
-
-    def free(self, value: str) -> None:
-        for key in [k for k in self.values if k[0] == value]:
-            self.alive -= nbytes(self.values.pop(key))
-
-    def drop(self, value: str, step: int) -> None:
-        """Free one step's tensor of a value (if it was staged)."""
-        t = self.values.pop((value, step), None)
-        if t is not None:
-            self.alive -= nbytes(t)
-
-
 def video_segments(program: VideoProgram, attention: Attention) -> list[Segment]:
-    """The program cut at its barriers: attention when global (these families have no GroupNorm)."""
+    """The program cut at its barriers: attention when global, GroupNorms of video values (statistics
+    over the step's frames), and any other sync op."""
     return split_segments(program, lambda op: attention is Attention.GLOBAL if op.kind is OpKind.ATTENTION
                           else op.sync)
 
@@ -124,6 +89,22 @@ def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, di
             if cores:
                 out[i, tile.index] = cores, back_propagate(seg.ops, cores, shapes)
     return out
+
+
+def step_syncs(program: VideoProgram) -> list:
+    """The ops of `program` that reduce over every frame of a causal step (`ops3d_sync`)."""
+    return [op for op in program.ops if isinstance(op, VideoGroupNorm | StepAttention)]
+
+
+def check_steps(program: VideoProgram) -> None:
+    """ValueError where a GroupNorm or attention over a step's frames is in a program of several causal
+    steps: the model's would reduce over frames the step does not hold."""
+    syncs = step_syncs(program)
+    if syncs and program.every:
+        raise ValueError(f"{program.name}: {syncs[0].name} ({syncs[0].describe()}) reduces over the frames "
+                         f"of a causal step, but the program runs {program.first} + {program.every} k "
+                         "frames a step: the model's reduces over frames the step does not hold; only "
+                         "one-step programs (every frame in one step) run it")
 
 
 @dataclass
@@ -161,6 +142,7 @@ class VideoExecutor:
             raise ValueError(f"staging for a video VAE must be one of {VIDEO_STAGINGS}, got {self.staging!r}")
         put(self, "staging", Place(self.staging))
         put(self, "attention", Attention.parse(self.attention, "attention"))
+        check_steps(self.program)
 
     def run(self, x, emit: Callable | None = None) -> VideoResult:
         """Run on x (B, C, T, H, W): the output, or its cores streamed to emit(frame0, box, block)."""
@@ -192,13 +174,19 @@ class _VideoRun:
                            device=ex.device)
         elif ex.group is not None:  # one step's output frames, summed over the ranks, then emitted whole
             self.emit, self.sink = self._collect, emit
-        self.store = _Store(ex.staging, torch.device(ex.device), zeroed=ex.group is not None)
-        self.step_out = _Store(Place.DEVICE, torch.device(ex.device), zeroed=True)
+        self.store = Store(ex.staging, torch.device(ex.device), zeroed=ex.group is not None)
+        self.step_out = Store(Place.DEVICE, torch.device(ex.device), zeroed=True)
         # host staging keeps the frame-major run's caches (every tile's) on the host; a tile-major run
         # holds one tile's caches, on the device
         on_host = ex.staging is Place.HOST and ex.order is Order.FRAMES
         home = torch.device("cpu") if on_host else None
-        self.ctx = StepContext(query_chunk=ex.query_chunk, cache_device=home)
+        self.ctx = VideoContext(query_chunk=ex.query_chunk, cache_device=home)
+        # GroupNorm statistics: (value, groups, step) -> moments merged over the tile cores of the step
+        self.norms = {i: [op for op in seg.ops if op.kind is OpKind.GROUP_NORM]
+                      for i, seg in enumerate(self.segs)}
+        self.tracked = {(op.src[0], op.groups) for ops in self.norms.values() for op in ops}
+        self.moments: dict[tuple[str, int, int], GroupStats] = {}
+        self.merged: set[tuple[str, int, int]] = set()
         self.caches: dict[tuple[int, int], dict] = {}
         self.cache_alive = self.cache_peak = 0
         self.readers = {v: i for i, seg in enumerate(self.segs) for v in seg.inputs}
@@ -230,6 +218,8 @@ class _VideoRun:
     def _segment_tiles(self, i: int, seg, bar) -> None:
         """Tile-major: segment i tile by tile, each through every step (attention: step by step)."""
         steps = range(len(self.chunks))
+        for k in steps:
+            self._publish(i, k)
         if seg.kind is SegmentKind.ATTENTION:
             for k in steps:
                 self._segment_step(i, seg, k, bar)
@@ -243,6 +233,7 @@ class _VideoRun:
     def _segment_step(self, i: int, seg, k: int, bar) -> None:
         """Segment i on every tile for step k (keys and values of the step's frames first for attention)."""
         self.ctx.kv.clear()
+        self._publish(i, k)
         if seg.kind is SegmentKind.ATTENTION:
             self._prepare_attention(seg, k)
         for tile in self.grid:
@@ -253,6 +244,33 @@ class _VideoRun:
         if k == len(self.chunks) - 1:
             for tile in self.grid:
                 self._drop_caches(i, tile.index)
+
+    def _publish(self, i: int, k: int) -> None:
+        """The statistics of segment i's GroupNorms for step k, merged over every tile core of the step
+        (and over the ranks: Chan's merge in float64)."""
+        for op in self.norms[i]:
+            key = (op.src[0], op.groups, k)
+            if torch.is_grad_enabled():  # (a step recomputed for gradients: statistics with their graph)
+                self.ctx.step_stats[id(op), k] = self._stats_graph(op.src[0], op.groups, k)
+                continue
+            if key not in self.merged:
+                acc = self.moments.setdefault(key, GroupStats(op.groups))
+                if op.src[0] == self.program.input:  # (every rank holds all of it)
+                    a, b = self.chunks[k]
+                    acc.add(folded(self.x[:, :, a:b]))
+                elif self.ex.group is not None:
+                    merge_group_stats(acc, self.ex.group, self.x.shape[0])
+                self.merged.add(key)
+            self.ctx.step_stats[id(op), k] = self.moments[key].result()
+
+    def _stats_graph(self, v: str, groups: int, k: int):
+        """(mean, var) of step k of value v over its whole staged tensor, with autograd (the gradient
+        through the statistics, as nn.GroupNorm's): float64 (B, groups)."""
+        h, w = self.shapes[v]
+        t = self._read(v, k, (0, h, 0, w))
+        g = t.unflatten(1, (groups, t.shape[1] // groups)).float()
+        var, mean = torch.var_mean(g, dim=(2, 3, 4, 5), correction=0)
+        return mean.double(), var.double()
 
     def _sum_over_ranks(self, seg, k: int) -> None:
         """The step's staged outputs of a segment (and output frames, when streamed) whole on every rank:
@@ -340,6 +358,11 @@ class _VideoRun:
 
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
+        for g in {g for u, g in self.tracked if u == v} if not torch.is_grad_enabled() else ():
+            key = (v, g, k)
+            if key not in self.moments:
+                self.moments[key] = GroupStats(g)
+            self.moments[key].add(folded(block))
         if v != self.program.output:
             self.store.write((v, k), self._step_shape(v, k), block.dtype, core, block)
         elif self.emit is not None:
@@ -347,3 +370,4 @@ class _VideoRun:
         else:
             t0 = self.offsets[k]
             self.out[:, :, t0 : t0 + block.shape[2], core[0] : core[1], core[2] : core[3]].copy_(block)
+

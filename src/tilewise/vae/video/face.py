@@ -1,9 +1,10 @@
 """What TiledVAE does for a 3-D causal VAE (AutoencoderKLQwenImage, AutoencoderKLWan 2.1 / 2.2,
-AutoencoderKLLTXVideo, AutoencoderKLLTX2Video): checks, the run, decode_to's sinks and the plan;
-`vae.tiled` wraps the results in the VAE's own return types.
+AutoencoderKLLTXVideo, AutoencoderKLLTX2Video, AutoencoderKLHunyuanVideo): checks, the run, decode_to's
+sinks and the plan; `vae.tiled` wraps the results in the VAE's own return types.
 
 Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images).
-These families have no GroupNorm: mode="fast" has nothing to estimate and runs exact (the plan says so).
+mode="fast" runs exact (the plan says so): most of these families have no GroupNorm; HunyuanVideo's
+GroupNorms are merged exactly over every tile of the step (fast mode's estimators are 2-D only).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ...distributed import rank_world, resolve_group
 from ..checks import check_device
 from ..settings import Job, Kind, Mode, Settings
 from .executor import VideoExecutor
-from .plan import choose_video, make_video_plan
+from .plan import choose_video, fast_note, make_video_plan
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
                                         sequential=sequential)
     p = job.program
     if settings.mode is Mode.FAST:
-        logger.info("TiledVAE: %s has no GroupNorm, fast mode runs exact", job.model)
+        logger.info("TiledVAE %s: %s", job.model, fast_note(p))
     while True:
         try:
             with torch.no_grad():

@@ -11,6 +11,9 @@ it (every segment on every tile, the same boxes and halos, attention keys of the
 input frames and its entering caches as leaves; the gradients of its output frames and of the caches it
 leaves (the leaves' gradients of step s + 1) are backed through it in one `autograd.grad`, which gives
 the step's input frames', the parameters' and its entering caches' gradients (carried to step s - 1).
+A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recomputed step, from its
+whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
+have one step, so that step's graph is the whole video's (tiled as the forward ran it).
 
 Held by the backward: the kept caches of every step (`stored_bytes`, freed step by step as the reverse
 passes them), one step's recomputed graph (all of its tiles: the graph of one causal step, not of the
@@ -26,8 +29,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..settings import Job, Settings
-from .executor import Order, VideoExecutor, _Store, _VideoRun, nbytes
+from .executor import Order, VideoExecutor, _VideoRun
 from .plan import choose_video
+from .stores import Store, nbytes
 
 __all__ = ["run"]
 
@@ -148,7 +152,7 @@ class _Reverse:
         r.caches = {}
         for (key, op), pair in leaves.items():
             r.caches.setdefault(key, {})[op] = pair
-        r.store = _Store(self.ex.staging, torch.device(self.ex.device))
+        r.store = Store(self.ex.staging, torch.device(self.ex.device))
         r.xs = self.x[:, :, a:b].detach().requires_grad_(self.want_x)
         self.blocks = []
         with torch.enable_grad():

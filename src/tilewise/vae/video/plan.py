@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ...locality.boxes import box_area
 from ...locality.ops import OpKind
+from ...locality.ops3d_sync import StepAttention
 from ...locality.program import SegmentKind
 from ...memory import format_bytes
 from ..run.executor import tile_grid
@@ -45,6 +46,7 @@ class VideoPlan:
     output_bytes: int  # the returned output (0 when it streams to a sink)
     peak: int  # estimated device peak
     host_bytes: int = 0  # what staging="host" keeps in host memory (caches and staged values)
+    stats_bytes: int = 0  # every GroupNorm's merged statistics of every step (float64 mean, var)
     dropped: int = 0  # input frames after the last complete step, which the model does not encode
     notes: list[str] = field(default_factory=list)
 
@@ -69,6 +71,9 @@ class VideoPlan:
             f"  staged values: at most {fb(self.staged_peak)}; per-unit working set ~{fb(self.working)}; "
             f"attention K/V + scores {fb(self.attention_bytes)}; output {fb(self.output_bytes)}",
         ]
+        if self.stats_bytes:
+            rows.append(f"  GroupNorm statistics (merged over each step's tiles, float64): "
+                        f"{fb(self.stats_bytes)}")
         if self.host_bytes:
             rows.append(f"  in host memory (staging=host): {fb(self.host_bytes)}")
         rows += [f"  note: {n}" for n in self.notes]
@@ -117,7 +122,14 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
             per_tile = -(-tokens // len(grid))
             t = max(frames[n])
             kv = 2 * b * t * tokens * chans[n] * item
-            attn = max(attn, kv + b * t * min(query_chunk, per_tile) * tokens * 4)
+            op = seg.ops[0]
+            # (per-frame attention: a query chunk of each frame scores its frame's tokens; over the step's
+            # tokens: a query chunk of one frame at a time scores the tokens of every frame up to its own)
+            rows = op.heads if isinstance(op, StepAttention) else t  # (score rows of one query chunk)
+            keys = t * tokens if isinstance(op, StepAttention) else tokens
+            attn = max(attn, kv + b * rows * min(query_chunk, per_tile) * keys * 4)
+    # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group), kept by the run
+    stats = sum(2 * b * op.groups * 8 for op in p.ops if op.kind is OpKind.GROUP_NORM) * len(chunks)
     h, w = shapes[p.output]
     out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
     out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
@@ -130,7 +142,8 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
                 sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
                 cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
                 working=working, attention_bytes=attn, output_bytes=out_bytes, output_shape=out_shape,
-                host_bytes=host, peak=resident + working + attn + out_bytes + reads,
+                host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
+                stats_bytes=stats,
                 dropped=int(shape[2]) - chunks[-1][1])
 
 
@@ -176,12 +189,20 @@ def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Orde
     f = count(p, shape, tile, job.ref, settings.attention, st, order, job.item, settings.query_chunk, to_sink)
     notes = []
     if settings.mode is Mode.FAST:
-        notes.append("fast mode estimates GroupNorm statistics; this VAE has none: the run is exact")
+        notes.append(fast_note(p))
     if f["dropped"]:
         notes.append(f"the model encodes 1 + {p.every} k frames: the last {f['dropped']} input frames are "
                      f"not encoded (as {job.model}.encode does)")
     return VideoPlan(job.kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, Mode.EXACT,
                      settings.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, **f)
+
+
+def fast_note(p) -> str:
+    """What mode="fast" does for a 3-D VAE's program: it runs exact (said why)."""
+    if any(op.kind is OpKind.GROUP_NORM for op in p.ops):
+        return ("fast mode estimates GroupNorm statistics for 2-D VAEs only; this 3-D VAE's GroupNorms are "
+                "merged exactly over every tile of each step: the run is exact")
+    return "fast mode estimates GroupNorm statistics; this VAE has none: the run is exact"
 
 
 def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=None, order=None, to_sink=False,

@@ -1,0 +1,125 @@
+"""Sync ops of video programs that reduce over every frame of a causal step: a GroupNorm of a video value
+(statistics per (batch, group) over the step's frames and the whole frame) and an attention over every
+token of the step's frames (HunyuanVideo's mid-block, a causal mask between frames), and the frames of
+several values concatenated along time (`FrameCat`).
+
+In a one-step program (every frame in one step, as the traced lowering makes them) the step's frames are
+the video's: these are the model's own GroupNorm and attention. The video executor merges a GroupNorm's
+statistics over every tile of the step (`vae.run.stats.GroupStats`) before its segment runs, and makes
+the attention's keys and values of every token of the step before its queries run tile by tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .boxes import sub_tensor
+from .ops import GroupNorm, Op, OpKind
+from .streamed_attention import heads_view
+
+
+@dataclass
+class VideoGroupNorm(GroupNorm):
+    """GroupNorm of a video value (B, C, t, H, W): statistics per (batch, group) over the step's frames
+    and the whole frame (nn.GroupNorm on a 5-D tensor); its affine is per channel, as a 2-D one."""
+
+    def affine(self, stats, x):
+        if stats[0].requires_grad or stats[1].requires_grad:  # (a recomputed step: differentiable)
+            return self._affine_graph(stats, x)
+        a, s = super().affine(stats, x)
+        return a.unsqueeze(-1), s.unsqueeze(-1)  # (B, C, 1, 1, 1)
+
+    def _affine_graph(self, stats, x):
+        """`group_norm_affine` with autograd (statistics that carry a graph: no out= kernels)."""
+        mean, var = stats
+        cg, dt = x.shape[1] // self.groups, torch.promote_types(x.dtype, torch.float32)
+        r = torch.rsqrt(var + self.eps)
+        a, s = r.repeat_interleave(cg, 1).to(dt), (-r * mean).repeat_interleave(cg, 1).to(dt)
+        if self.weight is not None:
+            a, s = a * self.weight, s * self.weight
+        if self.bias is not None:
+            s = s + self.bias
+        return a.view(*a.shape, 1, 1, 1), s.view(*s.shape, 1, 1, 1)
+
+    def describe(self):
+        return f"group_norm G={self.groups} over the step's frames"
+
+
+@dataclass
+class StepAttention(Op):
+    """diffusers Attention (after its GroupNorm) over every token of the step's frames, tokens in (t, h, w)
+    order; `causal`: a token attends to the tokens of its frame and the frames before it (HunyuanVideo's
+    prepare_causal_attention_mask), else to all. src = (normed, residual). A sync op."""
+
+    heads: int = 1
+    to_q: Any = None
+    to_k: Any = None
+    to_v: Any = None
+    to_out: Any = None
+    residual: bool = True
+    rescale: float = 1.0
+    causal: bool = True
+    sync = True
+    kind = OpKind.ATTENTION
+
+    @staticmethod
+    def _tokens(n):
+        """(B, C, t, h, w) -> (B, t, h w, C)."""
+        return n.flatten(3).permute(0, 2, 3, 1)
+
+    def keys_values(self, n):
+        """(B, t, N, C) keys and values of the tokens of n, frame by frame (bands of rows concatenate
+        along dim 2)."""
+        t = self._tokens(n)
+        return self.to_k(t), self.to_v(t)
+
+    def attend(self, n, k, v, chunk: int = 4096):
+        """Queries of n (B, C, t, h, w) (frames 0.. of the step) attend to k, v of the step's frames (of
+        their frame and the ones before, when causal), in query chunks; to_out(attn) as (B, C, t, h, w)."""
+        b, c, t, h, w = n.shape
+        q = self.to_q(self._tokens(n))
+        outs = []
+        for f in range(t):
+            kf, vf = (k[:, : f + 1], v[:, : f + 1]) if self.causal else (k, v)
+            kf, vf = heads_view(kf.flatten(1, 2), self.heads), heads_view(vf.flatten(1, 2), self.heads)
+            qf = heads_view(q[:, f], self.heads)
+            parts = [F.scaled_dot_product_attention(qf[:, :, i : i + chunk], kf, vf)
+                     for i in range(0, qf.shape[2], chunk)]
+            o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+            outs.append(o.transpose(1, 2).reshape(b, h * w, -1))
+        o = torch.stack(outs, 1).to(q.dtype)  # (B, t, h w, C)
+        y = self.to_out[1](self.to_out[0](o))
+        return y.permute(0, 3, 1, 2).reshape(b, -1, t, h, w)
+
+    def run(self, ctx, inputs, have, box, shapes):
+        n = sub_tensor(inputs[0], have[0], box)
+        k, v = ctx.attention_kv(self, n, box)
+        y = self.attend(n, k, v, ctx.query_chunk)
+        if self.residual:
+            y = y + sub_tensor(inputs[1], have[1], box)
+        return y / self.rescale if self.rescale != 1.0 else y
+
+    def describe(self):
+        mask = "causal between frames" if self.causal else "no mask"
+        return f"attention over the step's tokens, heads={self.heads}, {mask}"
+
+
+@dataclass
+class FrameCat(Op):
+    """Video values of one spatial shape concatenated along time (torch.cat(..., dim=2)): HunyuanVideo's
+    upsampler resamples a value's first frame and its other frames apart and joins them."""
+
+    kind = OpKind.CAT
+
+    def frames(self, ts, step):
+        return sum(ts)
+
+    def run(self, ctx, inputs, have, box, shapes):
+        return torch.cat([sub_tensor(t, h, box) for t, h in zip(inputs, have, strict=True)], dim=2)
+
+    def describe(self):
+        return f"cat {len(self.src)} along time"
