@@ -45,6 +45,20 @@ def qwen(seed: int = 0):
                                          latents_std=[1.0] * 4))
 
 
+def qwen21(seed: int = 0):
+    """AutoencoderKLQwenImage21 (an image VAE in a video's layout; RGBA as its pipeline gives it, 4x spatial
+    here), Wan 2.2-like residual blocks with AvgDown3D / DupUp3D shortcuts."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage21
+
+    torch.manual_seed(seed)
+    return _gains(AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2],
+                                           num_res_blocks=1, temperal_downsample=[False, True],
+                                           latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                           latents_std=[1.5, 0.5, 2.0, 1.0],
+                                           in_channels=4, out_channels=4, scale_factor_spatial=4))
+
+
 def ltx(version: str = "0.9.0", seed: int = 0):
     """AutoencoderKLLTXVideo: 0.9.0 blocks (8x spatial, 4x temporal here), or 0.9.5's down blocks and
     residual upsamplers (16x, 8x)."""

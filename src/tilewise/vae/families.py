@@ -41,6 +41,7 @@ class Family:
     encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
+    frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
 
@@ -85,10 +86,11 @@ FAMILIES: dict[str, Family] = {
     **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
-    "AutoencoderKLQwenImage21": Family(video=True, refused=(
-        "an image VAE in a video's layout (B, C, 1, H, W): its convolutions (QwenImage21CausalConv3d) are "
-        "2-D ones on the single frame, which neither the video lowering (frames) nor the 2-D path (4-D "
-        "values) takes yet; use the wrapped VAE")),
+    # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
+    # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
+    "AutoencoderKLQwenImage21": Family(decode=lambda vae, z: _kl_decode(vae, z.unsqueeze(2)).squeeze(2),
+                                       encode=lambda vae, x: _kl_encode(vae, x.unsqueeze(2)).squeeze(2),
+                                       frame=True),
     "AutoencoderKLKVAEVideo": Family(video=True, refused=(
         "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
         "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "

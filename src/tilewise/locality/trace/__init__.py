@@ -30,8 +30,12 @@ slices / repeats / concatenations of frames; measured ops keep or change the fra
 video example gives a one-step video program (`program3d.VideoProgram`: every frame in one step, as the
 computation ran them), which the video executor runs.
 
+An image VAE in a video's layout ((B, C, 1, H, W) values whose convolutions are 2-D ones on the one
+frame: Qwen-Image 2.1's) is traced on a (B, C, H, W) example: its one-frame values are carried without the
+frame axis and the calls replayed on them get it back (`frames`), so it lowers into a 2-D program.
+
 The package: `capture` records the calls; `rules` places each call by what it is; `video` the calls on
-video values; `measured` places what no rule does by measuring it (a run of calls back to the spatial
+video values; `frames` a 2-D program's one-frame values; `measured` places what no rule does by measuring it (a run of calls back to the spatial
 layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives them
 (`lower_traced`); `state` is what they share.
 """

@@ -13,6 +13,7 @@ from ..ops3d import Rearrange
 from ..ops_traced import Cat, Combine, Slice
 from ..units import attention
 from .capture import Call, Ref, capture, needed
+from .frames import FRAME_RULES, carry
 from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
 from .video import VIDEO_RULES
 
@@ -36,8 +37,11 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
-    video = VIDEO_RULES.get(call.name) if any(low.cap.values[n].ndim == 5 for n in spatial) else None
-    placed = video(low, i, call) if video is not None else False
+    if low.cap.values[low.cap.input].ndim == 4:  # (a 2-D program: its one-frame values, `frames`)
+        rules = FRAME_RULES
+    else:
+        rules = VIDEO_RULES if any(low.cap.values[n].ndim == 5 for n in spatial) else {}
+    placed = rules[call.name](low, i, call) if call.name in rules else False
     if placed is True:
         return
     if isinstance(placed, str):
@@ -91,7 +95,8 @@ def _pad(low: Lowering, i: int, call: Call) -> bool | str:
     x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
     mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
     sides = 6 if low.cap.values[x.node].ndim == 5 else 4
-    if low.spatial(x.node) is None or len(pad) not in (4, sides) or any(p < 0 for p in pad):
+    if low.spatial(x.node) is None or x.node in low.framed or len(pad) not in (4, sides) \
+            or any(p < 0 for p in pad):
         return False
     if mode == "constant" and (value or 0) != 0:
         return f"F.pad with the value {value} (only zeros, replicate or reflect pad like a convolution)"
@@ -117,7 +122,9 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool:
     x = arg_of(call, 0, "input")
     name = low.spatial(x.node) if isinstance(x, Ref) else None
     mode = arg_of(call, 3, "mode", "nearest")
-    if name is None or mode != "nearest" or arg_of(call, 7, "antialias", False):
+    # (nearest-exact picks floor((i + 1/2) / s) = floor(i / s): nearest, at the integer factors placed)
+    if name is None or x.node in low.framed or mode not in ("nearest", "nearest-exact") \
+            or arg_of(call, 7, "antialias", False):
         return False
     src, dst = low.cap.values[x.node].shape[-2:], low.cap.values[call.outs[0]].shape[-2:]
     if dst[0] % src[0] or dst[1] % src[1] or dst[0] // src[0] != dst[1] // src[1]:
@@ -135,7 +142,7 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool:
 
 def _shuffle(low: Lowering, i: int, call: Call) -> bool:
     x = arg_of(call, 0, "input")
-    name = low.spatial(x.node) if isinstance(x, Ref) else None
+    name = low.spatial(x.node) if isinstance(x, Ref) and x.node not in low.framed else None
     if name is None:
         return False
     r = int(arg_of(call, 1, "upscale_factor" if call.name == "pixel_shuffle" else "downscale_factor"))
@@ -177,7 +184,7 @@ def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
     t_in, t_out = low.cap.values[x], low.cap.values[call.outs[0]]
     if t_out.shape[-2:] != t_in.shape[-2:] or t_out.ndim != t_in.ndim or t_out.shape[2:] != t_in.shape[2:]:
         return False
-    fn = _replay(low, call, x)
+    fn = carry(low, [x], call.outs[0], _replay(low, call, x))
     in_place = IN_PLACE_FORM.get(call.name)
     fn_ = None
     if in_place:
@@ -293,7 +300,7 @@ def _unit(low: Lowering, i: int, call: Call) -> bool:
     """A unit module's call: diffusers' Attention (`units.attention`), its spatial norm (MoVQ's: the
     latent conditions the norm) lowered in line first."""
     x = arg_of(call, 0, "hidden_states")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+    if not isinstance(x, Ref) or low.spatial(x.node) is None or x.node in low.framed:
         return False
     temb, a, n = arg_of(call, 2, "temb"), call.module, None
     if getattr(a, "spatial_norm", None) is not None:

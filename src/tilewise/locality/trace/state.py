@@ -35,6 +35,9 @@ class Lowering:
     # times before it and its last back times after it (a causal convolution's padding, `trace.video`)
     frame_refs: dict[int, tuple] = field(default_factory=dict)
     tpads: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # one-frame values of a 2-D program ((B, C, 1, H, W) as captured, carried as (B, C, H, W): an image VAE
+    # in a video's layout, `trace.frames`)
+    framed: set[int] = field(default_factory=set)
 
     def spatial(self, node: int) -> str | None:
         v = self.values.get(node)
@@ -42,6 +45,17 @@ class Lowering:
 
     def set(self, node: int, name: str) -> None:
         self.values[node] = Value(name, int(self.cap.values[node].shape[1]))
+        if self.one_frame(self.cap.values[node]):
+            self.framed.add(node)  # (a 2-D program's value with its one frame: carried without it)
+
+    def carried(self, node: int) -> torch.Tensor:
+        """A node's captured value as the program carries it (a one-frame value without its frame)."""
+        t = self.cap.values[node]
+        return t.squeeze(2) if node in self.framed or self.one_frame(t) else t
+
+    def one_frame(self, t: torch.Tensor) -> bool:
+        """Whether a captured tensor is a one-frame value (B, C, 1, H, W) of a 2-D program."""
+        return t.ndim == 5 and t.shape[2] == 1 and self.cap.values[self.cap.input].ndim == 4
 
 
 def tainted(cap: Capture) -> set[int]:
