@@ -35,9 +35,9 @@ frame: Qwen-Image 2.1's) is traced on a (B, C, H, W) example: its one-frame valu
 frame axis and the calls replayed on them get it back (`frames`), so it lowers into a 2-D program.
 
 The package: `capture` records the calls; `rules` places each call by what it is; `video` the calls on
-video values; `frames` a 2-D program's one-frame values; `measured` places what no rule does by measuring it (a run of calls back to the spatial
-layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives them
-(`lower_traced`); `state` is what they share.
+video values; `frames` a 2-D program's one-frame values; `measured` places what no rule does by
+measuring it (a run of calls back to the spatial layout, or the module around a call); `schedule` orders
+and fuses the ops; `lower` drives them (`lower_traced`); `state` is what they share.
 """
 
 from .capture import capture
