@@ -42,6 +42,7 @@ class Family:
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
+    inputs: Callable | None = None  # inputs(vae) -> decode's per-call inputs, by name, with examples
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
 
@@ -58,11 +59,27 @@ def _kl_encode(vae, x):
     return vae.encode(x).latent_dist.parameters  # (the moments; the posterior's own are dead code)
 
 
+def _ltx_decode(vae, z, temb=None):
+    return vae.decode(z, temb, return_dict=False)[0]
+
+
+def _ltx_inputs(vae) -> dict:
+    """LTX-Video 0.9.5+ / LTX-2 decoders conditioned on the decode's timestep (decode(z, temb)): its
+    embedding gives per-channel scales and shifts of the norms, computed once per call (`trace.percall`)."""
+    if not vae.config.get("timestep_conditioning"):
+        return {}
+    p = next(vae.parameters())
+    return {"temb": torch.full((1,), 0.05, dtype=p.dtype, device=p.device)}
+
+
 def _ltx_check(vae) -> str:
-    """LTX-Video 0.9.1+ (and LTX-2) decoders may be conditioned on the decode's timestep (decode(z, temb))."""
-    if vae.config.get("timestep_conditioning"):
-        return ("its decoder is conditioned on a timestep (timestep_conditioning: decode(z, temb), "
-                "LTX-Video 0.9.1+), which the tiled path does not take yet; use the wrapped VAE")
+    """LTX-Video 0.9.1's (and any LTX-2 config's) noise injection: fresh noise drawn per call."""
+    noise = vae.config.get("decoder_inject_noise")
+    if noise is True or isinstance(noise, list | tuple) and any(noise):
+        given = tuple(noise) if noise is not True else True
+        return (f"its decoder injects noise (decoder_inject_noise={given}: torch.randn of a layer's whole "
+                "frame per call, from the global generator), which the tiled path does not draw yet; use the "
+                "wrapped VAE")
     return ""
 
 
@@ -79,8 +96,10 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
     "AutoencoderKLWan": Family(video=True),
     "AutoencoderKLQwenImage": Family(video=True),
-    "AutoencoderKLLTXVideo": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
-    "AutoencoderKLLTX2Video": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    "AutoencoderKLLTXVideo": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
+                                    inputs=_ltx_inputs),
+    "AutoencoderKLLTX2Video": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
+                                     inputs=_ltx_inputs),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (HunyuanVideo: GroupNorm over the whole video; CogVideoX, Cosmos: caches of a chunked loop, ...)
     **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLMochi",
@@ -175,8 +194,9 @@ def lower_family(vae, family: Family, kind: Kind) -> Program:
             program = lower_video_vae(vae, kind.value)
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
-            program = lower_traced(vae, lambda t: run(vae, t), _example(vae, kind, family.video),
-                                   name=f"{name}.{kind.value}")
+            inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
+            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family.video),
+                                   name=f"{name}.{kind.value}", inputs=inputs)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
     _CACHE.setdefault(vae, {})[kind] = (state, program)

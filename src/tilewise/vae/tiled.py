@@ -137,9 +137,9 @@ class TiledVAE(ModelWrapper):
     def forward(self, sample, *args, **kwargs):
         """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths, with
         the wrapped class's arguments."""
-        call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
-                    {"sample_posterior": False, "return_dict": True, "generator": None})
         family = family_of(self.vae)
+        call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
+                    {"sample_posterior": False, "return_dict": True, "generator": None, **_inputs(family)})
         z = self.encode(sample, return_dict=False)[0]
         if family.quantize:  # VQModel.forward: encode, decode (quantised)
             dec = self.decode(z)
@@ -148,7 +148,7 @@ class TiledVAE(ModelWrapper):
             z = self.vae.unscale_latents(self.vae.scale_latents(z).mul_(255).round_().byte() / 255.0)
         elif family.encoded == "posterior":  # (the others decode what encode returns: AutoencoderDC)
             z = z.sample(generator=call["generator"]) if call["sample_posterior"] else z.mode()
-        dec = self.decode(z).sample
+        dec = self.decode(z, **{k: call[k] for k in _inputs(family)}).sample
         return DecoderOutput(sample=dec) if call["return_dict"] else (dec,)
 
     # -- programs and jobs --------------------------------------------------------------------------
@@ -190,10 +190,11 @@ class TiledVAE(ModelWrapper):
         DecoderOutput(sample=..., commit_loss=...))."""
         family, job = family_of(self.vae), self.job("decode")
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
-                    {"return_dict": True, "force_not_quantize": False})
+                    {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
         if self.is_video:
             video.check(self.settings, job, z)
-            sample = self._ran(self._run_video(job, z))
+            with video.bound(job, call.get("temb"), z, gradient.wants(self.vae, z)):
+                sample = self._ran(self._run_video(job, z))
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         if family.frame:  # (an image in a video's layout: the program runs its one frame)
             z = frames.one_frame(job, z)
@@ -254,17 +255,19 @@ class TiledVAE(ModelWrapper):
             quant, loss, _ = self.vae.quantize(z)
         return quant, loss
 
-    def decode_to(self, z, sink) -> None:
+    def decode_to(self, z, sink, temb=None) -> None:
         """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
 
         With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
         rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
         (`tilewise.sinks.video`), or its one frame into an image sink; an image VAE in a video's layout
-        (Qwen-Image 2.1) its (1, C, 1, H, W) latent into an image sink.
+        (Qwen-Image 2.1) its (1, C, 1, H, W) latent into an image sink. `temb`: a timestep-conditioned
+        decoder's (LTX-Video 0.9.5+, LTX-2), as decode takes it.
         """
         job = self.job("decode")
         if self.is_video:
-            self._ran((None, video.decode_to(self.settings, job, z, sink)))
+            with video.bound(job, temb, z):
+                self._ran((None, video.decode_to(self.settings, job, z, sink)))
             return
         z = frames.one_frame(job, z) if family_of(self.vae).frame else z
         check_input(job, z)
@@ -365,6 +368,11 @@ def _check_vae(vae) -> None:
         raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
                          f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
                          f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
+
+
+def _inputs(family) -> dict:
+    """The per-call inputs a family's decode takes by name, with their defaults (LTX: temb)."""
+    return {"temb": None} if family.inputs is not None else {}
 
 
 def _kind(kind) -> Kind:

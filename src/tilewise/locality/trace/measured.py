@@ -139,7 +139,7 @@ def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
 
         def bind(obj):
             if isinstance(obj, Ref):
-                return env[obj.node] if obj.node in env else values[obj.node]
+                return env[obj.node] if obj.node in env else low.value(obj.node)
             if isinstance(obj, bool) or not isinstance(obj, int | list | tuple | dict):
                 return obj
             if isinstance(obj, int):
@@ -306,11 +306,10 @@ def _crops_agree(fn: Callable, x, y, d: int, u: int, halo: int) -> bool:
 def _replay_module(low: Lowering, span, spatial: list[int]) -> Callable:
     """The module's call as a function of its spatial inputs (in `spatial`'s order; constants as they
     were)."""
-    values = low.cap.values
 
     def bind(obj, ts):
         if isinstance(obj, Ref):
-            return ts[spatial.index(obj.node)] if obj.node in spatial else values[obj.node]
+            return ts[spatial.index(obj.node)] if obj.node in spatial else low.value(obj.node)
         if isinstance(obj, dict):
             return {k: bind(v, ts) for k, v in obj.items()}
         if isinstance(obj, list | tuple):

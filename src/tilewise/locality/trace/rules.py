@@ -352,12 +352,12 @@ RULES: dict[str, Callable] = {
 
 
 def _replay(low: Lowering, call: Call, x: int) -> Callable:
-    """call's function of the tensor in place of node x (the other arguments as they were)."""
-    values = low.cap.values
+    """call's function of the tensor in place of node x (the other arguments as they were; the running
+    call's values of those it computes per call)."""
 
     def bind(obj, t):
         if isinstance(obj, Ref):
-            return t if obj.node == x else values[obj.node]
+            return t if obj.node == x else low.value(obj.node)
         if isinstance(obj, dict):
             return {k: bind(v, t) for k, v in obj.items()}
         if isinstance(obj, list | tuple):

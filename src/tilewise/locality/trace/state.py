@@ -4,6 +4,7 @@ helpers they read calls with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class Lowering:
     # one-frame values of a 2-D program ((B, C, 1, H, W) as captured, carried as (B, C, H, W): an image VAE
     # in a video's layout, `trace.frames`)
     framed: set[int] = field(default_factory=set)
+    per_call: Any = None  # values the call computes from its other inputs (`percall.CallValues`), or None
 
     def spatial(self, node: int) -> str | None:
         v = self.values.get(node)
@@ -47,6 +49,12 @@ class Lowering:
         self.values[node] = Value(name, int(self.cap.values[node].shape[1]))
         if self.one_frame(self.cap.values[node]):
             self.framed.add(node)  # (a 2-D program's value with its one frame: carried without it)
+
+    def value(self, node: int) -> torch.Tensor:
+        """A non-spatial node's tensor when an op runs: a per-call value of the running call, or the
+        captured constant."""
+        pc = self.per_call
+        return pc.value(node) if pc is not None and node in pc.nodes else self.cap.values[node]
 
     def carried(self, node: int) -> torch.Tensor:
         """A node's captured value as the program carries it (a one-frame value without its frame)."""
@@ -90,7 +98,12 @@ def arg_of(call: Call, i: int, name: str, default=None):
 
 
 def const_value(low: Lowering, a):
-    """A non-spatial argument's value: a constant's tensor, or the plain value."""
+    """A non-spatial argument's value: a constant's tensor, or the plain value (LoweringError for a value
+    the call computes from its per-call inputs: only ops that replay their call read those)."""
+    if isinstance(a, Ref) and low.per_call is not None and a.node in low.per_call.nodes:
+        raise LoweringError(f"cannot lower {type(low.root).__name__}: a weight computed from the call's "
+                            f"{', '.join(low.per_call.names)} (only elementwise uses of such values are "
+                            "placed)")
     return low.cap.values[a.node] if isinstance(a, Ref) else a
 
 
