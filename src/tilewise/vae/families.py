@@ -7,7 +7,10 @@ classes of their blocks); a call the lowering cannot place is refused when the T
 (`lower_family`), never at the first call. A class not in the table is traced as an AutoencoderKL.
 Calls are bound against the wrapped class's own `decode` / `encode` (`bind`), so positional and keyword
 arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an argument the tiled path
-does not follow is refused by name.
+does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
+`Family.inputs`) are traced with it: what the program reads of them is computed once per call
+(`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)).
 """
 
 from __future__ import annotations
@@ -178,9 +181,10 @@ def family_of(vae) -> Family:
 
 
 def lower_family(vae, family: Family, kind: Kind) -> Program:
-    """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`;
-    Wan's and Qwen-Image's causal VAEs by their known structure). LoweringError naming the VAE, the call
-    and its module path, for one the lowering cannot place."""
+    """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`,
+    with decode's per-call inputs, `Family.inputs`; Wan's and Qwen-Image's causal VAEs by their known
+    structure). LoweringError naming the VAE, the call and its module path, for one the lowering cannot
+    place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")

@@ -187,7 +187,8 @@ class TiledVAE(ModelWrapper):
     def decode(self, z, *args, **kwargs):
         """Decode latents tile by tile, with the arguments and return type of the wrapped VAE's decode
         (AutoencoderKL: DecoderOutput(sample=...); VQModel: quantised first unless force_not_quantize,
-        DecoderOutput(sample=..., commit_loss=...))."""
+        DecoderOutput(sample=..., commit_loss=...); LTX-Video 0.9.5+ / LTX-2: decode(z, temb), the
+        timestep's embedding computed once per call; Qwen-Image 2.1: (B, C, 1, H, W) in and out)."""
         family, job = family_of(self.vae), self.job("decode")
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
                     {"return_dict": True, "force_not_quantize": False, **_inputs(family)})

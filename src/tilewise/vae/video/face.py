@@ -2,7 +2,8 @@
 AutoencoderKLLTXVideo, AutoencoderKLLTX2Video): checks, the run, decode_to's sinks and the plan;
 `vae.tiled` wraps the results in the VAE's own return types.
 
-Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images).
+Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images); a
+timestep-conditioned LTX decode runs with its call's timestep embedding bound (`bound`).
 These families have no GroupNorm: mode="fast" has nothing to estimate and runs exact (the plan says so).
 """
 
