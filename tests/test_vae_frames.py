@@ -99,3 +99,16 @@ def test_the_vae_calls_of_qwenimage21pipeline_equal_the_stock_vae():
         (lat, out), (lat_ref, ref) = pipeline_calls(tv), pipeline_calls(vae)
     assert out.shape == (1, 4, 6 * F, 10 * F)
     assert (lat - lat_ref).abs().max() <= TOL and (out - ref).abs().max() <= TOL
+
+
+def test_a_decode_that_asks_for_gradients_gives_the_stock_gradients():
+    vae = qwen21()
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = torch.randn(1, 4, 1, 5, 7, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    grads = []
+    for v in (tv, vae):
+        y = v.decode(z).sample
+        (y * torch.linspace(0, 1, y.numel()).view_as(y)).sum().backward()
+        grads.append(z.grad)
+        z.grad = None
+    assert (grads[0] - grads[1]).abs().max() <= TOL
