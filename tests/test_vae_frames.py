@@ -44,7 +44,7 @@ def test_decode_and_encode_equal_the_stock_vae_with_its_return_types():
 def test_its_frame_convolutions_are_convolutions_of_the_program_and_its_attention_the_one_sync():
     vae = qwen21()
     tv = tw.TiledVAE(vae, progress=False)
-    ran = []  # the stock decode's 2-D convolutions outside the attention block (run whole)
+    ran = []  # the stock decode's 2-D convolutions outside the attention block (its AttentionCore's)
     hooks = [m.register_forward_hook(lambda *_: ran.append(1)) for n, m in vae.named_modules()
              if isinstance(m, torch.nn.Conv2d) and ".attentions." not in n]
     with torch.no_grad():
@@ -55,8 +55,9 @@ def test_its_frame_convolutions_are_convolutions_of_the_program_and_its_attentio
     assert sum(op.kind is OpKind.CONV for op in program.ops) == len(ran)
     for kind, scale in (("decode", 4.0), ("encode", 0.25)):
         r = tw.analyze(tv.program(kind))
-        assert [s.kind.value for s in r.segments] == ["local", "whole", "local"]
-        assert [k for _, k in r.sync_ops] == [OpKind.WHOLE] and r.scale == scale
+        # (its attention as an AutoencoderKL's: keys and values of every token, queries tiled)
+        assert [s.kind.value for s in r.segments] == ["local", "attention", "local"]
+        assert [k for _, k in r.sync_ops] == [OpKind.ATTENTION] and r.scale == scale
         assert r.sync_ops[0][0].endswith("mid_block.attentions.0")
 
 

@@ -12,7 +12,8 @@ becomes a primitive op by what the call is, not by the module class it ran in:
   `x[:, a:b]`): `Slice`; calls that return their input (`contiguous`, `dropout` in eval, a cast to the
   same dtype) nothing;
 - diffusers' `Attention` (a unit of the capture): a `GroupNorm` and an `AttentionCore` (`units.attention`:
-  queries tiled, keys and values global);
+  queries tiled, keys and values global); Qwen-Image 2.1's `QwenImage21AttentionBlock` likewise (its
+  channel norm and an `AttentionCore`, `units.channel_attention`);
 - a call that leaves the spatial layout (`permute`, `view`, ...) inside a module whose inputs and
   output are spatial: that module as one op, if it computes position by position (checked on the
   example: perturbing one position changes only that position of its output, and its output on a crop

@@ -11,7 +11,7 @@ from ..build import LoweringError
 from ..ops import Add, Conv, GroupNorm, OpKind, Pointwise, Resample
 from ..ops3d import Rearrange
 from ..ops_traced import Cat, Combine, Slice
-from ..units import attention
+from ..units import CHANNEL_ATTENTION, attention, channel_attention
 from .capture import Call, Ref, capture, needed
 from .frames import FRAME_RULES, carry
 from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
@@ -299,6 +299,12 @@ def _channel_item(idx, channels: int) -> tuple[int, int] | None:
 def _unit(low: Lowering, i: int, call: Call) -> bool:
     """A unit module's call: diffusers' Attention (`units.attention`), its spatial norm (MoVQ's: the
     latent conditions the norm) lowered in line first."""
+    if type(call.module).__name__ in CHANNEL_ATTENTION:  # (on a 2-D program's one-frame value)
+        x = arg_of(call, 0, "x")
+        if not isinstance(x, Ref) or low.spatial(x.node) is None or len(call.refs()) != 1:
+            return False
+        low.set(call.outs[0], channel_attention(low.b, call.module, low.spatial(x.node), call.where))
+        return True
     x = arg_of(call, 0, "hidden_states")
     if not isinstance(x, Ref) or low.spatial(x.node) is None or x.node in low.framed:
         return False

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..build import Builder, LoweringError
+from ..units import CHANNEL_ATTENTION
 from .capture import Call, Capture, Ref
 
 
@@ -113,4 +114,6 @@ def channel_dim(dim, ndim: int) -> bool:
 
 
 def is_attention(m) -> bool:
-    return type(m).__name__ == "Attention" and type(m).__module__.startswith("diffusers")
+    """Whether a module is lowered as one unit (`units`): diffusers' Attention, Qwen-Image 2.1's block."""
+    return type(m).__module__.startswith("diffusers") and (
+        type(m).__name__ == "Attention" or type(m).__name__ in CHANNEL_ATTENTION)
