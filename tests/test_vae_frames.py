@@ -113,3 +113,14 @@ def test_a_decode_that_asks_for_gradients_gives_the_stock_gradients():
         grads.append(z.grad)
         z.grad = None
     assert (grads[0] - grads[1]).abs().max() <= TOL
+
+
+def test_decode_to_streams_its_one_frame_into_an_image_sink():
+    vae = qwen21()
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = torch.randn(1, 4, 1, 5, 7, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = vae.decode(z).sample[0, :, 0]
+    with tw.TensorSink(None, 5 * F, 7 * F, channels=4) as sink:
+        tv.decode_to(z, sink)
+    assert (sink.result() - want).abs().max() <= TOL

@@ -267,6 +267,7 @@ class TiledVAE(ModelWrapper):
         """
         job = self.job("decode")
         if self.is_video:
+            video.check(self.settings, job, z)
             with video.bound(job, temb, z):
                 self._ran((None, video.decode_to(self.settings, job, z, sink)))
             return
