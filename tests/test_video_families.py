@@ -38,7 +38,6 @@ BY_NAME = {
     "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
     "AutoencoderRAE": "its encoder is a pretrained ViT",
-    "AutoencoderKLQwenImage21": "an image VAE in a video's layout",
     "AutoencoderKLKVAEVideo": "its GroupNorms",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
     "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",

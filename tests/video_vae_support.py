@@ -45,9 +45,23 @@ def qwen(seed: int = 0):
                                          latents_std=[1.0] * 4))
 
 
-def ltx(version: str = "0.9.0", seed: int = 0):
+def qwen21(seed: int = 0):
+    """AutoencoderKLQwenImage21 (an image VAE in a video's layout; RGBA as its pipeline gives it, 4x spatial
+    here), Wan 2.2-like residual blocks with AvgDown3D / DupUp3D shortcuts."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage21
+
+    torch.manual_seed(seed)
+    return _gains(AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2],
+                                           num_res_blocks=1, temperal_downsample=[False, True],
+                                           latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                           latents_std=[1.5, 0.5, 2.0, 1.0],
+                                           in_channels=4, out_channels=4, scale_factor_spatial=4))
+
+
+def ltx(version: str = "0.9.0", seed: int = 0, timestep: bool = False):
     """AutoencoderKLLTXVideo: 0.9.0 blocks (8x spatial, 4x temporal here), or 0.9.5's down blocks and
-    residual upsamplers (16x, 8x)."""
+    residual upsamplers (16x, 8x); `timestep`: its decoder conditioned on the decode timestep (0.9.5+)."""
     import torch
     from diffusers import AutoencoderKLLTXVideo
 
@@ -66,20 +80,21 @@ def ltx(version: str = "0.9.0", seed: int = 0):
                   decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
                   downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
                   upsample_residual=(True,) * 3, upsample_factor=(2, 2, 2), spatial_compression_ratio=16,
-                  temporal_compression_ratio=8)
+                  temporal_compression_ratio=8, timestep_conditioning=timestep)
     return AutoencoderKLLTXVideo(**kw).eval()
 
 
-def ltx2(seed: int = 0):
+def ltx2(seed: int = 0, timestep: bool = False):
     """AutoencoderKLLTX2Video: 0.9.5-like blocks with per-channel RMS norms, the decoder's reflect padding
-    in space (16x spatial, 8x temporal here)."""
+    in space (16x spatial, 8x temporal here); `timestep`: its decoder conditioned on the decode timestep."""
     import torch
     from diffusers import AutoencoderKLLTX2Video
 
     torch.manual_seed(seed)
     return AutoencoderKLLTX2Video(latent_channels=4, block_out_channels=(8, 16, 16, 16),
                                   decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
-                                  decoder_layers_per_block=(1, 1, 1, 1), patch_size=2).eval()
+                                  decoder_layers_per_block=(1, 1, 1, 1), patch_size=2,
+                                  timestep_conditioning=timestep).eval()
 
 
 def refiner(seed: int = 0):
@@ -113,7 +128,8 @@ def hunyuan(seed: int = 0):
 
 
 VAES = {"qwen": qwen, "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
-        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner}
+        "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner,
+        "ltx0.9.5-t": lambda: ltx("0.9.5", timestep=True), "ltx2-t": lambda: ltx2(timestep=True)}
 
 _CACHE: dict = {}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class Program:
     output: str
     in_channels: int
     name: str = ""
+    call: Any = None  # values its ops read that each call computes (`trace.percall.CallValues`), or None
 
     def shapes(self, hw: tuple[int, int]) -> dict[str, tuple[int, int]]:
         """Spatial shape of every value for an input of spatial shape hw."""

@@ -3,6 +3,9 @@
 - `attention`: diffusers' `Attention` (AttnProcessor / AttnProcessor2_0, FusedAttnProcessor2_0): its
   GroupNorm and an `AttentionCore`, whose queries run in the tiles and whose keys and values are those of
   every token (global attention, exact).
+- `channel_attention`: Qwen-Image 2.1's `QwenImage21AttentionBlock` on its one frame (an RMS norm over
+  channels, one head, q / k / v from one 1x1 convolution, a 1x1 output projection, the residual): the
+  same `AttentionCore`.
 - `conv`, `group_norm`: one nn.Conv2d with zero padding, one nn.GroupNorm.
 
 diffusers' classes are imported inside `attention` (importing diffusers takes ~4 s).
@@ -11,9 +14,41 @@ diffusers' classes are imported inside `attention` (importing diffusers takes ~4
 from __future__ import annotations
 
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .build import Builder, unsupported
-from .ops import AttentionCore, Conv, GroupNorm
+from .ops import AttentionCore, Conv, GroupNorm, Pointwise
+
+CHANNEL_ATTENTION = ("QwenImage21AttentionBlock",)  # the blocks `channel_attention` lowers
+
+
+class ChannelSlice(nn.Module):
+    """Channels [a, b) of a 1x1 convolution as a projection of (B, N, C) tokens (its weights read when
+    called: moves and casts of the model follow)."""
+
+    def __init__(self, conv: nn.Conv2d, a: int, b: int):
+        super().__init__()
+        self.conv, self.a, self.b = conv, a, b
+
+    def forward(self, t):
+        w, bias = self.conv.weight[self.a : self.b, :, 0, 0], self.conv.bias
+        return F.linear(t, w, None if bias is None else bias[self.a : self.b])
+
+
+def channel_attention(b: Builder, a, x: str, where: str) -> str:
+    """QwenImage21AttentionBlock (module docstring) on a (B, C, H, W) value: its norm, then an
+    AttentionCore (global: queries tiled, keys and values of every token)."""
+    c = a.dim
+    qkv, proj = a.to_qkv, a.proj
+    ok = (type(a).__name__ in CHANNEL_ATTENTION and a.norm.channel_first and a.norm.gamma.dim() == 3
+          and all(type(m) is nn.Conv2d and tuple(m.kernel_size) == (1, 1) and m.groups == 1
+                  and tuple(m.stride) == (1, 1) for m in (qkv, proj)) and qkv.out_channels == 3 * c)
+    if not ok:
+        raise unsupported(a, where)
+    n = b.emit(Pointwise, (x,), f"{where}.norm", fn=a.norm, label="rms_norm over channels")
+    return b.emit(AttentionCore, (n, x), where, heads=1, to_q=ChannelSlice(qkv, 0, c),
+                  to_k=ChannelSlice(qkv, c, 2 * c), to_v=ChannelSlice(qkv, 2 * c, 3 * c),
+                  to_out=nn.ModuleList([ChannelSlice(proj, 0, c), nn.Identity()]), residual=True, rescale=1.0)
 
 
 def conv(b: Builder, layer, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:

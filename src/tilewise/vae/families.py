@@ -7,7 +7,10 @@ classes of their blocks); a call the lowering cannot place is refused when the T
 (`lower_family`), never at the first call. A class not in the table is traced as an AutoencoderKL.
 Calls are bound against the wrapped class's own `decode` / `encode` (`bind`), so positional and keyword
 arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an argument the tiled path
-does not follow is refused by name.
+does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
+`Family.inputs`) are traced with it: what the program reads of them is computed once per call
+(`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Family:
     encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
+    frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
+    inputs: Callable | None = None  # inputs(vae) -> decode's per-call inputs, by name, with examples
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
     note: Callable | None = None  # note(vae, kind, shape) -> how the call's result differs from the wrapped
@@ -59,11 +64,27 @@ def _kl_encode(vae, x):
     return vae.encode(x).latent_dist.parameters  # (the moments; the posterior's own are dead code)
 
 
+def _ltx_decode(vae, z, temb=None):
+    return vae.decode(z, temb, return_dict=False)[0]
+
+
+def _ltx_inputs(vae) -> dict:
+    """LTX-Video 0.9.5+ / LTX-2 decoders conditioned on the decode's timestep (decode(z, temb)): its
+    embedding gives per-channel scales and shifts of the norms, computed once per call (`trace.percall`)."""
+    if not vae.config.get("timestep_conditioning"):
+        return {}
+    p = next(vae.parameters())
+    return {"temb": torch.full((1,), 0.05, dtype=p.dtype, device=p.device)}
+
+
 def _ltx_check(vae) -> str:
-    """LTX-Video 0.9.1+ (and LTX-2) decoders may be conditioned on the decode's timestep (decode(z, temb))."""
-    if vae.config.get("timestep_conditioning"):
-        return ("its decoder is conditioned on a timestep (timestep_conditioning: decode(z, temb), "
-                "LTX-Video 0.9.1+), which the tiled path does not take yet; use the wrapped VAE")
+    """LTX-Video 0.9.1's (and any LTX-2 config's) noise injection: fresh noise drawn per call."""
+    noise = vae.config.get("decoder_inject_noise")
+    if noise is True or isinstance(noise, list | tuple) and any(noise):
+        given = tuple(noise) if noise is not True else True
+        return (f"its decoder injects noise (decoder_inject_noise={given}: torch.randn of a layer's whole "
+                "frame per call, from the global generator), which the tiled path does not draw yet; use the "
+                "wrapped VAE")
     return ""
 
 
@@ -95,8 +116,10 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
     "AutoencoderKLWan": Family(video=True),
     "AutoencoderKLQwenImage": Family(video=True),
-    "AutoencoderKLLTXVideo": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
-    "AutoencoderKLLTX2Video": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_ltx_check),
+    "AutoencoderKLLTXVideo": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
+                                    inputs=_ltx_inputs),
+    "AutoencoderKLLTX2Video": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
+                                     inputs=_ltx_inputs),
     # the whole video in one pass (its GroupNorms and mid-block attention over every frame: sync ops of a
     # one-step program); its own framewise decoding / encoding of long videos (on by default past 16
     # frames) is a temporal tiling with blending, which the exact path does not reproduce
@@ -109,10 +132,11 @@ FAMILIES: dict[str, Family] = {
     **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
-    "AutoencoderKLQwenImage21": Family(video=True, refused=(
-        "an image VAE in a video's layout (B, C, 1, H, W): its convolutions (QwenImage21CausalConv3d) are "
-        "2-D ones on the single frame, which neither the video lowering (frames) nor the 2-D path (4-D "
-        "values) takes yet; use the wrapped VAE")),
+    # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
+    # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
+    "AutoencoderKLQwenImage21": Family(decode=lambda vae, z: _kl_decode(vae, z.unsqueeze(2)).squeeze(2),
+                                       encode=lambda vae, x: _kl_encode(vae, x.unsqueeze(2)).squeeze(2),
+                                       frame=True),
     "AutoencoderKLKVAEVideo": Family(video=True, refused=(
         "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
         "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "
@@ -183,9 +207,10 @@ def family_of(vae) -> Family:
 
 
 def lower_family(vae, family: Family, kind: Kind) -> Program:
-    """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`;
-    Wan's and Qwen-Image's causal VAEs by their known structure). LoweringError naming the VAE, the call
-    and its module path, for one the lowering cannot place."""
+    """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`,
+    with decode's per-call inputs, `Family.inputs`; Wan's and Qwen-Image's causal VAEs by their known
+    structure). LoweringError naming the VAE, the call and its module path, for one the lowering cannot
+    place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
@@ -199,8 +224,9 @@ def lower_family(vae, family: Family, kind: Kind) -> Program:
             program = lower_video_vae(vae, kind.value)
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
-            program = lower_traced(vae, lambda t: run(vae, t), _example(vae, kind, family.video),
-                                   name=f"{name}.{kind.value}")
+            inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
+            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family.video),
+                                   name=f"{name}.{kind.value}", inputs=inputs)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
     _CACHE.setdefault(vae, {})[kind] = (state, program)

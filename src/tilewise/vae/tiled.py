@@ -23,7 +23,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from ..distributed import rank_world, resolve_group
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
-from . import gradient, runner
+from . import frames, gradient, runner
 from .checks import check_fits, check_input, check_video_fits
 from .devices import DeviceProfile, profile, vae_device
 from .families import FAMILIES, bind, encode_output, family_of, lower_family
@@ -137,9 +137,9 @@ class TiledVAE(ModelWrapper):
     def forward(self, sample, *args, **kwargs):
         """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths, with
         the wrapped class's arguments."""
-        call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
-                    {"sample_posterior": False, "return_dict": True, "generator": None})
         family = family_of(self.vae)
+        call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
+                    {"sample_posterior": False, "return_dict": True, "generator": None, **_inputs(family)})
         z = self.encode(sample, return_dict=False)[0]
         if family.quantize:  # VQModel.forward: encode, decode (quantised)
             dec = self.decode(z)
@@ -148,7 +148,7 @@ class TiledVAE(ModelWrapper):
             z = self.vae.unscale_latents(self.vae.scale_latents(z).mul_(255).round_().byte() / 255.0)
         elif family.encoded == "posterior":  # (the others decode what encode returns: AutoencoderDC)
             z = z.sample(generator=call["generator"]) if call["sample_posterior"] else z.mode()
-        dec = self.decode(z).sample
+        dec = self.decode(z, **{k: call[k] for k in _inputs(family)}).sample
         return DecoderOutput(sample=dec) if call["return_dict"] else (dec,)
 
     # -- programs and jobs --------------------------------------------------------------------------
@@ -187,20 +187,26 @@ class TiledVAE(ModelWrapper):
     def decode(self, z, *args, **kwargs):
         """Decode latents tile by tile, with the arguments and return type of the wrapped VAE's decode
         (AutoencoderKL: DecoderOutput(sample=...); VQModel: quantised first unless force_not_quantize,
-        DecoderOutput(sample=..., commit_loss=...))."""
+        DecoderOutput(sample=..., commit_loss=...); LTX-Video 0.9.5+ / LTX-2: decode(z, temb), the
+        timestep's embedding computed once per call; Qwen-Image 2.1: (B, C, 1, H, W) in and out)."""
         family, job = family_of(self.vae), self.job("decode")
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
-                    {"return_dict": True, "force_not_quantize": False})
+                    {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
         if self.is_video:
             video.check(self.settings, job, z)
-            sample = self._ran(self._run_video(job, z))
+            with video.bound(job, call.get("temb"), z, gradient.wants(self.vae, z)):
+                sample = self._ran(self._run_video(job, z))
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
+        if family.frame:  # (an image in a video's layout: the program runs its one frame)
+            z = frames.one_frame(job, z)
         check_input(job, z)
         if family.quantize and gradient.wants(self.vae, z):
             raise RuntimeError(f"TiledVAE decode of a {job.model} has no backward (its quantisation runs "
                                "untiled without one); use the wrapped VAE to train")
         z, loss = self._quantized(z, family, call["force_not_quantize"])
         sample = self._ran(self._run(job, z))
+        if family.frame:
+            sample = sample.unsqueeze(2)
         if not family.quantize:
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         return DecoderOutput(sample=sample, commit_loss=loss) if call["return_dict"] else (sample, loss)
@@ -215,8 +221,10 @@ class TiledVAE(ModelWrapper):
             video.dropped_frames(job, x)
             h = self._ran(self._run_video(job, x))
         else:
+            x = frames.one_frame(job, x) if family.frame else x
             check_input(job, x)
             h = self._ran(self._run(job, x))
+            h = h.unsqueeze(2) if family.frame else h
         return encode_output(family, h, call["return_dict"])
 
     def _run_video(self, job: Job, t) -> tuple:
@@ -252,17 +260,22 @@ class TiledVAE(ModelWrapper):
             quant, loss, _ = self.vae.quantize(z)
         return quant, loss
 
-    def decode_to(self, z, sink) -> None:
+    def decode_to(self, z, sink, temb=None) -> None:
         """Decode one latent into a sink (PNG, TIFF, memmap) tile by tile, never holding the image.
 
         With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
         rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
-        (`tilewise.sinks.video`), or its one frame into an image sink.
+        (`tilewise.sinks.video`), or its one frame into an image sink; an image VAE in a video's layout
+        (Qwen-Image 2.1) its (1, C, 1, H, W) latent into an image sink. `temb`: a timestep-conditioned
+        decoder's (LTX-Video 0.9.5+, LTX-2), as decode takes it.
         """
         job = self.job("decode")
         if self.is_video:
-            self._ran((None, video.decode_to(self.settings, job, z, sink)))
+            video.check(self.settings, job, z)
+            with video.bound(job, temb, z):
+                self._ran((None, video.decode_to(self.settings, job, z, sink)))
             return
+        z = frames.one_frame(job, z) if family_of(self.vae).frame else z
         check_input(job, z)
         if z.shape[0] != 1:
             raise ValueError(f"decode_to streams one image: batch must be 1, got {z.shape[0]}")
@@ -285,7 +298,8 @@ class TiledVAE(ModelWrapper):
     def plan(self, shape: tuple[int, ...], kind: str = "decode", tile_size: int | None = None,
              staging: str | None = None, streamed: bool = False, sequential: bool = False,
              backward: bool = False) -> Plan:
-        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak.
+        """The plan for an input of `shape` (B, C, H, W): grid, halo overhead, staged bytes, peak (an image
+        VAE in a video's layout, Qwen-Image 2.1: (B, C, 1, H, W), planned as the one frame it runs).
 
         Fast mode with the sampled-tile estimator is planned pass by pass (`Plan.passes`): decode's exact
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
@@ -304,6 +318,8 @@ class TiledVAE(ModelWrapper):
                                  "steps recomputed, docs/gradients.md) is not planned yet")
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
                                    sequential=sequential)
+        if family_of(self.vae).frame:
+            shape = frames.image_shape(shape)
         if backward:
             return gradient.plan(self.settings, job, tuple(shape), tile_size, staging)
         if tile_size is None and staging is None and self.memory_budget is not None:
@@ -321,6 +337,7 @@ class TiledVAE(ModelWrapper):
             plan = make_video_plan(self.settings, job, tuple(shape), to_sink=streamed)
             check_video_fits(job, plan)
             return plan
+        shape = frames.image_shape(shape) if family_of(self.vae).frame else shape
         plan = settle(self.settings, job, tuple(shape), streamed=streamed)
         check_fits(job, tuple(shape), plan, streamed, self.stage_dir)
         return plan
@@ -357,6 +374,11 @@ def _check_vae(vae) -> None:
         raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
                          f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
                          f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
+
+
+def _inputs(family) -> dict:
+    """The per-call inputs a family's decode takes by name, with their defaults (LTX: temb)."""
+    return {"temb": None} if family.inputs is not None else {}
 
 
 def _kind(kind) -> Kind:

@@ -12,7 +12,8 @@ becomes a primitive op by what the call is, not by the module class it ran in:
   `x[:, a:b]`): `Slice`; calls that return their input (`contiguous`, `dropout` in eval, a cast to the
   same dtype) nothing;
 - diffusers' `Attention` (a unit of the capture): a `GroupNorm` and an `AttentionCore` (`units.attention`:
-  queries tiled, keys and values global);
+  queries tiled, keys and values global); Qwen-Image 2.1's `QwenImage21AttentionBlock` likewise (its
+  channel norm and an `AttentionCore`, `units.channel_attention`);
 - a call that leaves the spatial layout (`permute`, `view`, ...) inside a module whose inputs and
   output are spatial: that module as one op, if it computes position by position (checked on the
   example: perturbing one position changes only that position of its output, and its output on a crop
@@ -31,8 +32,13 @@ frames; `video_tokens`: HunyuanVideo's attention over every frame's tokens; meas
 the frames as measured); a video example gives a one-step video program (`program3d.VideoProgram`: every
 frame in one step, as the computation ran them), which the video executor runs.
 
+An image VAE in a video's layout ((B, C, 1, H, W) values whose convolutions are 2-D ones on the one
+frame: Qwen-Image 2.1's) is traced on a (B, C, H, W) example: its one-frame values are carried without the
+frame axis and the calls replayed on them get it back (`frames`), so it lowers into a 2-D program.
+
 The package: `capture` records the calls; `rules` places each call by what it is; `video` the calls on
-video values (`video_tokens` their tokens through an Attention); `measured` places what no rule does by
+video values (`video_tokens` their tokens through an Attention); `frames` a 2-D program's one-frame
+values; `measured` places what no rule does by
 measuring it (a run of calls back to the spatial layout, or the module around a call); `schedule` orders
 and fuses the ops; `lower` drives them (`lower_traced`); `state` is what they share.
 """

@@ -15,6 +15,7 @@ from ..ops import Pointwise
 from ..ops3d import Rearrange
 from ..ops_traced import Local, Whole
 from .capture import Call, Ref
+from .frames import carry
 from .state import Lowering, op_name, refused
 
 
@@ -23,7 +24,7 @@ def inline_region(low: Lowering, i: int) -> int | None:
     mean over channel groups in a forward, ...), placed as one op by their measured locality (their
     recorded sizes of the value's height, width and batch follow the box they run on). The index after
     them, or None where they are not such a run or are not local."""
-    cap, values = low.cap, low.cap.values
+    cap = low.cap
     first = cap.calls[i]
     srcs = [n for n in first.refs() if low.spatial(n) is not None]
     if len(set(srcs)) != 1:
@@ -36,20 +37,20 @@ def inline_region(low: Lowering, i: int) -> int | None:
             return None
         region.append(call)
         nodes.update(call.outs)
-        out = values[call.outs[0]]
-        scale = _scale(out, values[x])
+        out = low.carried(call.outs[0])
+        scale = _scale(out, low.carried(x))
         if k > i and scale is not None:
             break
     else:
         return None
-    fn = _replay_calls(low, region, x)
+    fn = carry(low, [x], region[-1].outs[0], _replay_calls(low, region, x))
     module = next((m for p, m in low.root.named_modules() if p == first.where), low.root)
-    found = measure(module, fn, values[x], scale)
+    found = measure(module, fn, low.carried(x), scale)
     if not isinstance(found, int):
         return None
     label = ", ".join(c.name for c in region)
-    name = _emit(low, (low.spatial(x),), op_name(first, "calls"), fn, found, scale, values[x], out, label,
-                 len(region))
+    name = _emit(low, (low.spatial(x),), op_name(first, "calls"), fn, found, scale, low.carried(x), out,
+                 label, len(region))
     low.set(region[-1].outs[0], name)
     return i + len(region)
 
@@ -129,15 +130,16 @@ def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
     reshape (view, ...) equal to x's batch becomes the tensor's batch."""
     values = low.cap.values
     ex = values[x].shape
+    video = len(ex) == 5 and x not in low.framed  # (a one-frame value's frame is no size that follows)
 
     def run(t):
         sides = [(int(ex[-2]), t.shape[-2]), (int(ex[-1]), t.shape[-1])]
-        sizes = _size_map([*sides, (int(ex[2]), t.shape[2])] if t.ndim == 5 else sides)
+        sizes = _size_map([*sides, (int(ex[2]), t.shape[2])] if video else sides)
         env = {x: t}
 
         def bind(obj):
             if isinstance(obj, Ref):
-                return env[obj.node] if obj.node in env else values[obj.node]
+                return env[obj.node] if obj.node in env else low.value(obj.node)
             if isinstance(obj, bool) or not isinstance(obj, int | list | tuple | dict):
                 return obj
             if isinstance(obj, int):
@@ -210,16 +212,15 @@ def opaque(low: Lowering, span, cause: Call) -> None:
     attention block on the latent: its output at its input's resolution), whole (`Whole`: exact, untiled at
     that op; never a decoder or encoder whole, which changes the resolution). Else refused, naming the call
     no rule placed (`cause`) and the module around it."""
-    values = low.cap.values
     spatial = list(dict.fromkeys(n for n in span.refs() if low.spatial(n) is not None))
-    first, out = values[spatial[0]], values[span.outs[0]]
+    first, out = low.carried(spatial[0]), low.carried(span.outs[0])
     scale = Fraction(out.shape[-2], first.shape[-2])
     label, calls, channels = type(span.module).__name__, span.last - span.first, int(out.shape[1])
     around = f"no rule places it, and the module around it ({label} at {span.path!r})"
     if Fraction(out.shape[-1], first.shape[-1]) != scale or scale.numerator > 1 and scale.denominator > 1:
         raise refused(low, cause, f"{around} gives an output that is not its input scaled alike in height "
                       "and width")
-    fn = _replay_module(low, span, spatial)
+    fn = carry(low, spatial, span.outs[0], _replay_module(low, span, spatial))
     found = measure(span.module, fn, first, scale) if len(spatial) == 1 else "global"
     if isinstance(found, int):
         name = _emit(low, (low.spatial(spatial[0]),), span.path, fn, found, scale, first, out,
@@ -305,11 +306,10 @@ def _crops_agree(fn: Callable, x, y, d: int, u: int, halo: int) -> bool:
 def _replay_module(low: Lowering, span, spatial: list[int]) -> Callable:
     """The module's call as a function of its spatial inputs (in `spatial`'s order; constants as they
     were)."""
-    values = low.cap.values
 
     def bind(obj, ts):
         if isinstance(obj, Ref):
-            return ts[spatial.index(obj.node)] if obj.node in spatial else values[obj.node]
+            return ts[spatial.index(obj.node)] if obj.node in spatial else low.value(obj.node)
         if isinstance(obj, dict):
             return {k: bind(v, ts) for k, v in obj.items()}
         if isinstance(obj, list | tuple):

@@ -11,8 +11,9 @@ from ..build import LoweringError
 from ..ops import Add, Conv, GroupNorm, OpKind, Pointwise, Resample
 from ..ops3d import Rearrange
 from ..ops_traced import Cat, Combine, Slice
-from ..units import attention
+from ..units import CHANNEL_ATTENTION, attention, channel_attention
 from .capture import Call, Ref, capture, needed
+from .frames import FRAME_RULES, carry
 from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
 from .video_tokens import token_call
@@ -40,17 +41,20 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
-    if any(n in low.squeezed for n in spatial):
-        rule = SQUEEZED_RULES.get(call.name) or (_unary if call.name in UNARY else None)
-        placed = rule(low, i, call) if rule is not None else False
-        if placed is not True:
-            raise refused(low, call, placed or "a call on a video value's one frame squeezed to (B, C, H, W) "
-                          "(placed: interpolate, unsqueeze(2), elementwise functions)")
-        low.squeezed.update(n for n in call.outs if low.spatial(n) and low.cap.values[n].ndim == 4)
-        _keep_parts(low, call)
-        return
-    video = VIDEO_RULES.get(call.name) if any(low.cap.values[n].ndim == 5 for n in spatial) else None
-    placed = video(low, i, call) if video is not None else False
+    if low.cap.values[low.cap.input].ndim == 4:  # (a 2-D program: its one-frame values, `frames`)
+        placed = FRAME_RULES[call.name](low, i, call) if call.name in FRAME_RULES else False
+    else:
+        if any(n in low.squeezed for n in spatial):
+            rule = SQUEEZED_RULES.get(call.name) or (_unary if call.name in UNARY else None)
+            placed = rule(low, i, call) if rule is not None else False
+            if placed is not True:
+                raise refused(low, call, placed or "a call on a video value's one frame squeezed to "
+                              "(B, C, H, W) (placed: interpolate, unsqueeze(2), elementwise functions)")
+            low.squeezed.update(n for n in call.outs if low.spatial(n) and low.cap.values[n].ndim == 4)
+            _keep_parts(low, call)
+            return
+        video = VIDEO_RULES.get(call.name) if any(low.cap.values[n].ndim == 5 for n in spatial) else None
+        placed = video(low, i, call) if video is not None else False
     if placed is True:
         _keep_parts(low, call)
         return
@@ -114,7 +118,8 @@ def _pad(low: Lowering, i: int, call: Call) -> bool | str:
     x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
     mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
     sides = 6 if low.cap.values[x.node].ndim == 5 else 4
-    if low.spatial(x.node) is None or len(pad) not in (4, sides) or any(p < 0 for p in pad):
+    if low.spatial(x.node) is None or x.node in low.framed or len(pad) not in (4, sides) \
+            or any(p < 0 for p in pad):
         return False
     if mode == "constant" and (value or 0) != 0:
         return f"F.pad with the value {value} (only zeros, replicate or reflect pad like a convolution)"
@@ -140,7 +145,9 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool:
     x = arg_of(call, 0, "input")
     name = low.spatial(x.node) if isinstance(x, Ref) else None
     mode = arg_of(call, 3, "mode", "nearest")
-    if name is None or mode != "nearest" or arg_of(call, 7, "antialias", False):
+    # (nearest-exact picks floor((i + 1/2) / s) = floor(i / s): nearest, at the integer factors placed)
+    if name is None or x.node in low.framed or mode not in ("nearest", "nearest-exact") \
+            or arg_of(call, 7, "antialias", False):
         return False
     src, dst = low.cap.values[x.node].shape[-2:], low.cap.values[call.outs[0]].shape[-2:]
     if dst[0] % src[0] or dst[1] % src[1] or dst[0] // src[0] != dst[1] // src[1]:
@@ -158,7 +165,7 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool:
 
 def _shuffle(low: Lowering, i: int, call: Call) -> bool:
     x = arg_of(call, 0, "input")
-    name = low.spatial(x.node) if isinstance(x, Ref) else None
+    name = low.spatial(x.node) if isinstance(x, Ref) and x.node not in low.framed else None
     if name is None:
         return False
     r = int(arg_of(call, 1, "upscale_factor" if call.name == "pixel_shuffle" else "downscale_factor"))
@@ -200,7 +207,7 @@ def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
     t_in, t_out = low.cap.values[x], low.cap.values[call.outs[0]]
     if t_out.shape[-2:] != t_in.shape[-2:] or t_out.ndim != t_in.ndim or t_out.shape[2:] != t_in.shape[2:]:
         return False
-    fn = _replay(low, call, x)
+    fn = carry(low, [x], call.outs[0], _replay(low, call, x))
     in_place = IN_PLACE_FORM.get(call.name)
     fn_ = None
     if in_place:
@@ -315,8 +322,14 @@ def _channel_item(idx, channels: int) -> tuple[int, int] | None:
 def _unit(low: Lowering, i: int, call: Call) -> bool:
     """A unit module's call: diffusers' Attention (`units.attention`), its spatial norm (MoVQ's: the
     latent conditions the norm) lowered in line first."""
+    if type(call.module).__name__ in CHANNEL_ATTENTION:  # (on a 2-D program's one-frame value)
+        x = arg_of(call, 0, "x")
+        if not isinstance(x, Ref) or low.spatial(x.node) is None or len(call.refs()) != 1:
+            return False
+        low.set(call.outs[0], channel_attention(low.b, call.module, low.spatial(x.node), call.where))
+        return True
     x = arg_of(call, 0, "hidden_states")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None:
+    if not isinstance(x, Ref) or low.spatial(x.node) is None or x.node in low.framed:
         return False
     temb, a, n = arg_of(call, 2, "temb"), call.module, None
     if getattr(a, "spatial_norm", None) is not None:
@@ -368,12 +381,12 @@ RULES: dict[str, Callable] = {
 
 
 def _replay(low: Lowering, call: Call, x: int) -> Callable:
-    """call's function of the tensor in place of node x (the other arguments as they were)."""
-    values = low.cap.values
+    """call's function of the tensor in place of node x (the other arguments as they were; the running
+    call's values of those it computes per call)."""
 
     def bind(obj, t):
         if isinstance(obj, Ref):
-            return t if obj.node == x else values[obj.node]
+            return t if obj.node == x else low.value(obj.node)
         if isinstance(obj, dict):
             return {k: bind(v, t) for k, v in obj.items()}
         if isinstance(obj, list | tuple):

@@ -4,10 +4,12 @@ helpers they read calls with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..build import Builder, LoweringError
+from ..units import CHANNEL_ATTENTION
 from .capture import Call, Capture, Ref
 
 
@@ -42,6 +44,10 @@ class Lowering:
     # node -> (video value name, layout): a video value's tokens, "channels_last" (B, T, H, W, C) or
     # "flat" (B, T H W, C), on their way to and from an Attention unit (`trace.video_tokens`)
     tokens: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # one-frame values of a 2-D program ((B, C, 1, H, W) as captured, carried as (B, C, H, W): an image VAE
+    # in a video's layout, `trace.frames`)
+    framed: set[int] = field(default_factory=set)
+    per_call: Any = None  # values the call computes from its other inputs (`percall.CallValues`), or None
 
     def spatial(self, node: int) -> str | None:
         v = self.values.get(node)
@@ -49,6 +55,23 @@ class Lowering:
 
     def set(self, node: int, name: str) -> None:
         self.values[node] = Value(name, int(self.cap.values[node].shape[1]))
+        if self.one_frame(self.cap.values[node]):
+            self.framed.add(node)  # (a 2-D program's value with its one frame: carried without it)
+
+    def value(self, node: int) -> torch.Tensor:
+        """A non-spatial node's tensor when an op runs: a per-call value of the running call, or the
+        captured constant."""
+        pc = self.per_call
+        return pc.value(node) if pc is not None and node in pc.nodes else self.cap.values[node]
+
+    def carried(self, node: int) -> torch.Tensor:
+        """A node's captured value as the program carries it (a one-frame value without its frame)."""
+        t = self.cap.values[node]
+        return t.squeeze(2) if node in self.framed or self.one_frame(t) else t
+
+    def one_frame(self, t: torch.Tensor) -> bool:
+        """Whether a captured tensor is a one-frame value (B, C, 1, H, W) of a 2-D program."""
+        return t.ndim == 5 and t.shape[2] == 1 and self.cap.values[self.cap.input].ndim == 4
 
 
 def tainted(cap: Capture) -> set[int]:
@@ -83,7 +106,12 @@ def arg_of(call: Call, i: int, name: str, default=None):
 
 
 def const_value(low: Lowering, a):
-    """A non-spatial argument's value: a constant's tensor, or the plain value."""
+    """A non-spatial argument's value: a constant's tensor, or the plain value (LoweringError for a value
+    the call computes from its per-call inputs: only ops that replay their call read those)."""
+    if isinstance(a, Ref) and low.per_call is not None and a.node in low.per_call.nodes:
+        raise LoweringError(f"cannot lower {type(low.root).__name__}: a weight computed from the call's "
+                            f"{', '.join(low.per_call.names)} (only elementwise uses of such values are "
+                            "placed)")
     return low.cap.values[a.node] if isinstance(a, Ref) else a
 
 
@@ -93,4 +121,6 @@ def channel_dim(dim, ndim: int) -> bool:
 
 
 def is_attention(m) -> bool:
-    return type(m).__name__ == "Attention" and type(m).__module__.startswith("diffusers")
+    """Whether a module is lowered as one unit (`units`): diffusers' Attention, Qwen-Image 2.1's block."""
+    return type(m).__module__.startswith("diffusers") and (
+        type(m).__name__ == "Attention" or type(m).__name__ in CHANNEL_ATTENTION)

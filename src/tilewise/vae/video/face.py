@@ -2,13 +2,15 @@
 AutoencoderKLLTXVideo, AutoencoderKLLTX2Video, AutoencoderKLHunyuanVideo): checks, the run, decode_to's
 sinks and the plan; `vae.tiled` wraps the results in the VAE's own return types.
 
-Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images).
+Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images); a
+timestep-conditioned LTX decode runs with its call's timestep embedding bound (`bound`).
 mode="fast" runs exact (the plan says so): most of these families have no GroupNorm; HunyuanVideo's
 GroupNorms are merged exactly over every tile of the step (fast mode's estimators are 2-D only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -42,6 +44,27 @@ def check(settings: Settings, job: Job, t) -> None:
         if h % f or w % f:
             raise ValueError(f"video height and width must be multiples of {f} for encode, got {h}x{w}; "
                              f"pad or crop to {h - h % f or f}x{w - w % f or f}")
+
+
+def bound(job: Job, temb, z, gradients: bool = False):
+    """A context in which a decode's program reads this call's per-call values: LTX-Video 0.9.5+'s /
+    LTX-2's timestep embedding (per-channel scales and shifts), computed once from temb
+    (`program.call`); a decoder not conditioned ignores temb, as the stock one does. ValueError for a
+    conditioned decode without a (B,) temb; RuntimeError for one that asks for gradients (no backward)."""
+    call = job.program.call
+    if call is None:
+        return contextlib.nullcontext()
+    if not isinstance(temb, torch.Tensor):
+        raise ValueError(f"{job.model}'s decoder is conditioned on a timestep (timestep_conditioning): "
+                         f"decode(z, temb) needs temb, a (B,) tensor (the pipeline's decode_timestep), got "
+                         f"{type(temb).__name__}")
+    if temb.numel() != z.shape[0]:
+        raise ValueError(f"temb must hold one timestep per sample: {z.shape[0]} for z of shape "
+                         f"{tuple(z.shape)}, got shape {tuple(temb.shape)}")
+    if gradients:
+        raise RuntimeError(f"TiledVAE decode(z, temb) of a timestep-conditioned {job.model} has no backward "
+                           "yet (its per-call values live for the call only); use the wrapped VAE to train")
+    return call.bound(temb, batch=int(z.shape[0]))
 
 
 def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
