@@ -116,10 +116,11 @@ def test_wan_vae_folder_encodes_a_video_stack_to_normalised_latents(folders, tmp
 
 
 # (name, frames, pixels): LTX-Video 0.9.0 (8x, 4x), LTX-2 (16x, 8x), the HunyuanImage refiner (16x)
-@pytest.mark.parametrize("name,frames,px", [("ltx0.9.0", 5, 16), ("ltx2", 9, 32), ("refiner", 5, 32)])
+@pytest.mark.parametrize("name,frames,px", [("ltx0.9.0", 5, 16), ("ltx2", 9, 32), ("refiner", 5, 32),
+                                            ("hunyuan", 5, 24)])
 def test_vae_folder_encode_normalises_with_its_buffers_and_scaling_factor(tmp_path, name, frames, px):
     """LTX-Video and LTX-2 keep latents_mean / latents_std as buffers (saved with the weights) beside a
-    config scaling_factor; the HunyuanImage refiner has a scaling_factor only: encode writes
+    config scaling_factor; the HunyuanImage refiner and HunyuanVideo have a scaling_factor only: encode writes
     (z - mean) * scaling_factor / std, which decode reads back."""
     vae = copy.deepcopy(video_vae(name))
     buffers = "latents_mean" in dict(vae.named_buffers(recurse=False))
