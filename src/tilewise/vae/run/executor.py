@@ -31,6 +31,7 @@ from ...locality.program import Program, Segment, SegmentKind, back_propagate, l
 from ..settings import Attention
 from .attention import keys_values, query_grid
 from .bands import band_rows, row_local, run_bands, tile_bands
+from .batches import batch_groups, batchable, period_and_reach, run_group, tile_class
 from .finite import FiniteChecks, NonFiniteError, all_finite, check_output
 from .options import RunOptions
 from .sharding import RowBands, exchange_rows, gather_rows, merge_group_stats, stream_rows
@@ -304,6 +305,9 @@ class _TileRun:
         ref, out_v = self.shapes[self.ex.ref], self.ex.program.output
         last = last_use(seg.ops, seg.outputs)
         tiles = self._seg_tiles(seg)
+        if self._batched(seg):
+            self._run_batched(seg, stage, bar, tiles, last)
+            return
         ahead = [v for v in seg.inputs if self.o.read_ahead and stage.prefetches(v)]  # (read a tile ahead)
         for k, tile in enumerate(tiles):
             if ahead and k + 1 < len(tiles):
@@ -323,6 +327,44 @@ class _TileRun:
             stage.trim()  # disk staging: at most heap_slack of freed heap stays resident
             bar.update(1)
         stage.drop_fetched()
+
+    def _batched(self, seg: Segment) -> bool:
+        """Whether seg's tiles run `tile_batch` at a time: a batchable segment in whole tiles, one process."""
+        if self.o.tile_batch == 1 or self.bands is not None or not batchable(seg):
+            return False
+        self._tile_bands(seg, self.grid.tiles[0].core)  # (its row bands decided: a banded segment does not)
+        return self.band_cache[id(seg)] is None
+
+    def _run_batched(self, seg: Segment, stage: Staging, bar, tiles, last) -> None:
+        """`_run_segment` with the tiles of one class run as one batch, up to tile_batch (`batches`), a
+        tile row at a time when the segment makes the output; no reads ahead."""
+        shapes, ref, out_v = self.shapes, self.shapes[self.ex.ref], self.ex.program.output
+        period, reach = period_and_reach(seg.ops, shapes)
+        by_row, pending = out_v in seg.outputs, []
+
+        def flush():
+            for group in batch_groups(pending, self.o.tile_batch, by_row):
+                for cores, vals in run_group(seg, stage, self.ctx, group, shapes, last, self.batch):
+                    for v, core in cores.items():
+                        self._store(v, core, vals, stage, seg)
+                vals = None  # (the batch's values die now)
+                stage.trim()
+                bar.update(len(group))
+            pending.clear()
+
+        for k, tile in enumerate(tiles):
+            if by_row and k and tile.row != tiles[k - 1].row:
+                flush()
+            cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
+            cores = {v: b for v, b in cores.items() if not box_empty(b)}
+            if cores and tile.index in self.done and list(cores) == [out_v]:
+                self._store(out_v, cores[out_v], {out_v: (self.done[tile.index], cores[out_v])}, stage, seg)
+            elif cores:
+                need = back_propagate(seg.ops, cores, shapes)
+                pending.append((tile, tile_class([cores], [need], shapes, period, reach), cores, need))
+                continue
+            bar.update(1)
+        flush()
 
     def _prefetch(self, seg: Segment, tile, stage: Staging, values) -> None:
         """Start reading the host-staged inputs of a tile's first band (it runs next: the copies overlap
