@@ -201,7 +201,7 @@ class Plan:
                 f"{self.segments} segments, "
                 f"halo overhead {100 * self.halo_overhead:.1f}% extra conv work"
                 + (f", row bands of ~{fb(self.band_bytes)}" if self.band_bytes else ", whole tiles")
-                + (f", same-shape tiles in batches of up to {self.tile_batch}" if self.tile_batch > 1 else ""),
+                + (f", same-shape tiles in batches of <= {self.tile_batch}" if self.tile_batch > 1 else ""),
                 f"  staging: {self.staging}, {len(self.stages)} staged values, at most "
                 f"{fb(self.staged_peak)} alive at once",
             ]

@@ -7,7 +7,8 @@ while the exact per-(batch, group) statistics of every value a later GroupNorm n
 the tile cores (`stats`). A global attention op is a segment of its own: keys and values of all tokens
 first, then the queries of each tile in chunks. GroupNorms given fixed statistics (fast mode) are
 pointwise and cut nothing, so a run of them executes tile by tile end to end. Big tiles of local segments
-run in row bands (`bands`); with a process group each rank runs a band of tile rows (`sharding`).
+run in row bands (`bands`); with a process group each rank runs a band of tile rows (`sharding`); with
+`tile_batch` > 1, a local segment's same-shape tiles run stacked, as one batch (`batches`).
 
 `Executor` is what to run and how (`RunOptions`); each call of `run` keeps its own state in a `_TileRun`
 and returns a `RunResult`.
@@ -26,12 +27,13 @@ from tqdm.auto import tqdm
 from ...distributed import rank_world
 from ...geometry import Box, TileGrid
 from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
-from ...locality.ops import Op, OpKind, RunContext
+from ...locality.ops import Op, OpKind
 from ...locality.program import Program, Segment, SegmentKind, back_propagate, last_use, split_segments
 from ..settings import Attention
 from .attention import keys_values, query_grid
 from .bands import band_rows, row_local, run_bands, tile_bands
 from .batches import batch_groups, batchable, period_and_reach, run_group, tile_class
+from .context import ExecContext, RunResult
 from .finite import FiniteChecks, NonFiniteError, all_finite, check_output
 from .options import RunOptions
 from .sharding import RowBands, exchange_rows, gather_rows, merge_group_stats, stream_rows
@@ -72,39 +74,6 @@ def tile_grid(hw: tuple[int, int], tile: int) -> TileGrid:
     """The tile grid every pass runs over a reference value of spatial shape hw: tiles of `tile` pixels
     (clipped to the value), serpentine order. Plans follow the same grid."""
     return TileGrid(*hw, (min(tile, hw[0]), min(tile, hw[1])), order="serpentine")
-
-
-@dataclass
-class ExecContext(RunContext):
-    """RunContext of the executor: GroupNorm statistics are looked up, never computed on a tile; their
-    per-channel affine is computed once per GroupNorm (not per tile: a GPU launches each kernel)."""
-
-    affines: dict[int, Any] = field(default_factory=dict)  # id(op) -> (stats, (a, s))
-
-    def group_stats(self, op, x, box, shape):
-        stats = self.stats.get(id(op))
-        if stats is None:
-            raise AssertionError(f"statistics of {op.name} are not ready: a segment cut is missing")
-        return stats
-
-    def group_affine(self, op, x, box, shape):
-        stats = self.group_stats(op, x, box, shape)
-        kept = self.affines.get(id(op))
-        if kept is None or kept[0] is not stats or kept[1][0].device != x.device:
-            kept = self.affines[id(op)] = (stats, op.affine(stats, x))
-        return kept[1]
-
-
-@dataclass
-class RunResult:
-    """What one run made: its output (None when streamed to `emit`), the most staged bytes this process
-    held at once, the statistics every GroupNorm applied, and the probes' own statistics."""
-
-    output: Any
-    staged_peak: int
-    stats: dict[int, Any]  # id(GroupNorm) -> (mean, var)
-    probe_stats: dict[tuple[str, int], GroupStats]  # (value, groups) -> statistics over the probe boxes
-    staging: Staging | None = None  # with `keep_staged`: every staged value, open (the caller closes it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +119,7 @@ class _TileRun:
         self.bands = self._shard()
         self.probe_stats: dict[tuple[str, int], GroupStats] = {}
         self.out, self.out_lo, self.checks = None, 0, FiniteChecks(self.o.check_finite)
+        self.batched = 0
 
     def go(self) -> RunResult:
         p, o = self.ex.program, self.o
@@ -174,7 +144,7 @@ class _TileRun:
             stage.close()
         else:
             stage.lane.finish()  # (every copy into the kept values made)
-        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats, kept)
+        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats, kept, self.batched)
 
     def _segment(self, i: int, seg: Segment, stage: Staging, bar) -> None:
         """Segment i over every tile: its outputs allocated, its halo rows fetched, its tiles run, its
@@ -350,6 +320,7 @@ class _TileRun:
                 vals = None  # (the batch's values die now)
                 stage.trim()
                 bar.update(len(group))
+                self.batched += len(group) if len(group) > 1 else 0
             pending.clear()
 
         for k, tile in enumerate(tiles):
