@@ -84,7 +84,8 @@ def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
 
 def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     """`plan` with its same-shape tiles run in batches (`run.batches`): of the batches in TILE_BATCHES
-    that fit the budget (each a bigger working set), the one of least estimated time (1: the plan)."""
+    that fit the budget (each a bigger working set) and launch less, the one of least estimated time (1:
+    the plan)."""
     best = plan
     one = plan.untiled or settings.process_group is not None  # (ranks run their tile rows one by one)
     for n in TILE_BATCHES if not one else ():
@@ -93,8 +94,8 @@ def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
         got = _plan_at(settings, job, shape, plan.choices.replace(tile_batch=n))
         if got is None or got.peak > settings.memory_budget:
             break  # (a bigger batch holds more)
-        if got.seconds < best.seconds:
-            best = got
+        if got.seconds < best.seconds and got.launches < plan.launches:  # (what the batch saves: not a
+            best = got  # placement re-made with the plan's final choices)
     return best
 
 
