@@ -92,10 +92,10 @@ def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
         if n > plan.grid[0] * plan.grid[1]:
             break
         got = _plan_at(settings, job, shape, plan.choices.replace(tile_batch=n))
-        if got is None or got.peak > settings.memory_budget:
-            break  # (a bigger batch holds more)
-        if got.seconds < best.seconds and got.launches < plan.launches:  # (what the batch saves: not a
-            best = got  # placement re-made with the plan's final choices)
+        if got is None or got.peak > settings.memory_budget or got.launches >= plan.launches:
+            break  # (a bigger batch holds more; a batch that saves no launch: no two tiles share a shape)
+        if got.seconds < best.seconds:  # (what the batch saves, not a placement re-made with the plan's
+            best = got  # final choices: launches fewer)
     return best
 
 
