@@ -13,7 +13,10 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
 - host<->device bytes: staged boxes read onto the device, cores written back (host or disk staging of a
   GPU plan; on a CPU plan host and device are one memory);
 - the working set: the three largest values a tile (or a band of it) holds on a CPU plan, the values
-  it holds op by op on a GPU plan (`live`).
+  it holds op by op on a GPU plan (`live`);
+- batched tiles (`run.batches`, `tile_batch` > 1): the tiles of one class in the executor's groups, each
+  group's ops once on n times the batch (a cat per stacked input, n times the working set), its cores
+  stored tile by tile.
 
 `benchmarks/counting.py` counts the same on a real (or fake) run; `tests/test_counting.py` compares.
 """
