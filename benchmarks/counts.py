@@ -159,8 +159,9 @@ def table(rows: list[dict]) -> list[str]:
         if p is None:
             cells += ["", ""]
         else:
+            batch = f", batches of <= {p.tile_batch}" if p.tile_batch > 1 else ""
             how = "untiled run" if p.untiled else (f"tile {p.tile_size}, {p.staging}"
-                                                   + (", bands" if p.band_bytes else "")
+                                                   + (", bands" if p.band_bytes else "") + batch
                                                    + (f", {len(p.fast_cuts) + 1} pieces" if p.fast_cuts
                                                       else "")
                                                    + (", low pass in 1 tile" if p.low_tile else ""))

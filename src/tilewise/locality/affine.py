@@ -39,9 +39,23 @@ def group_norm_affine(stats, groups, eps, weight, bias, dtype, channels):
 
 def apply_affine(x, affine, out=None):
     """y = a x + s per channel (`group_norm_affine`) in one kernel, in float32 or wider, stored in x's
-    dtype; into `out` (x itself is allowed) or a new tensor in x's memory layout."""
+    dtype; into `out` (x itself is allowed) or a new tensor in x's memory layout. x's batch may be n
+    times the affine's: n tiles of the same samples stacked tile-major (batched tiles), each given its
+    sample's affine."""
 
     a, s = affine
+    if a.shape[0] > 1 and x.shape[0] != a.shape[0]:  # (tiles stacked: viewed (n, B, C, h, w), no copy)
+        n, b = divmod(x.shape[0], a.shape[0])
+        if b:
+            raise ValueError(f"a batch of {x.shape[0]} is not a whole number of the affine's {a.shape[0]} "
+                             "samples")
+        a, s, whole = a.unsqueeze(0), s.unsqueeze(0), x
+        x = x.unflatten(0, (n, a.shape[1]))
+        if torch.is_grad_enabled() and (a.requires_grad or whole.requires_grad):
+            return (x * a + s).to(x.dtype).flatten(0, 1)
+        out = torch.empty_like(whole) if out is None else out
+        torch.addcmul(s, x, a, out=out.unflatten(0, (n, a.shape[1])))
+        return out
     if torch.is_grad_enabled() and (a.requires_grad or x.requires_grad):  # (out= has no autograd)
         return (x * a + s).to(x.dtype)
     if out is None:

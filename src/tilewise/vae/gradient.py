@@ -84,6 +84,8 @@ def plan(settings: Settings, job: Job, shape: tuple[int, ...], tile_size: int | 
         fwd = make_plan(settings, job, shape, request(settings, job, tile_size, place))
         return replace(fwd, backward=backward_plan(job, shape, fwd.choices, settings))
     fwd = settle(settings, job, shape)
+    if fwd.tile_batch > 1:  # (a differentiable call runs tile by tile, forward and backward)
+        fwd = make_plan(settings, job, shape, fwd.choices.replace(tile_batch=1))
     for choices in _smaller(fwd.choices):
         back = backward_plan(job, shape, choices, settings)
         if back.peak <= settings.memory_budget:
@@ -140,7 +142,7 @@ class _Tiled(torch.autograd.Function):
         fast = s.mode is Mode.FAST
         fixed = crop_stats(job, s.fast, x, choices.tile_size, None) if fast else {}
         options = pass_options(s, job.profile, choices, band_bytes=None if fast else choices.band_bytes,
-                               keep_staged=True)
+                               keep_staged=True, tile_batch=1)  # (tile by tile, as backward recomputes)
         ex = Executor(job.program, choices.tile_size, job.ref, options, x.device, None, fixed)
         res = ex.run(x)
         call.staged_peak = res.staged_peak

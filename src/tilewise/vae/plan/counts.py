@@ -13,7 +13,10 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
 - host<->device bytes: staged boxes read onto the device, cores written back (host or disk staging of a
   GPU plan; on a CPU plan host and device are one memory);
 - the working set: the three largest values a tile (or a band of it) holds on a CPU plan, the values
-  it holds op by op on a GPU plan (`live`).
+  it holds op by op on a GPU plan (`live`);
+- batched tiles (`run.batches`, `tile_batch` > 1): the tiles of one class in the executor's groups, each
+  group's ops once on n times the batch (a cat per stacked input, n times the working set), its cores
+  stored tile by tile.
 
 `benchmarks/counting.py` counts the same on a real (or fake) run; `tests/test_counting.py` compares.
 """
@@ -21,10 +24,9 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
 from __future__ import annotations
 
 import contextlib
-import math
+from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from typing import Any
 
 from ...locality.boxes import box_area, clip_box, map_box, zero_pad
@@ -32,6 +34,7 @@ from ...locality.ops import OpKind
 from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
 from ..run.bands import band_rows, row_local, tile_bands, working_bytes
+from ..run.batches import axis_class, batch_groups, batchable, period_and_reach
 from ..run.options import RunOptions
 from ..settings import Attention, Place
 from .live import Sizes, lazy_input, lazy_output, live_peak, pointwise_conv, untiled_peak
@@ -179,7 +182,11 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         cores = {v: map_box(big.core, shapes[ref], shapes[v]) for v in seg.outputs}
         rows = band_rows(back_propagate(seg.ops, cores, shapes), chans, unit, big.core, s.run.band_bytes)
     last = last_use(seg.ops, seg.outputs)
-    cost, parts, probed, ran, tally = Cost(), 0, {}, 0, {}
+    batch = s.run.tile_batch if s.run.tile_batch > 1 and rows is None and not together and regions is None \
+        and batchable(seg) else 1
+    if batch > 1:  # (the executor reads no tile ahead in a batched segment)
+        scope = replace(scope, s=s.with_run(read_ahead=False))
+    cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
     like = _Translations(seg, shapes, by_axis=regions is None and not probes)
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
@@ -189,14 +196,22 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
             bands, needs = _tile_boxes(seg, tile, scope, rows, regions)
             key = like.remember(tile.core, bands, needs, lambda b=bands, n=needs: _tile_cost(
                 seg, b, n, scope, last, fixed) if b else None)
-        tally[key] = tally.get(key, 0) + 1
+            reps.setdefault(key, (bands, needs))
+        items.append((tile, key))
         for cores in bands if probes else ():
             cost.launches += _probe_adds(cores, probes, scope, probed)
-    for key, times in tally.items():  # (each class of tiles counted once, times its tiles)
+    for key, times in Counter(key for _, key in items).items():  # (each class of tiles counted once)
         n, tile_cost = like.memo[key]
         if n:
             parts, ran = parts + n * times, ran + times
-            cost.add(tile_cost, together, times)
+            if batch == 1:
+                cost.add(tile_cost, together, times)
+    if batch > 1:  # (each class's groups of one size counted once, times its groups)
+        groups = batch_groups(items, batch, scope.program.output in seg.outputs)
+        for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
+            if like.memo[key][0]:
+                one = like.memo[key][1] if k == 1 else _tile_cost(seg, *reps[key], scope, last, fixed, k)
+                cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
     cost.add(_segment_once(seg, scope, parts))
@@ -275,7 +290,7 @@ class _Translations:
         self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
         self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
         self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
-        self.period, self.reach = _period_and_reach(seg.ops, shapes)
+        self.period, self.reach = period_and_reach(seg.ops, shapes)
 
     def known(self, core) -> tuple[int, int] | None:
         """The class of a tile known from its rows and columns (None: not known, or not counted yet)."""
@@ -301,39 +316,18 @@ class _Translations:
         return self.ids.setdefault(axis_class, len(self.ids))
 
     def _axis(self, bands, needs, a: int) -> tuple:
-        """The class of a tile's boxes along one axis (a = 0: rows, 2: columns)."""
-        p, r, side = self.period, self.reach, a // 2
-        return len(bands), tuple(tuple((v, b[a + 1] - b[a], b[a] % p, min(b[a], r),
-                                        min(self.shapes[v][side] - b[a + 1], r)) for v, b in d.items())
-                                 for d in (*bands, *needs))
+        """The class of a tile's boxes along one axis (a = 0: rows, 2: columns; `batches.axis_class`)."""
+        return axis_class(bands, needs, self.shapes, self.period, self.reach, a)
 
 
-def _period_and_reach(ops, shapes) -> tuple[int, int]:
-    """A multiple of every op's resampling factor (num and den of its output side over its input's) and
-    a distance to the border (in any value's pixels) beyond which no op's input box is clipped."""
-    period, radius, big = 1, 0, 1 << 20
-    for op in ops:
-        if not op.src:
-            continue
-        out = op.out_shape([(big, big)] * len(op.src))[0]
-        f = Fraction(out, big).limit_denominator(64)
-        period = math.lcm(period, f.numerator, f.denominator)
-    for op in ops:
-        if not op.src:
-            continue
-        out = op.out_shape([(big, big)] * len(op.src))[0]
-        c = (out // 2) // period * period  # (a point far from every border, on the period)
-        for a, b in ((ib[0], ib[1]) for ib in op.input_boxes((c, c + 1, c, c + 1))):
-            centre = c * big // out
-            radius = max(radius, centre - a, b - (c + 1) * big // out)
-    return period, (radius + 2) * period
-
-
-def _tile_cost(seg, bands, needs, scope: Scope, last, fixed) -> Cost:
+def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
     """One tile of a segment, band by band (each band's cores and the boxes they need), as `run_bands`
-    runs it (and the executor stores it)."""
+    runs it (and the executor stores it); n > 1: n tiles of its class run as one batch (`batches.
+    run_group`: one band, each input's boxes stacked, the ops once on n times the batch, the cores stored
+    tile by tile)."""
     shapes, chans, program, tracked, s = scope.shapes, scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
+    sn = s if n == 1 else replace(s, batch=n * s.batch)  # (what the ops run on)
     cost = Cost()
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.run.staging is Place.DISK or s.off(v)}  # reads that copy
@@ -342,17 +336,23 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed) -> Cost:
         cost.ahead = cost.fetched = sum(box_area(needs[0][v]) * chans[v] * unit
                                         for v in owned - {program.input} if v in needs[0])
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
+        ins = [v for v in seg.inputs if v in need]
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
-            held = live_peak(seg.ops, need, Sizes(shapes, chans, unit), owned - {program.input}, cores, last,
-                             stores, stream=streamed(s))
+            mine = owned - {program.input} if n == 1 else set(ins)  # (stacked: copies of their own)
+            held = live_peak(seg.ops, need, Sizes(shapes, chans, n * unit), mine, cores, last, stores,
+                             stream=streamed(s))
+            if n > 1:  # stacking: every stacked input, and the tiles' reads of one that copies
+                size = {v: box_area(need[v]) * chans[v] * n * unit for v in ins}
+                copied = [size[v] for v in ins if v in owned and v != program.input]
+                held = max(held, sum(size.values()) + max(copied, default=0))
         else:
-            held = working_bytes(need, chans, unit)
-        band = Cost(working=held)
+            held = working_bytes(need, chans, n * unit)
+        band = Cost(working=held, launches=len(ins) if n > 1 else 0)  # (a cat a stacked input)
         nxt = needs[j + 1] if j + 1 < len(needs) else {}
-        for v in seg.inputs:
-            if v in need and s.off(v) and v != program.input:  # (the input is staged as given)
-                band.h2d += box_area(need[v]) * chans[v] * unit
+        for v in ins:
+            if s.off(v) and v != program.input:  # (the input is staged as given)
+                band.h2d += box_area(need[v]) * chans[v] * n * unit
         for i, op in enumerate(seg.ops):
             d = op.dst
             if d not in need:
@@ -361,16 +361,16 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed) -> Cost:
             if c is not None and (c[0] != box[0] or c[2:] != box[2:]):
                 c = None
             if c is None:
-                band.add(_op_cost(seg.ops, i, box, need, shapes, chans, s, last, cores, fixed))
+                band.add(_op_cost(seg.ops, i, box, need, shapes, chans, sn, last, cores, fixed))
             elif c[1] < box[1]:  # rows past the carried ones, then joined to them
-                band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, s, last, cores, fixed))
+                band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, sn, last, cores, fixed))
                 band.launches += 1
             if op.kind is OpKind.CONV and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
                     and nxt[d][2:] == box[2:]:
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
                 band.launches += 1  # (the carried rows are cloned)
         for v, core in cores.items():
-            band.add(_store_cost(v, core, scope))
+            band.add(_store_cost(v, core, scope), times=n)
         cost.add(band)
     return cost
 

@@ -94,8 +94,8 @@ class Pass:
 class Plan:
     """What a tiled run will do: tiles, recomputation, staged bytes and where they live, the peak, and
     what it dispatches on the device it is made for. Its `choices` are what the run follows; tile_size,
-    staging, band_bytes, on_device, kv_chunk, query_rows, read_ahead, fast_cuts, low_tile and
-    staged_estimate read them."""
+    staging, band_bytes, on_device, kv_chunk, query_rows, read_ahead, fast_cuts, low_tile, tile_batch
+    and staged_estimate read them."""
 
     kind: Kind
     input_shape: tuple[int, ...]
@@ -178,6 +178,11 @@ class Plan:
         return self.choices.low_tile
 
     @property
+    def tile_batch(self) -> int:
+        """Same-shape tiles of a local segment run this many at a time (1: tile by tile)."""
+        return self.choices.tile_batch
+
+    @property
     def staged_estimate(self) -> bool:
         """Fast mode: sampled tiles one at a time, staged (not all at once)."""
         return self.choices.staged_estimate
@@ -195,7 +200,8 @@ class Plan:
                 f"  tiles: {self.grid[0]}x{self.grid[1]} of {self.tile_size} latent px, "
                 f"{self.segments} segments, "
                 f"halo overhead {100 * self.halo_overhead:.1f}% extra conv work"
-                + (f", row bands of ~{fb(self.band_bytes)}" if self.band_bytes else ", whole tiles"),
+                + (f", row bands of ~{fb(self.band_bytes)}" if self.band_bytes else ", whole tiles")
+                + (f", same-shape tiles in batches of <= {self.tile_batch}" if self.tile_batch > 1 else ""),
                 f"  staging: {self.staging}, {len(self.stages)} staged values, at most "
                 f"{fb(self.staged_peak)} alive at once",
             ]

@@ -3,7 +3,8 @@
 CPU plans keep the largest tile up to tile_size and the nearest staging that fit. GPU plans search from
 the whole latent down, staging on the device, on the device where it fits and in pinned host memory
 where it does not ("device+host", `place`), in host memory, or on disk (which of those, `run.staging`'s
-`candidates` and `admits`), and take the fitting plan of least estimated time (`devices`).
+`candidates` and `admits`), each with its same-shape tiles batched as far as the budget allows
+(`_batched`), and take the fitting plan of least estimated time (`devices`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ GPU_TILES = (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # ... a GPU plan,
 # power of two between (a budget that misses one by a few MiB takes the next, not a chunk 8x smaller),
 # the smaller ones for small budgets and latents.
 STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
+# Tiles a GPU plan tries to run at a time where they have the same shape (the interior tiles of a grid),
+# smallest first: each a launch per operator for the batch instead of per tile, for a working set as
+# many times bigger.
+TILE_BATCHES = (2, 4, 8, 16, 32, 64)
 
 
 def settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool = False) -> Plan:
@@ -72,8 +77,26 @@ def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
             if settled >= set(stagings) or any(q.staging is Place.DEVICE for q in fits):
                 break  # (device staging at this tile beats every staging at a smaller one)
         if fits:
+            fits = [_batched(settings, job, shape, q) for q in fits]
             return min(fits, key=lambda q: (q.seconds, -q.tile_size))
     raise _no_fit(settings, search.least or search.last)
+
+
+def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
+    """`plan` with its same-shape tiles run in batches (`run.batches`): of the batches in TILE_BATCHES
+    that fit the budget (each a bigger working set) and launch less, the one of least estimated time (1:
+    the plan)."""
+    best = plan
+    one = plan.untiled or settings.process_group is not None  # (ranks run their tile rows one by one)
+    for n in TILE_BATCHES if not one else ():
+        if n > plan.grid[0] * plan.grid[1]:
+            break
+        got = _plan_at(settings, job, shape, plan.choices.replace(tile_batch=n))
+        if got is None or got.peak > settings.memory_budget or got.launches >= plan.launches:
+            break  # (a bigger batch holds more; a batch that saves no launch: no two tiles share a shape)
+        if got.seconds < best.seconds:  # (what the batch saves, not a placement re-made with the plan's
+            best = got  # final choices: launches fewer)
+    return best
 
 
 class _Search:

@@ -60,12 +60,14 @@ def tile_bands(core: Box, outputs, shapes, ref: str, band: int | None) -> list[d
 
 
 def run_bands(seg: Segment, stage: Staging, ctx, bands: list, shapes, last: dict[str, int],
-              needs: list[dict[str, Box]] | None = None):
+              needs: list[dict[str, Box]] | None = None, given: dict | None = None):
     """A segment's ops on one tile given as row bands of its output cores (top to bottom): yields
     (cores, values) per band: value -> (tensor, box). A value is dropped after its last reader (`last`,
     from last_use) unless it is one of the band's cores; the staging trims the heap after every op
     (`Staging.trim`). `needs`: each band's boxes, when not back-propagated from its
-    cores (the values kept are then those named in `bands`).
+    cores (the values kept are then those named in `bands`). `given`: the inputs of one band as tensors
+    of their own (batched tiles, `batches`), not read from the staging, taken out of the dict (they die
+    at their last reader); the ops may overwrite them.
 
     Each band runs on the boxes back-propagated from its cores. A convolution computes only the rows of
     its output the band before did not and reuses the rows that band computed (carried over, cloned);
@@ -78,10 +80,13 @@ def run_bands(seg: Segment, stage: Staging, ctx, bands: list, shapes, last: dict
     carry: dict[str, tuple[Any, Box]] = {}  # conv output -> (rows the next band reuses, their box)
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         nxt = needs[j + 1] if j + 1 < len(needs) else {}
-        vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
-        # views of staged memory (host / device staging, the program input) are never overwritten; a box
-        # read from disk is this band's own copy, which an op may overwrite where it dies
-        staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
+        if given is not None:
+            vals, staged = {v: (given.pop(v), need[v]) for v in seg.inputs if v in need}, []  # (ours now)
+        else:
+            vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
+            # views of staged memory (host / device staging, the program input) are never overwritten; a
+            # box read from disk is this band's own copy, which an op may overwrite where it dies
+            staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
         for i, op in enumerate(seg.ops):
             d = op.dst
             if d not in need:

@@ -7,7 +7,8 @@ while the exact per-(batch, group) statistics of every value a later GroupNorm n
 the tile cores (`stats`). A global attention op is a segment of its own: keys and values of all tokens
 first, then the queries of each tile in chunks. GroupNorms given fixed statistics (fast mode) are
 pointwise and cut nothing, so a run of them executes tile by tile end to end. Big tiles of local segments
-run in row bands (`bands`); with a process group each rank runs a band of tile rows (`sharding`).
+run in row bands (`bands`); with a process group each rank runs a band of tile rows (`sharding`); with
+`tile_batch` > 1, a local segment's same-shape tiles run stacked, as one batch (`batches`).
 
 `Executor` is what to run and how (`RunOptions`); each call of `run` keeps its own state in a `_TileRun`
 and returns a `RunResult`.
@@ -26,11 +27,13 @@ from tqdm.auto import tqdm
 from ...distributed import rank_world
 from ...geometry import Box, TileGrid
 from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
-from ...locality.ops import Op, OpKind, RunContext
+from ...locality.ops import Op, OpKind
 from ...locality.program import Program, Segment, SegmentKind, back_propagate, last_use, split_segments
 from ..settings import Attention
 from .attention import keys_values, query_grid
 from .bands import band_rows, row_local, run_bands, tile_bands
+from .batches import batch_groups, batchable, period_and_reach, run_group, tile_class
+from .context import ExecContext, RunResult
 from .finite import FiniteChecks, NonFiniteError, all_finite, check_output
 from .options import RunOptions
 from .sharding import RowBands, exchange_rows, gather_rows, merge_group_stats, stream_rows
@@ -71,39 +74,6 @@ def tile_grid(hw: tuple[int, int], tile: int) -> TileGrid:
     """The tile grid every pass runs over a reference value of spatial shape hw: tiles of `tile` pixels
     (clipped to the value), serpentine order. Plans follow the same grid."""
     return TileGrid(*hw, (min(tile, hw[0]), min(tile, hw[1])), order="serpentine")
-
-
-@dataclass
-class ExecContext(RunContext):
-    """RunContext of the executor: GroupNorm statistics are looked up, never computed on a tile; their
-    per-channel affine is computed once per GroupNorm (not per tile: a GPU launches each kernel)."""
-
-    affines: dict[int, Any] = field(default_factory=dict)  # id(op) -> (stats, (a, s))
-
-    def group_stats(self, op, x, box, shape):
-        stats = self.stats.get(id(op))
-        if stats is None:
-            raise AssertionError(f"statistics of {op.name} are not ready: a segment cut is missing")
-        return stats
-
-    def group_affine(self, op, x, box, shape):
-        stats = self.group_stats(op, x, box, shape)
-        kept = self.affines.get(id(op))
-        if kept is None or kept[0] is not stats or kept[1][0].device != x.device:
-            kept = self.affines[id(op)] = (stats, op.affine(stats, x))
-        return kept[1]
-
-
-@dataclass
-class RunResult:
-    """What one run made: its output (None when streamed to `emit`), the most staged bytes this process
-    held at once, the statistics every GroupNorm applied, and the probes' own statistics."""
-
-    output: Any
-    staged_peak: int
-    stats: dict[int, Any]  # id(GroupNorm) -> (mean, var)
-    probe_stats: dict[tuple[str, int], GroupStats]  # (value, groups) -> statistics over the probe boxes
-    staging: Staging | None = None  # with `keep_staged`: every staged value, open (the caller closes it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +119,7 @@ class _TileRun:
         self.bands = self._shard()
         self.probe_stats: dict[tuple[str, int], GroupStats] = {}
         self.out, self.out_lo, self.checks = None, 0, FiniteChecks(self.o.check_finite)
+        self.batched = 0
 
     def go(self) -> RunResult:
         p, o = self.ex.program, self.o
@@ -173,7 +144,7 @@ class _TileRun:
             stage.close()
         else:
             stage.lane.finish()  # (every copy into the kept values made)
-        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats, kept)
+        return RunResult(self._assemble(), peak, self.ctx.stats, self.probe_stats, kept, self.batched)
 
     def _segment(self, i: int, seg: Segment, stage: Staging, bar) -> None:
         """Segment i over every tile: its outputs allocated, its halo rows fetched, its tiles run, its
@@ -304,6 +275,9 @@ class _TileRun:
         ref, out_v = self.shapes[self.ex.ref], self.ex.program.output
         last = last_use(seg.ops, seg.outputs)
         tiles = self._seg_tiles(seg)
+        if self._batched(seg):
+            self._run_batched(seg, stage, bar, tiles, last)
+            return
         ahead = [v for v in seg.inputs if self.o.read_ahead and stage.prefetches(v)]  # (read a tile ahead)
         for k, tile in enumerate(tiles):
             if ahead and k + 1 < len(tiles):
@@ -323,6 +297,45 @@ class _TileRun:
             stage.trim()  # disk staging: at most heap_slack of freed heap stays resident
             bar.update(1)
         stage.drop_fetched()
+
+    def _batched(self, seg: Segment) -> bool:
+        """Whether seg's tiles run `tile_batch` at a time: a batchable segment in whole tiles, one process."""
+        if self.o.tile_batch == 1 or self.bands is not None or not batchable(seg):
+            return False
+        self._tile_bands(seg, self.grid.tiles[0].core)  # (its row bands decided: a banded segment does not)
+        return self.band_cache[id(seg)] is None
+
+    def _run_batched(self, seg: Segment, stage: Staging, bar, tiles, last) -> None:
+        """`_run_segment` with the tiles of one class run as one batch, up to tile_batch (`batches`), a
+        tile row at a time when the segment makes the output; no reads ahead."""
+        shapes, ref, out_v = self.shapes, self.shapes[self.ex.ref], self.ex.program.output
+        period, reach = period_and_reach(seg.ops, shapes)
+        by_row, pending = out_v in seg.outputs, []
+
+        def flush():
+            for group in batch_groups(pending, self.o.tile_batch, by_row):
+                for cores, vals in run_group(seg, stage, self.ctx, group, shapes, last, self.batch):
+                    for v, core in cores.items():
+                        self._store(v, core, vals, stage, seg)
+                vals = None  # (the batch's values die now)
+                stage.trim()
+                bar.update(len(group))
+                self.batched += len(group) if len(group) > 1 else 0
+            pending.clear()
+
+        for k, tile in enumerate(tiles):
+            if by_row and k and tile.row != tiles[k - 1].row:
+                flush()
+            cores = {v: map_box(tile.core, ref, shapes[v]) for v in seg.outputs}
+            cores = {v: b for v, b in cores.items() if not box_empty(b)}
+            if cores and tile.index in self.done and list(cores) == [out_v]:
+                self._store(out_v, cores[out_v], {out_v: (self.done[tile.index], cores[out_v])}, stage, seg)
+            elif cores:
+                need = back_propagate(seg.ops, cores, shapes)
+                pending.append((tile, tile_class([cores], [need], shapes, period, reach), cores, need))
+                continue
+            bar.update(1)
+        flush()
 
     def _prefetch(self, seg: Segment, tile, stage: Staging, values) -> None:
         """Start reading the host-staged inputs of a tile's first band (it runs next: the copies overlap

@@ -32,9 +32,11 @@ class Choices:
     staged_estimate: bool = False  # fast mode: the sampled tiles staged segment by segment
     fast_most: int = 0  # fast mode: at most this many rows and columns of sampled tiles (0: no cap)
     head_tile: int = 0  # fast mode: decode's exact latent-resolution head's tile (0: the run's tile)
+    tile_batch: int = 1  # same-shape tiles of a local segment run this many at a time (`batches`)
 
     def __post_init__(self):
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
+        _check_batch(self.tile_batch)
 
     def replace(self, **changes) -> Choices:
         """A copy with some choices changed."""
@@ -63,10 +65,13 @@ class RunOptions:
     progress: bool = True  # a progress bar over the tiles
     keep_staged: bool = False  # keep every staged value and hand the staging over (`RunResult.staging`):
     # the reverse program's checkpoints (`reverse`); the caller closes it
+    tile_batch: int = 1  # same-shape tiles of a local segment stacked and run this many at a time
+    # (`batches`; 1: tile by tile)
 
     def __post_init__(self):
         object.__setattr__(self, "attention", Attention.parse(self.attention, "attention"))
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
+        _check_batch(self.tile_batch)
 
     def replace(self, **changes) -> RunOptions:
         """A copy with some options changed."""
@@ -83,5 +88,10 @@ def pass_options(settings: Settings, profile: DeviceProfile, choices: Choices, *
                       band_bytes=choices.band_bytes, kv_chunk=choices.kv_chunk, query_rows=choices.query_rows,
                       read_ahead=choices.read_ahead, query_chunk=settings.query_chunk,
                       conv_workspace=profile.conv_workspace, stats_chunk=profile.stats_chunk,
-                      stage_dir=settings.stage_dir, progress=settings.progress)
+                      stage_dir=settings.stage_dir, progress=settings.progress, tile_batch=choices.tile_batch)
     return base.replace(**changes) if changes else base
+
+
+def _check_batch(n) -> None:
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"tile_batch must be an int >= 1 (tiles run at a time), got {n!r}")
