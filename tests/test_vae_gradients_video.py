@@ -87,8 +87,3 @@ def test_a_second_backward_through_one_call_is_refused():
     with pytest.raises(RuntimeError, match="second backward"):
         y.backward()
 
-
-def test_a_planned_backward_is_refused_by_name():
-    tv = tw.TiledVAE(video_vae("wan2.1"), tile_size=3, progress=False)
-    with pytest.raises(ValueError, match="backward.*not planned yet"):
-        tv.plan((1, 4, 2, 5, 7), backward=True)

@@ -32,6 +32,7 @@ from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
 from .plan.settle import settle
 from .settings import Attention, FastSettings, Job, Kind, Mode, Place, Settings
+from .video import backward as video_backward
 from .video import face as video
 from .video import gradient as video_gradient
 from .video.plan import make_video_plan
@@ -305,17 +306,17 @@ class TiledVAE(ModelWrapper):
         latent-resolution head, the low pass, the sampled tiles (run together), the other tiles, and
         encode's exact latent-resolution tail. A 3-D VAE's plan (`VideoPlan`) has its causal steps and
         caches. `streamed`: the plan of `decode_to` (a sink; within a memory budget, no untiled run);
-        `sequential` (3-D VAEs): its sink takes frames in order. `backward` (2-D VAEs): the plan of a
-        call that asks for gradients, its `backward` the reverse program's peak and work (`BackwardPlan`;
-        within a memory budget both the forward's and the backward's peaks fit it).
+        `sequential` (3-D VAEs): its sink takes frames in order. `backward`: the plan of a call that asks
+        for gradients, its `backward` the reverse program's peak and work (`BackwardPlan`; a 3-D VAE's:
+        `VideoBackwardPlan`, its causal steps recomputed; within a memory budget both the forward's and
+        the backward's peaks fit it).
         """
         job = self.job(kind)
         if self.is_video:
             if len(shape) != 5:
                 raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
             if backward:
-                raise ValueError(f"plan(backward=True) covers the 2-D VAEs; a {job.model}'s backward (causal "
-                                 "steps recomputed, docs/gradients.md) is not planned yet")
+                return video_backward.plan(self.settings, job, tuple(shape), self.vae, tile_size, staging)
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
                                    sequential=sequential)
         if family_of(self.vae).frame:

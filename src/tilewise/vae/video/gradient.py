@@ -15,7 +15,8 @@ A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recom
 whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
 have one step, so that step's graph is the whole video's (tiled as the forward ran it).
 
-Held by the backward: the kept caches of every step (`stored_bytes`, freed step by step as the reverse
+Held by the backward (planned by `video.backward`, which also picks the tile within a memory budget): the
+kept caches of every step (`stored_bytes`, freed step by step as the reverse
 passes them), one step's recomputed graph (all of its tiles: the graph of one causal step, not of the
 whole video), and the gradients of one step's caches. Process groups are refused (the reverse runs in
 one process).
@@ -29,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..settings import Job, Settings
+from .backward import choose_backward, param_bytes
 from .executor import Order, VideoExecutor, _VideoRun
 from .plan import choose_video
 from .stores import Store, nbytes
@@ -41,12 +43,15 @@ def run(settings: Settings, job: Job, t, vae) -> tuple:
     if settings.process_group is not None:
         raise RuntimeError(f"TiledVAE {job.kind} of a {job.model} has no backward with a process group (the "
                            "reverse runs in one process); use the wrapped VAE to train")
-    tile, staging, _ = choose_video(settings, job, tuple(t.shape), order=Order.FRAMES)
+    params = tuple(q for q in vae.parameters() if q.requires_grad)
+    if settings.memory_budget is None:
+        tile, staging, _ = choose_video(settings, job, tuple(t.shape), order=Order.FRAMES)
+    else:  # (the largest tile whose forward and backward both fit the budget)
+        tile, staging = choose_backward(settings, job, tuple(t.shape), param_bytes(params))
     ex = VideoExecutor(job.program, tile, job.ref, attention=settings.attention, staging=staging,
                        order=Order.FRAMES, device=t.device, query_chunk=settings.query_chunk,
                        progress=settings.progress)
     call = Call(ex)
-    params = tuple(q for q in vae.parameters() if q.requires_grad)
     return _Steps.apply(t, call, *params), call.staged_peak
 
 

@@ -49,6 +49,7 @@ class VideoPlan:
     stats_bytes: int = 0  # every GroupNorm's merged statistics of every step (float64 mean, var)
     dropped: int = 0  # input frames after the last complete step, which the model does not encode
     notes: list[str] = field(default_factory=list)
+    backward: object = None  # a differentiable call's backward (`video.backward.VideoBackwardPlan`)
 
     @property
     def halo_overhead(self) -> float:
@@ -78,6 +79,8 @@ class VideoPlan:
             rows.append(f"  in host memory (staging=host): {fb(self.host_bytes)}")
         rows += [f"  note: {n}" for n in self.notes]
         rows.append(f"  estimated device peak {fb(self.peak)}")
+        if self.backward is not None:
+            rows.append(str(self.backward))
         return "\n".join(rows)
 
 
