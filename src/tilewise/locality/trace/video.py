@@ -32,7 +32,8 @@ import torch
 from ..ops3d import CausalConv3d, Rearrange
 from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
-from .state import Lowering, arg_of, const_value, op_name, refused
+from .state import Lowering, arg_of, const_value, op_name, permutation, refused
+from .video_fold import fold_rule
 from .video_tokens import tokens_rule
 
 
@@ -306,6 +307,12 @@ def _parts_cat(low: Lowering, call: Call, tensors) -> str | None:
     return low.b.emit(FrameCat, tuple(low.spatial(t.node) for t in tensors), op_name(call, "frames"))
 
 
+def _permute(low: Lowering, i: int, call: Call) -> bool | str:
+    """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
+    tokens on their way to an Attention (`video_tokens`); False for another permute."""
+    return fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
+
+
 def _span(a, b) -> str:
     return f"{'' if a is None else a}:{'' if b is None else b}"
 
@@ -316,7 +323,7 @@ def _triple(v) -> tuple[int, int, int]:
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
-               "interpolate": _interpolate, "squeeze": _squeeze, "permute": tokens_rule}
+               "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "contiguous": _squeezed_unary,
