@@ -52,12 +52,12 @@ def test_mochi_decode_is_exact(frames, batch):
 @pytest.mark.parametrize("frames", [1, 2, 7, 8])
 def test_mochi_encode_is_exact(frames):
     vae = video_vae("mochi")
-    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    x = _video(frames, 24, 40, seed=frames)
+    tv = tw.TiledVAE(vae, tile_size=1, progress=False)
+    x = _video(frames, 16, 24, seed=frames)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist
         out = tv.encode(x).latent_dist
-    assert out.mean.shape == ref.mean.shape == (1, 4, 1 + (frames - 1) // 6, 3, 5)
+    assert out.mean.shape == ref.mean.shape == (1, 4, 1 + (frames - 1) // 6, 2, 3)
     assert (out.mean - ref.mean).abs().max() <= TOL and (out.logvar - ref.logvar).abs().max() <= TOL
     p = tv.program("encode")
     assert p.in_channels == 3  # (its in_channels, 15, count the Fourier features of the 3 it takes)
@@ -115,29 +115,32 @@ def test_fast_mode_runs_exact_and_the_plan_says_why():
 def test_its_own_framewise_and_tiled_paths_are_noted_and_the_tiled_result_is_the_one_pass(caplog):
     """Mochi's framewise decoding pads each chunk of latent frames on its own, its use_tiling blends tiles
     (both approximate): TiledVAE equals the one pass and says so."""
-    vae = mochi()
+    vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     z = _latent(3, 2, 3, seed=8)
-    with torch.no_grad():
-        ref = vae.decode(z).sample
-        vae.use_framewise_decoding = True
-        own = vae.decode(z).sample
-        with caplog.at_level("INFO", logger="tilewise"):
-            out = tv.decode(z).sample
-        assert "would decode these 3 latent frames framewise (use_framewise_decoding: chunks of 2" in caplog.text
-        vae.use_framewise_decoding = False
-        vae.enable_tiling(16, 16, 8, 8)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="tilewise"):
-            tiled = tv.decode(z).sample
-        assert "with its own spatial tiling (use_tiling: tiles of 16 x 16 px blended" in caplog.text
+    try:
+        with torch.no_grad():
+            ref = vae.decode(z).sample
+            vae.use_framewise_decoding = True
+            own = vae.decode(z).sample
+            with caplog.at_level("INFO", logger="tilewise"):
+                out = tv.decode(z).sample
+            said = "would decode these 3 latent frames framewise (use_framewise_decoding: chunks of 2"
+            assert said in caplog.text
+            vae.use_framewise_decoding = False
+            vae.enable_tiling(16, 16, 8, 8)
+            caplog.clear()
+            with caplog.at_level("INFO", logger="tilewise"):
+                tiled = tv.decode(z).sample
+            assert "with its own spatial tiling (use_tiling: tiles of 16 x 16 px blended" in caplog.text
+    finally:
+        vae.use_framewise_decoding = vae.use_tiling = False
     assert (own - ref).abs().max() > 0.01  # (the chunks' own padding shows)
     assert (out - ref).abs().max() <= TOL and (tiled - ref).abs().max() <= TOL
 
 
 def test_the_framewise_modes_constant_padding_is_refused_by_name():
     vae = mochi()
-    tw.TiledVAE(vae, progress=False)
     vae._enable_framewise_decoding()
     with pytest.raises(LoweringError, match=r"AutoencoderKLMochi: its causal convolutions pad with pad_mode "
                                             r"\['constant'\]"):
@@ -145,22 +148,25 @@ def test_the_framewise_modes_constant_padding_is_refused_by_name():
 
 
 def test_keeping_the_first_frames_is_followed():
-    vae = mochi()
+    vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    vae.drop_last_temporal_frames = False
     z = _latent(2, 3, 2, seed=9)
-    with torch.no_grad():
-        ref = vae.decode(z).sample
-        out = tv.decode(z).sample
+    vae.drop_last_temporal_frames = False
+    try:
+        with torch.no_grad():
+            ref = vae.decode(z).sample
+            out = tv.decode(z).sample
+    finally:
+        vae.drop_last_temporal_frames = True
     assert out.shape == ref.shape == (1, 3, 12, 24, 16) and (out - ref).abs().max() <= TOL
 
 
 def test_a_norm_of_each_frame_runs_in_a_program_of_several_steps():
     """Per-frame statistics need no frame but their own: a causal program of 1 + 2 k frames a step with
     a GroupNorm of each frame between causal convolutions equals the one-pass module."""
-    from tilewise.locality.trace import lower_traced
-
     from diffusers.models.autoencoders.autoencoder_kl_mochi import MochiChunkedGroupNorm3D
+
+    from tilewise.locality.trace import lower_traced
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -201,3 +207,12 @@ def test_a_process_group_merges_each_frames_statistics_over_the_ranks():
     res = td.spawn(_decode_on_ranks, 2, start_method="fork", limit=120.0, timeout=60)
     for out in res:
         assert out.shape == ref.shape and (out - ref).abs().max() <= TOL
+
+
+def test_an_attention_over_each_positions_frames_is_refused_in_a_program_of_several_steps():
+    p = tw.TiledVAE(video_vae("mochi"), progress=False).program("encode")
+    several = VideoProgram(ops=p.ops, input=p.input, output=p.output, in_channels=p.in_channels,
+                           name="several", first=1, every=6)
+    with pytest.raises(ValueError, match=r"attentions\.0 \(attention over each position's frames\) reduces "
+                                         "over the frames of a causal step"):
+        VideoExecutor(several, 2, p.output, progress=False)

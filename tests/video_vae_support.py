@@ -146,7 +146,8 @@ def mochi(seed: int = 0):
     return vae.eval()
 
 
-VAES = {"qwen": qwen, "mochi": mochi, "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
+VAES = {"qwen": qwen, "mochi": mochi,
+        "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
         "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner,
         "ltx0.9.5-t": lambda: ltx("0.9.5", timestep=True), "ltx2-t": lambda: ltx2(timestep=True)}
 

@@ -10,7 +10,10 @@ arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an ar
 does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
 `Family.inputs`) are traced with it: what the program reads of them is computed once per call
 (`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
-layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)).
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)). A family
+may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
+drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
+count its Fourier features).
 """
 
 from __future__ import annotations
@@ -163,10 +166,10 @@ def _mochi_note(vae, kind: Kind, shape) -> str:
 def _cosmos_check(vae) -> str:
     """Cosmos' attention blocks (CosmosCausalAttention), which the video lowering does not place yet."""
     if any(type(m).__name__ == "CosmosCausalAttention" for m in vae.modules()):
-        return ("its attention blocks (CosmosCausalAttention, in its mid and up / down blocks: attention over "
-                "each frame's tokens, and causal attention over each position's frames with a mask made per "
-                "call) are not placed by the video lowering yet (its GroupNorms of each frame are); use the "
-                "wrapped VAE")
+        return ("its attention blocks (CosmosCausalAttention, in its mid and up / down blocks: attention "
+                "over each frame's tokens, and causal attention over each position's frames with a mask made "
+                "per call) are not placed by the video lowering yet (its GroupNorms of each frame are); use "
+                "the wrapped VAE")
     return ""
 
 

@@ -14,10 +14,12 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
   step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
 - HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
-- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm) is
-  refused, and so is a concatenation along time of frames of different values that are not such parts
-  (a cache a chunked causal loop carries from call to call): no measurement of the module around them
-  places them either.
+- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm, Cosmos'):
+  a `FrameGroupNorm`, statistics per (batch, frame, group); an attention over each position's frames,
+  the positions folded into the batch (Mochi's encoder): a `ColumnAttention` (`video_fold`);
+- a concatenation along time of frames of different values that are not such parts (a cache a chunked
+  causal loop carries from call to call) is refused: no measurement of the module around it places it
+  either.
 
 These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video,
 HunyuanVideo); a value's frames are then whole in every op. A rule returns False where a call is not

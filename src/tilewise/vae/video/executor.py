@@ -20,7 +20,9 @@ A GroupNorm of a video value (`ops3d_sync.VideoGroupNorm`, HunyuanVideo's) start
 cores of its input, as the segment before stores them, add their moments to the step's statistics
 (`run.stats.GroupStats`: float64, Chan's merge), which are complete before its segment runs and applied
 per tile there (the same statistics for every tile). These reduce over every frame of a step, so they
-run only in one-step programs (`check_steps`: a program of several steps with one is refused by name).
+run only in one-step programs (`check_steps`: a program of several steps with one is refused by name);
+a GroupNorm of each frame (`FrameGroupNorm`, Mochi's) merges each frame's moments apart, and runs in a
+program of several steps too.
 A step recomputed for gradients (`gradient`) takes its statistics from the whole staged value with
 autograd instead.
 
@@ -46,7 +48,7 @@ from tqdm.auto import tqdm
 from ...distributed import all_reduce_sum, rank_world
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
-from ...locality.ops3d_sync import StepAttention, VideoGroupNorm
+from ...locality.ops3d_sync import ColumnAttention, StepAttention, VideoGroupNorm
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
@@ -94,7 +96,7 @@ def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, di
 def step_syncs(program: VideoProgram) -> list:
     """The ops of `program` that reduce over every frame of a causal step (`ops3d_sync`; a GroupNorm of
     each frame reduces over its own frame only)."""
-    return [op for op in program.ops if isinstance(op, StepAttention)
+    return [op for op in program.ops if isinstance(op, StepAttention | ColumnAttention)
             or isinstance(op, VideoGroupNorm) and not op.per_frame]
 
 
