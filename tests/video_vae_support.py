@@ -127,7 +127,27 @@ def hunyuan(seed: int = 0):
     return vae.eval()
 
 
-VAES = {"qwen": qwen, "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
+def mochi(seed: int = 0):
+    """AutoencoderKLMochi (8x spatial, 6x temporal; 32 channels: its GroupNorms have 32 groups): GroupNorms
+    of each frame (the frames folded into the batch, in chunks of 8), the encoder's Fourier features and
+    attention over each position's frames; its norms' weights and biases randomised."""
+    import torch
+    from diffusers import AutoencoderKLMochi
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLMochi(latent_channels=4, encoder_block_out_channels=(32,) * 4,
+                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in vae.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+    return vae.eval()
+
+
+VAES = {"qwen": qwen, "mochi": mochi,
+        "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
         "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner,
         "ltx0.9.5-t": lambda: ltx("0.9.5", timestep=True), "ltx2-t": lambda: ltx2(timestep=True)}
 
@@ -148,8 +168,8 @@ def factor(vae) -> int:
 
 def refused_family(name: str):
     """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
-    exactly yet): CogVideoX (caches its chunked loop carries), Cosmos and Mochi (GroupNorms of each
-    frame, the frames folded into the batch), SVD's temporal decoder (frames mixed over the batch)."""
+    exactly yet): CogVideoX (caches its chunked loop carries), Cosmos (attention blocks over each frame's
+    tokens and each position's frames), SVD's temporal decoder (frames mixed over the batch)."""
     import diffusers as d
     import torch
 
@@ -162,9 +182,6 @@ def refused_family(name: str):
             latent_channels=4, encoder_block_out_channels=(8, 16, 16, 16),
             decode_block_out_channels=(8, 16, 16, 16), num_layers=1, resolution=64,
             attention_resolutions=(8,)),
-        "mochi": lambda: d.AutoencoderKLMochi(
-            latent_channels=4, encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
-            layers_per_block=(1, 1, 1, 1, 1)),
         "svd": lambda: d.AutoencoderKLTemporalDecoder(
             block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2, latent_channels=4,
             layers_per_block=1),

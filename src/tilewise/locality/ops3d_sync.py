@@ -1,12 +1,16 @@
-"""Sync ops of video programs that reduce over every frame of a causal step: a GroupNorm of a video value
-(statistics per (batch, group) over the step's frames and the whole frame) and an attention over every
-token of the step's frames (HunyuanVideo's mid-block, a causal mask between frames), and the frames of
-several values concatenated along time (`FrameCat`).
+"""Sync ops of video programs: a GroupNorm of a video value (statistics per (batch, group) over the step's
+frames and the whole frame), a GroupNorm of each frame (statistics per (batch, frame, group) over the
+whole frame: the frames folded into the batch, Mochi's and Cosmos'), an attention over every token of the
+step's frames (HunyuanVideo's mid-block, a causal mask between frames), and the frames of several values
+concatenated along time (`FrameCat`); and an attention over each position's frames (Mochi's encoder:
+local in space, over every frame of the step).
 
 In a one-step program (every frame in one step, as the traced lowering makes them) the step's frames are
 the video's: these are the model's own GroupNorm and attention. The video executor merges a GroupNorm's
 statistics over every tile of the step (`vae.run.stats.GroupStats`) before its segment runs, and makes
-the attention's keys and values of every token of the step before its queries run tile by tile.
+the attention's keys and values of every token of the step before its queries run tile by tile. A
+GroupNorm of each frame reduces over no frame but its own, so it is exact in a program of several causal
+steps too (a step holds whole frames); the others run in one-step programs only.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from .streamed_attention import heads_view
 class VideoGroupNorm(GroupNorm):
     """GroupNorm of a video value (B, C, t, H, W): statistics per (batch, group) over the step's frames
     and the whole frame (nn.GroupNorm on a 5-D tensor); its affine is per channel, as a 2-D one."""
+
+    per_frame = False  # (statistics over the step's frames; `FrameGroupNorm`: of each frame)
+
+    @staticmethod
+    def fold(x):
+        """(B, C, t, h, w) -> the (N, C, h', w') value whose per-(N, group) moments are this GroupNorm's
+        statistics (`run.stats.GroupStats`): (B, C, t h, w)."""
+        return x.flatten(2, 3)
 
     def affine(self, stats, x):
         if stats[0].requires_grad or stats[1].requires_grad:  # (a recomputed step: differentiable)
@@ -47,6 +59,32 @@ class VideoGroupNorm(GroupNorm):
 
     def describe(self):
         return f"group_norm G={self.groups} over the step's frames"
+
+
+@dataclass
+class FrameGroupNorm(VideoGroupNorm):
+    """GroupNorm of each frame of a video value (B, C, t, H, W): statistics per (batch, frame, group) over
+    the whole frame, as nn.GroupNorm of its frames folded into the batch ((B t, C, H, W); Mochi's
+    MochiChunkedGroupNorm3D, Cosmos' CosmosCausalGroupNorm); its affine is per channel and frame."""
+
+    per_frame = True
+
+    @staticmethod
+    def fold(x):
+        """(B, C, t, h, w) -> (B t, C, h, w): each frame a row of the statistics (a view for B = 1)."""
+        return x.transpose(1, 2).flatten(0, 1)
+
+    def affine(self, stats, x):
+        b, c, t = x.shape[:3]
+        if stats[0].requires_grad or stats[1].requires_grad:  # (a recomputed step: differentiable)
+            a, s = self._affine_graph(stats, x)
+        else:
+            a, s = GroupNorm.affine(self, stats, x)
+        # (B t, C, ...) -> (B, C, t, 1, 1)
+        return tuple(v.reshape(b, t, c, 1, 1).transpose(1, 2) for v in (a, s))
+
+    def describe(self):
+        return f"group_norm G={self.groups} of each frame"
 
 
 @dataclass
@@ -106,6 +144,28 @@ class StepAttention(Op):
     def describe(self):
         mask = "causal between frames" if self.causal else "no mask"
         return f"attention over the step's tokens, heads={self.heads}, {mask}"
+
+
+@dataclass
+class ColumnAttention(Op):
+    """diffusers Attention over each position's frames (Mochi's encoder: `x.permute(0, 3, 4, 2, 1)
+    .flatten(0, 2)`, tokens (B h w, t, C), its processor's causal mask between frames), the module run as
+    it is on the columns of the box, `chunk` positions a call (the stock block's chunks: the same
+    values). Local in space (no halo); it reads every frame of the step, so one-step programs only."""
+
+    module: Any = None
+    chunk: int = 1 << 15
+
+    def run(self, ctx, inputs, have, box, shapes):
+        x = sub_tensor(inputs[0], have[0], box)
+        b, c, t, h, w = x.shape
+        cols = x.permute(0, 3, 4, 2, 1).flatten(0, 2)
+        parts = [self.module(cols[i : i + self.chunk]) for i in range(0, cols.shape[0], self.chunk)]
+        y = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return y.unflatten(0, (b, h, w)).permute(0, 4, 3, 1, 2)
+
+    def describe(self):
+        return "attention over each position's frames"
 
 
 @dataclass

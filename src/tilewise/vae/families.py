@@ -10,7 +10,10 @@ arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an ar
 does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
 `Family.inputs`) are traced with it: what the program reads of them is computed once per call
 (`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
-layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)).
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)). A family
+may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
+drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
+count its Fourier features).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Family:
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
     note: Callable | None = None  # note(vae, kind, shape) -> how the call's result differs from the wrapped
     # VAE's own for that call ("" where it does not), logged
+    state: Callable | None = None  # state(vae) -> the settings (not parameters) its programs follow: a
+    # program is lowered again when they change
+    channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -103,6 +109,70 @@ def _hunyuan_note(vae, kind: Kind, shape) -> str:
             f"(as the wrapped VAE with {flag} = False)")
 
 
+def _mochi_decode(vae, z):
+    """Mochi's decode without its own tiling and framewise branches (one pass: its decoder's frames are
+    causal, its GroupNorms of each frame and its framewise decoding's caches exact), the first frames
+    dropped as `_decode` drops them."""
+    dec = vae.decoder(z)[0]
+    r = int(vae.temporal_compression_ratio)
+    return dec[:, :, r - 1 :] if vae.drop_last_temporal_frames and dec.size(2) >= r else dec
+
+
+def _mochi_state(vae) -> tuple:
+    """What Mochi's programs follow besides its parameters: the first frames dropped or not."""
+    return (bool(vae.drop_last_temporal_frames),)
+
+
+def _mochi_check(vae) -> str:
+    """Mochi's causal convolutions padding with pad_mode "constant" (`_enable_framewise_decoding` /
+    `_enable_framewise_encoding` set it): built for replicate padding, they then pad no pixel in space."""
+    modes = sorted({m.pad_mode for m in vae.modules() if hasattr(m, "pad_mode") and hasattr(m, "time_pad")})
+    if modes != ["replicate"]:
+        return (f"its causal convolutions pad with pad_mode {modes} (the framewise modes set 'constant': "
+                "built for 'replicate', the convolutions then pad no pixel in space, and the wrapped VAE's "
+                "framewise decode fails on them); TiledVAE tiles Mochi with its default replicate padding")
+    return ""
+
+
+def _mochi_channels(vae) -> int:
+    """The video channels Mochi's encoder takes: its in_channels count its Fourier features too (3 -> 15
+    with the default two frequencies)."""
+    ff = vae.encoder.fourier_features
+    return int(vae.config.in_channels) // (1 + 2 * ((ff.stop - ff.start) // ff.step))
+
+
+def _mochi_note(vae, kind: Kind, shape) -> str:
+    """Where Mochi's own decode / encode would tile in space (use_tiling, past its minimum tile), decode
+    framewise (chunks of latent frames each padded on its own) or refuse (framewise encoding), what the
+    tiled path computes instead."""
+    f = int(vae.spatial_compression_ratio) if kind is Kind.DECODE else 1
+    t, h, w, chunk = int(shape[2]), int(shape[3]), int(shape[4]), int(vae.num_latent_frames_batch_size)
+    if kind is Kind.DECODE and vae.use_framewise_decoding and t > chunk:
+        return (f"the wrapped VAE would decode these {t} latent frames framewise (use_framewise_decoding: "
+                f"chunks of {chunk}, each padded on its own, approximate); TiledVAE decodes them in one "
+                "pass, exactly (as the wrapped VAE with use_framewise_decoding = False)")
+    if vae.use_tiling and (h > vae.tile_sample_min_height // f or w > vae.tile_sample_min_width // f):
+        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if f > 1 else ''}pixels with "
+                f"its own spatial tiling (use_tiling: tiles of {vae.tile_sample_min_height} x "
+                f"{vae.tile_sample_min_width} px blended, approximate); TiledVAE {kind.value}s them in one "
+                "pass, exactly (as the wrapped VAE with use_tiling = False)")
+    if kind is Kind.ENCODE and vae.use_framewise_encoding:
+        return ("the wrapped VAE refuses framewise encoding (use_framewise_encoding: its attention mixes "
+                "frames); TiledVAE encodes in one pass, exactly (as the wrapped VAE with "
+                "use_framewise_encoding = False)")
+    return ""
+
+
+def _cosmos_check(vae) -> str:
+    """Cosmos' attention blocks (CosmosCausalAttention), which the video lowering does not place yet."""
+    if any(type(m).__name__ == "CosmosCausalAttention" for m in vae.modules()):
+        return ("its attention blocks (CosmosCausalAttention, in its mid and up / down blocks: attention "
+                "over each frame's tokens, and causal attention over each position's frames with a mask made "
+                "per call) are not placed by the video lowering yet (its GroupNorms of each frame are); use "
+                "the wrapped VAE")
+    return ""
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents over time), not images or "
@@ -126,11 +196,17 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
                                         encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True,
                                         note=_hunyuan_note),
+    # the whole video in one pass: GroupNorms of each frame (frames folded into the batch, sync ops) and the
+    # encoder's attention over each position's frames; its own framewise decoding and spatial tiling
+    # (use_tiling) are approximations the exact path does not reproduce (noted per call)
+    "AutoencoderKLMochi": Family(decode=_mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
+                                 note=_mochi_note, state=_mochi_state, channels=_mochi_channels,
+                                 check=_mochi_check),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX: caches of a chunked loop; Mochi, Cosmos: a GroupNorm of each frame, frames in the batch;
-    # HunyuanVideo 1.5: its upsampler's frames not measured, ...)
-    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMochi",
-                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLCosmos", "AutoencoderKLMagvit",
+    # (CogVideoX: caches of a chunked loop; HunyuanVideo 1.5: its upsampler's frames not measured, ...)
+    "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_cosmos_check),
+    **{name: VIDEO for name in ("AutoencoderKLCogVideoX",
+                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
     # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
     # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
@@ -214,7 +290,7 @@ def lower_family(vae, family: Family, kind: Kind) -> Program:
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
-    state = _state(vae)
+    state = _state(vae), family.state(vae) if family.state is not None else ()
     cached = _CACHE.get(vae, {}).get(kind)
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
@@ -225,7 +301,7 @@ def lower_family(vae, family: Family, kind: Kind) -> Program:
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
             inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
-            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family.video),
+            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family),
                                    name=f"{name}.{kind.value}", inputs=inputs)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
@@ -243,24 +319,28 @@ def _state(vae) -> tuple[tuple, tuple[bool, ...]]:
 
 
 def _same_state(a, b) -> bool:
-    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0], strict=True))
+    """Whether two (`_state`, the family's state) pairs are the same."""
+    (pa, ma), fa = a
+    (pb, mb), fb = b
+    return fa == fb and ma == mb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb, strict=True))
 
 
-def _example(vae, kind: Kind, video: bool = False):
+def _example(vae, kind: Kind, family: Family):
     """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
-    EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it); a
-    video family's of EXAMPLE_FRAMES."""
+    EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it) of
+    in_channels (or the family's `channels`); a video family's of EXAMPLE_FRAMES."""
     cfg = vae.config
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
-    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
+    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if family.video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:
             raise LoweringError(f"TiledVAE cannot tile {type(vae).__name__}: its config names no latent "
                                 "channels (latent_channels, z_channels)")
         return torch.empty(1, int(c), *frames, h, w, device="meta", dtype=dtype)
-    return torch.empty(1, int(cfg.in_channels), *frames, h * 64, w * 64, device="meta", dtype=dtype)
+    c = family.channels(vae) if family.channels is not None else int(cfg.in_channels)
+    return torch.empty(1, c, *frames, h * 64, w * 64, device="meta", dtype=dtype)
 
 
 def bind(method, vae, args: tuple, kwargs: dict, follows: dict) -> dict:

@@ -61,7 +61,7 @@ def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale:
     with its halo; of a video value, one that changes its frames without a halo a `Rearrange` (their
     frames as measured: `frames_map`)."""
     d, u, channels = scale.denominator, scale.numerator, int(out.shape[1])
-    frames = frames_map(low, fn, x, scale) if x.ndim == 5 else None
+    frames = frames_map(low, fn, x, scale, channels) if x.ndim == 5 else None
     if isinstance(frames, str):
         raise LoweringError(f"cannot lower {type(low.root).__name__}: {label} at {where!r}: {frames}")
     if halo == 0 and d == u == 1 and frames is None:  # (a norm over the channels through a view, ...)
@@ -73,10 +73,11 @@ def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale:
                       label=label, frames_fn=frames)
 
 
-def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction):
+def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction, channels: int):
     """How many frames fn makes of t (a video value like `like`): None where it keeps them, else
     (t, step) -> floor(a t + b), a and b fitted on runs at three frame counts (small random inputs, the
-    module's device and dtype) and checked; a string where they do not fit one such line."""
+    module's device and dtype) and checked; a string where they do not fit one such line. A run counts
+    only where its output has the example's `channels` (a reshape's -1 may take up frames it misses)."""
     d, t0 = scale.denominator, int(like.shape[2])
     p = next(iter(low.root.parameters()), None)
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
@@ -88,9 +89,13 @@ def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction)
         x = torch.randn((1, int(like.shape[1]), t, 2 * d, 2 * d), generator=g).to(device, dtype)
         try:
             with torch.no_grad():
-                runs[t] = int(fn(x).shape[2])
+                y = fn(x)
         except Exception:  # (a frame count the module does not take)
             continue
+        if int(y.shape[1]) != channels:
+            return (f"its output's channels follow its frames ({channels} on the example, {int(y.shape[1])} "
+                    f"from {t} frames): a size it was given is fixed at the example's frame count")
+        runs[t] = int(y.shape[2])
         if len(runs) == 3:
             break
     if len(runs) < 2:
@@ -168,12 +173,13 @@ def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
 
 def _size_map(sides: list[tuple[int, int]]) -> dict[int, int]:
     """Example size -> the tensor's, for each (example side, tensor side) and the sides a power of two
-    (up to 64) times smaller or larger (a patchify's reshape names the side over its patch); a size two
-    sides claim is left out."""
+    (up to 64) times smaller or larger (a patchify's reshape names the side over its patch), or three
+    times a power of two larger (Mochi's 3x temporal unpatchify); a size two sides claim is left out."""
     out, claims = {}, {}
     for ex, now in sides:
         for k in (1, 2, 4, 8, 16, 32, 64):
-            pairs = [(ex * k, now * k)] + ([(ex // k, now // k)] if ex % k == 0 and now % k == 0 else [])
+            pairs = [(ex * k, now * k), (ex * 3 * k, now * 3 * k)]
+            pairs += [(ex // k, now // k)] if ex % k == 0 and now % k == 0 else []
             for a, b in pairs:
                 claims.setdefault(a, set()).add(ex)
                 out[a] = b

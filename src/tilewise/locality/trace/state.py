@@ -40,6 +40,12 @@ class Lowering:
     # node -> (source node, k, parts): part k of a split of the source's frames (its first frame and the
     # others), kept through calls that keep it a part (`trace.video`: such parts concatenate back)
     frame_parts: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # node -> (layout, video value name, first row, end row, the permuted shape, the fold): a video value
+    # with axes folded into the batch on its way to and from a row computation, "first" (permuted: (B, T,
+    # C, H, W), ...) or "batch" (rows [first, end) of (B T, C, H, W), ...); a row computation's key -> the
+    # output of its op (a FrameGroupNorm, a ColumnAttention: `trace.video_fold`)
+    folds: dict[int, tuple] = field(default_factory=dict)
+    row_ops: dict[tuple, str] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
     # node -> (video value name, layout): a video value's tokens, "channels_last" (B, T, H, W, C) or
     # "flat" (B, T H W, C), on their way to and from an Attention unit (`trace.video_tokens`)
@@ -103,6 +109,12 @@ def arg_of(call: Call, i: int, name: str, default=None):
     if len(call.args) > i:
         return call.args[i]
     return call.kwargs.get(name, default)
+
+
+def permutation(call: Call) -> tuple:
+    """The dims of a permute call (given one by one or as a sequence)."""
+    dims = tuple(call.args[1:]) if len(call.args) > 2 else arg_of(call, 1, "dims")
+    return tuple(dims or ())
 
 
 def const_value(low: Lowering, a):

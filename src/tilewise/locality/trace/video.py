@@ -14,10 +14,12 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
   step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
 - HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
-- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm) is
-  refused, and so is a concatenation along time of frames of different values that are not such parts
-  (a cache a chunked causal loop carries from call to call): no measurement of the module around them
-  places them either.
+- a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm, Cosmos'):
+  a `FrameGroupNorm`, statistics per (batch, frame, group); an attention over each position's frames,
+  the positions folded into the batch (Mochi's encoder): a `ColumnAttention` (`video_fold`);
+- a concatenation along time of frames of different values that are not such parts (a cache a chunked
+  causal loop carries from call to call) is refused: no measurement of the module around it places it
+  either.
 
 These frame rearrangements are ops of one-step programs (every frame in one step: LTX-Video,
 HunyuanVideo); a value's frames are then whole in every op. A rule returns False where a call is not
@@ -32,7 +34,8 @@ import torch
 from ..ops3d import CausalConv3d, Rearrange
 from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
-from .state import Lowering, arg_of, const_value, op_name, refused
+from .state import Lowering, arg_of, const_value, op_name, permutation, refused
+from .video_fold import fold_rule
 from .video_tokens import tokens_rule
 
 
@@ -306,6 +309,12 @@ def _parts_cat(low: Lowering, call: Call, tensors) -> str | None:
     return low.b.emit(FrameCat, tuple(low.spatial(t.node) for t in tensors), op_name(call, "frames"))
 
 
+def _permute(low: Lowering, i: int, call: Call) -> bool | str:
+    """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
+    tokens on their way to an Attention (`video_tokens`); False for another permute."""
+    return fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
+
+
 def _span(a, b) -> str:
     return f"{'' if a is None else a}:{'' if b is None else b}"
 
@@ -316,7 +325,7 @@ def _triple(v) -> tuple[int, int, int]:
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
-               "interpolate": _interpolate, "squeeze": _squeeze, "permute": tokens_rule}
+               "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "contiguous": _squeezed_unary,

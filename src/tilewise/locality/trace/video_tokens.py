@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..ops3d_sync import StepAttention, VideoGroupNorm
 from ..units import check_attention
 from .capture import Call, Ref
-from .state import Lowering, arg_of, refused
+from .state import Lowering, arg_of, permutation, refused
 
 ALIASES = {"contiguous", "clone", "detach"}
 
@@ -20,14 +20,9 @@ ALIASES = {"contiguous", "clone", "detach"}
 def tokens_rule(low: Lowering, i: int, call: Call) -> bool | str:
     """permute(0, 2, 3, 4, 1) of a video value followed by flatten(1, 3) and an Attention: its tokens."""
     x = arg_of(call, 0, "input")
-    dims = _permutation(call)
+    dims = permutation(call)
     if not isinstance(x, Ref) or low.spatial(x.node) is None:
         return False
-    if dims == (0, 2, 1, 3, 4) and _reaches(low, i, call.outs[0], "group_norm"):
-        raise refused(low, call, "a GroupNorm of each frame, the frames folded into the batch (statistics "
-                      "per frame over the whole frame: Mochi's MochiChunkedGroupNorm3D, Cosmos' "
-                      "CosmosCausalGroupNorm): a sync over every frame apart, which the video lowering does "
-                      "not place yet (it places GroupNorms over the step's frames)", final=True)
     if dims != (0, 2, 3, 4, 1):
         return False
     flat = _only_reader(low, i, call.outs[0])
@@ -52,7 +47,7 @@ def token_call(low: Lowering, i: int, call: Call) -> None:
         low.tokens[out] = (name, "flat")
     elif call.name == "unflatten" and layout == "flat" and arg_of(call, 1, "dim") == 1:
         low.tokens[out] = (name, "channels_last")
-    elif call.name == "permute" and layout == "channels_last" and _permutation(call) == (0, 4, 1, 2, 3):
+    elif call.name == "permute" and layout == "channels_last" and permutation(call) == (0, 4, 1, 2, 3):
         low.set(out, name)
     elif call.module is not None and type(call.module).__name__ == "Attention" and layout == "flat":
         low.tokens[out] = (_attention(low, call, name, src), "flat")
@@ -127,24 +122,5 @@ def _only_reader(low: Lowering, i: int, node: int) -> tuple[int, Call] | None:
     return found[0] if len(found) == 1 else None
 
 
-def _reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:
-    """Whether a call named `name` reads node or what the next calls make of it (up to `depth` calls)."""
-    nodes = {node}
-    for c in low.cap.calls[i + 1 :]:
-        if nodes & set(c.refs()):
-            if c.name == name:
-                return True
-            nodes.update(c.outs)
-            depth -= 1
-            if depth < 0:
-                return False
-    return False
-
-
 def _dims(call: Call, i: int, a: str, b: str) -> tuple:
     return arg_of(call, i, a, 0), arg_of(call, i + 1, b, -1)
-
-
-def _permutation(call: Call) -> tuple:
-    dims = tuple(call.args[1:]) if len(call.args) > 2 else arg_of(call, 1, "dims")
-    return tuple(dims or ())

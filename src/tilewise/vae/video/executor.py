@@ -20,7 +20,9 @@ A GroupNorm of a video value (`ops3d_sync.VideoGroupNorm`, HunyuanVideo's) start
 cores of its input, as the segment before stores them, add their moments to the step's statistics
 (`run.stats.GroupStats`: float64, Chan's merge), which are complete before its segment runs and applied
 per tile there (the same statistics for every tile). These reduce over every frame of a step, so they
-run only in one-step programs (`check_steps`: a program of several steps with one is refused by name).
+run only in one-step programs (`check_steps`: a program of several steps with one is refused by name);
+a GroupNorm of each frame (`FrameGroupNorm`, Mochi's) merges each frame's moments apart, and runs in a
+program of several steps too.
 A step recomputed for gradients (`gradient`) takes its statistics from the whole staged value with
 autograd instead.
 
@@ -46,7 +48,7 @@ from tqdm.auto import tqdm
 from ...distributed import all_reduce_sum, rank_world
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
-from ...locality.ops3d_sync import StepAttention, VideoGroupNorm
+from ...locality.ops3d_sync import ColumnAttention, StepAttention, VideoGroupNorm
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
@@ -92,8 +94,10 @@ def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, di
 
 
 def step_syncs(program: VideoProgram) -> list:
-    """The ops of `program` that reduce over every frame of a causal step (`ops3d_sync`)."""
-    return [op for op in program.ops if isinstance(op, VideoGroupNorm | StepAttention)]
+    """The ops of `program` that reduce over every frame of a causal step (`ops3d_sync`; a GroupNorm of
+    each frame reduces over its own frame only)."""
+    return [op for op in program.ops if isinstance(op, StepAttention | ColumnAttention)
+            or isinstance(op, VideoGroupNorm) and not op.per_frame]
 
 
 def check_steps(program: VideoProgram) -> None:
@@ -181,12 +185,13 @@ class _VideoRun:
         on_host = ex.staging is Place.HOST and ex.order is Order.FRAMES
         home = torch.device("cpu") if on_host else None
         self.ctx = VideoContext(query_chunk=ex.query_chunk, cache_device=home)
-        # GroupNorm statistics: (value, groups, step) -> moments merged over the tile cores of the step
+        # GroupNorm statistics: (value, groups, per frame, step) -> moments merged over the tile cores of
+        # the step (per frame: each frame's apart, `FrameGroupNorm`)
         self.norms = {i: [op for op in seg.ops if op.kind is OpKind.GROUP_NORM]
                       for i, seg in enumerate(self.segs)}
-        self.tracked = {(op.src[0], op.groups) for ops in self.norms.values() for op in ops}
-        self.moments: dict[tuple[str, int, int], GroupStats] = {}
-        self.merged: set[tuple[str, int, int]] = set()
+        self.tracked = {(op.src[0], op.groups, op.per_frame) for ops in self.norms.values() for op in ops}
+        self.moments: dict[tuple[str, int, bool, int], GroupStats] = {}
+        self.merged: set[tuple[str, int, bool, int]] = set()
         self.caches: dict[tuple[int, int], dict] = {}
         self.cache_alive = self.cache_peak = 0
         self.readers = {v: i for i, seg in enumerate(self.segs) for v in seg.inputs}
@@ -249,27 +254,30 @@ class _VideoRun:
         """The statistics of segment i's GroupNorms for step k, merged over every tile core of the step
         (and over the ranks: Chan's merge in float64)."""
         for op in self.norms[i]:
-            key = (op.src[0], op.groups, k)
+            key = (op.src[0], op.groups, op.per_frame, k)
             if torch.is_grad_enabled():  # (a step recomputed for gradients: statistics with their graph)
-                self.ctx.step_stats[id(op), k] = self._stats_graph(op.src[0], op.groups, k)
+                self.ctx.step_stats[id(op), k] = self._stats_graph(op, k)
                 continue
             if key not in self.merged:
                 acc = self.moments.setdefault(key, GroupStats(op.groups))
                 if op.src[0] == self.program.input:  # (every rank holds all of it)
                     a, b = self.chunks[k]
-                    acc.add(folded(self.x[:, :, a:b]))
+                    acc.add(folded(self.x[:, :, a:b], op.per_frame))
                 elif self.ex.group is not None:
-                    merge_group_stats(acc, self.ex.group, self.x.shape[0])
+                    rows = self.frames[op.src[0]][k] if op.per_frame else 1
+                    merge_group_stats(acc, self.ex.group, self.x.shape[0] * rows)
                 self.merged.add(key)
             self.ctx.step_stats[id(op), k] = self.moments[key].result()
 
-    def _stats_graph(self, v: str, groups: int, k: int):
-        """(mean, var) of step k of value v over its whole staged tensor, with autograd (the gradient
-        through the statistics, as nn.GroupNorm's): float64 (B, groups)."""
+    def _stats_graph(self, op, k: int):
+        """(mean, var) of step k of the GroupNorm's input over its whole staged tensor, with autograd (the
+        gradient through the statistics, as nn.GroupNorm's): float64 (B, groups), of each frame (B t,
+        groups)."""
+        v, groups = op.src[0], op.groups
         h, w = self.shapes[v]
-        t = self._read(v, k, (0, h, 0, w))
+        t = folded(self._read(v, k, (0, h, 0, w)), op.per_frame)
         g = t.unflatten(1, (groups, t.shape[1] // groups)).float()
-        var, mean = torch.var_mean(g, dim=(2, 3, 4, 5), correction=0)
+        var, mean = torch.var_mean(g, dim=(2, 3, 4), correction=0)
         return mean.double(), var.double()
 
     def _sum_over_ranks(self, seg, k: int) -> None:
@@ -358,11 +366,12 @@ class _VideoRun:
 
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
-        for g in {g for u, g in self.tracked if u == v} if not torch.is_grad_enabled() else ():
-            key = (v, g, k)
+        tracked = {(g, f) for u, g, f in self.tracked if u == v} if not torch.is_grad_enabled() else ()
+        for g, per_frame in tracked:
+            key = (v, g, per_frame, k)
             if key not in self.moments:
                 self.moments[key] = GroupStats(g)
-            self.moments[key].add(folded(block))
+            self.moments[key].add(folded(block, per_frame))
         if v != self.program.output:
             self.store.write((v, k), self._step_shape(v, k), block.dtype, core, block)
         elif self.emit is not None:

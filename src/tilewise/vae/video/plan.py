@@ -131,8 +131,10 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
             rows = op.heads if isinstance(op, StepAttention) else t  # (score rows of one query chunk)
             keys = t * tokens if isinstance(op, StepAttention) else tokens
             attn = max(attn, kv + b * rows * min(query_chunk, per_tile) * keys * 4)
-    # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group), kept by the run
-    stats = sum(2 * b * op.groups * 8 for op in p.ops if op.kind is OpKind.GROUP_NORM) * len(chunks)
+    # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group) (of each frame:
+    # per (batch, frame, group)), kept by the run
+    stats = sum(2 * b * op.groups * 8 * (sum(frames[op.src[0]]) if op.per_frame else len(chunks))
+                for op in p.ops if op.kind is OpKind.GROUP_NORM)
     h, w = shapes[p.output]
     out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
     out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item

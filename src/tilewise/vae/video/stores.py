@@ -83,8 +83,7 @@ class VideoContext(StepContext):
         return kept
 
 
-
-def folded(x):
+def folded(x, per_frame: bool = False):
     """(B, C, t, h, w) -> (B, C, t h, w): the positions a GroupNorm of the step reduces over, as GroupStats
-    reads a (B, C, H, W) value."""
-    return x.flatten(2, 3)
+    reads a (B, C, H, W) value; `per_frame` (a GroupNorm of each frame): (B t, C, h, w)."""
+    return x.transpose(1, 2).flatten(0, 1) if per_frame else x.flatten(2, 3)

@@ -1,0 +1,169 @@
+"""A video value with axes folded into the batch for a computation row by row:
+
+- its frames, for a GroupNorm of each frame: Mochi's MochiChunkedGroupNorm3D runs
+  `x.permute(0, 2, 1, 3, 4).flatten(0, 1)` ((B T, C, H, W)), `group_norm` of each chunk of
+  `split(8, dim=0)`, `cat(dim=0)` and `.unflatten(0, (B, -1)).permute(0, 2, 1, 3, 4)` back (Cosmos'
+  CosmosCausalGroupNorm the same without the chunks). A GroupNorm of a (B T, C, H, W) value takes
+  statistics per row (one frame of one sample) over the whole frame, so the chain is a `FrameGroupNorm`
+  of the video value whatever the chunks (each normed by the same GroupNorm, rejoined in order);
+- its positions, for an attention over each position's frames: Mochi's encoder runs
+  `x.permute(0, 3, 4, 2, 1).flatten(0, 2)` ((B H W, T, C) tokens), diffusers' Attention of each chunk
+  of positions (`x[i : i + 2**15]`), `cat`, `.unflatten(0, (B, H, W)).permute(0, 4, 3, 1, 2)` back: a
+  `ColumnAttention` of the video value (its module run on each box's columns).
+
+The permute is placed only where such a row computation follows it (else the other rules and the
+measured ones take it); the calls between are followed by the rows of the folded value they hold
+(`Lowering.folds`). Any other call on the folded value is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ..ops3d_sync import ColumnAttention, FrameGroupNorm
+from .capture import Call, Ref
+from .state import Lowering, arg_of, const_value, permutation, refused
+
+ALIASES = {"contiguous", "clone", "detach"}
+RESHAPES = {"reshape", "view"}
+CATS = {"cat", "concat", "concatenate"}
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One way of folding a video value's axes into the batch: the permute in, how many of its leading
+    axes become the batch, the permute back, the row computation (a call name) and what it is."""
+
+    into: tuple
+    rows: int
+    back: tuple
+    row_call: str
+    what: str
+
+
+FOLDS = {f.into: f for f in (
+    Fold((0, 2, 1, 3, 4), 2, (0, 2, 1, 3, 4), "group_norm", "its frames in the batch, for a GroupNorm of "
+         "each frame (permute(0, 2, 1, 3, 4), flatten(0, 1), split / chunk along the batch, group_norm, cat, "
+         "unflatten and permute back)"),
+    Fold((0, 3, 4, 2, 1), 3, (0, 4, 3, 1, 2), "Attention", "its positions in the batch, for an attention "
+         "over each position's frames (permute(0, 3, 4, 2, 1), flatten(0, 2), slices along the batch, "
+         "Attention, cat, unflatten and permute back)"),
+)}
+
+
+def fold_rule(low: Lowering, i: int, call: Call, dims: tuple) -> bool:
+    """A permute of a video value that folds axes into the batch (`FOLDS`) for a row computation that
+    reads what the next calls make of it; False for any other permute."""
+    x, fold = arg_of(call, 0, "input"), FOLDS.get(dims)
+    if fold is None or not isinstance(x, Ref) or not _reaches(low, i, call.outs[0], fold.row_call):
+        return False
+    low.folds[call.outs[0]] = ("first", low.spatial(x.node), 0, 0, tuple(low.cap.values[call.outs[0]].shape),
+                               fold)
+    return True
+
+
+def fold_call(low: Lowering, i: int, call: Call) -> None:
+    """A call on a video value's folded axes (module docstring); LoweringError for any other."""
+    layout, name, a, b, first, fold = next(low.folds[n] for n in call.refs() if n in low.folds)
+    out = call.outs[0] if len(call.outs) == 1 else None
+    vals = low.cap.values
+    n = prod(first[: fold.rows])
+    flat = (n, *first[fold.rows :])
+    shape = tuple(vals[out].shape) if out is not None else None
+
+    def put(node, layout, name, a, b):
+        low.folds[node] = (layout, name, a, b, first, fold)
+
+    if call.name in ALIASES and out is not None:
+        put(out, layout, name, a, b)
+    elif layout == "first" and call.name == "permute" and permutation(call) == fold.back:
+        low.set(out, name)
+    elif layout == "first" and shape == flat and (call.name in RESHAPES or call.name == "flatten" and (
+            arg_of(call, 1, "start_dim", 0), arg_of(call, 2, "end_dim", -1)) == (0, fold.rows - 1)):
+        put(out, "batch", name, 0, n)
+    elif layout == "batch" and call.name in ("split", "chunk") and arg_of(call, 2, "dim", 0) in (0, -len(
+            flat)):
+        at = a
+        for node in call.outs:
+            put(node, "batch", name, at, at + int(vals[node].shape[0]))
+            at += int(vals[node].shape[0])
+    elif layout == "batch" and call.name == "__getitem__" and _rows(arg_of(call, 1, "indices"), b - a):
+        start, stop = _rows(arg_of(call, 1, "indices"), b - a)
+        put(out, "batch", name, a + start, a + stop)
+    elif layout == "batch" and call.name == fold.row_call:
+        put(out, "batch", _row_op(low, call, name, fold), a, b)
+    elif layout == "batch" and call.name in CATS and arg_of(call, 1, "dim", 0) in (0, -len(flat)):
+        parts = [low.folds.get(t.node) if isinstance(t, Ref) else None for t in arg_of(call, 0, "tensors")]
+        joined = all(p is not None and p[:2] == ("batch", name) for p in parts) and all(
+            p[3] == q[2] for p, q in zip(parts, parts[1:], strict=False))
+        if not joined:
+            raise refused(low, call, "a concatenation along the batch of rows that are not those of one "
+                          "value in order (its chunks rejoined)", final=True)
+        put(out, "batch", name, parts[0][2], parts[-1][3])
+    elif layout == "batch" and (a, b) == (0, n) and shape == first and (
+            call.name in RESHAPES or call.name == "unflatten" and arg_of(call, 1, "dim") in (0, -len(flat))):
+        put(out, "first", name, 0, 0)
+    else:
+        raise refused(low, call, f"a call on a video value with {fold.what} other than those", final=True)
+
+
+def _row_op(low: Lowering, call: Call, x: str, fold: Fold) -> str:
+    """The op of video value x for this row computation (one op for every chunk computed alike): a
+    FrameGroupNorm for a group_norm of its frames, a ColumnAttention for an Attention of its positions."""
+    if fold.row_call == "group_norm":
+        weight, bias = const_value(low, arg_of(call, 2, "weight")), const_value(low, arg_of(call, 3, "bias"))
+        groups, eps = int(arg_of(call, 1, "num_groups")), float(arg_of(call, 4, "eps", 1e-5))
+        key = (x, groups, eps, id(weight), id(bias))
+        if key not in low.row_ops:
+            low.row_ops[key] = low.b.emit(FrameGroupNorm, (x,), call.where, groups=groups, eps=eps,
+                                              weight=weight, bias=bias)
+        return low.row_ops[key]
+    a = call.module
+    why = _column_attention(a, call)
+    if why:
+        raise refused(low, call, why, final=True)
+    key = (x, id(a))
+    if key not in low.row_ops:
+        low.row_ops[key] = low.b.emit(ColumnAttention, (x,), call.where, module=a)
+    return low.row_ops[key]
+
+
+def _column_attention(a, call: Call) -> str:
+    """Why an Attention over each position's frames is not one a ColumnAttention runs as it is (other
+    inputs, a mask, norms over its tokens, a processor not known to attend within each sequence), or ""."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, MochiVaeAttnProcessor2_0
+
+    known = (AttnProcessor, AttnProcessor2_0, MochiVaeAttnProcessor2_0)
+    if type(a).__name__ != "Attention" or type(a.processor) not in known:
+        return (f"an Attention over each position's frames with processor {type(a.processor).__name__} "
+                f"(placed: {', '.join(p.__name__ for p in known)})")
+    if len(call.args) > 1 or any(v is not None for v in call.kwargs.values()):
+        return "an Attention over each position's frames with other inputs (cross attention or a mask)"
+    if a.group_norm is not None or a.spatial_norm is not None:
+        return "an Attention over each position's frames with a GroupNorm or spatial norm of its tokens"
+    return ""
+
+
+def _rows(idx, n: int) -> tuple[int, int] | None:
+    """(start, stop) of x[a:b] (or x[a:b, ...]) along the batch, a step-1 slice; None for another index."""
+    rest = isinstance(idx, tuple) and idx and all(s in (slice(None), Ellipsis) for s in idx[1:])
+    sl = idx[0] if rest else idx
+    if not isinstance(sl, slice) or sl.step not in (None, 1):
+        return None
+    r = range(n)[sl]
+    return r.start, r.start + len(r)
+
+
+def _reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:
+    """Whether a call named `name` reads node or what the next calls make of it (up to `depth` calls)."""
+    nodes = {node}
+    for c in low.cap.calls[i + 1 :]:
+        if nodes & set(c.refs()):
+            if c.name == name:
+                return True
+            nodes.update(c.outs)
+            depth -= 1
+            if depth < 0:
+                return False
+    return False
