@@ -117,24 +117,27 @@ def test_wan_vae_folder_encodes_a_video_stack_to_normalised_latents(folders, tmp
 
 # (name, frames, pixels): LTX-Video 0.9.0 (8x, 4x), LTX-2 (16x, 8x), the HunyuanImage refiner (16x)
 @pytest.mark.parametrize("name,frames,px", [("ltx0.9.0", 5, 16), ("ltx2", 9, 32), ("refiner", 5, 32),
-                                            ("hunyuan", 5, 24)])
+                                            ("hunyuan", 5, 24), ("mochi", 7, 16)])
 def test_vae_folder_encode_normalises_with_its_buffers_and_scaling_factor(tmp_path, name, frames, px):
     """LTX-Video and LTX-2 keep latents_mean / latents_std as buffers (saved with the weights) beside a
-    config scaling_factor; the HunyuanImage refiner and HunyuanVideo have a scaling_factor only: encode writes
-    (z - mean) * scaling_factor / std, which decode reads back."""
+    config scaling_factor; the HunyuanImage refiner and HunyuanVideo have a scaling_factor only, Mochi
+    config lists beside it: encode writes (z - mean) * scaling_factor / std, which decode reads back."""
     vae = copy.deepcopy(video_vae(name))
     buffers = "latents_mean" in dict(vae.named_buffers(recurse=False))
     if buffers:
         with torch.no_grad():
             vae.latents_mean.copy_(torch.tensor(MEAN))
             vae.latents_std.copy_(torch.tensor(STD))
+    lists = not buffers and vae.config.get("latents_mean") is not None  # (Mochi: config lists, as Wan)
+    if lists:
+        vae.register_to_config(latents_mean=MEAN, latents_std=STD)
     vae.register_to_config(scaling_factor=0.5)
     vae.save_pretrained(tmp_path / "vae")
     video = np.random.default_rng(4).uniform(-1, 1, (frames, px, px, 3)).astype(np.float32)
     np.save(tmp_path / "v.npy", video)
     _run("encode", tmp_path / "v.npy", "--model", tmp_path / "vae", "--out", tmp_path / "z.safetensors",
          "--tile", 1, "--quiet")
-    mean, std = _norm() if buffers else (torch.zeros(()), torch.ones(()))
+    mean, std = _norm() if buffers or lists else (torch.zeros(()), torch.ones(()))
     with torch.no_grad():
         raw = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mean
     got = load_file(str(tmp_path / "z.safetensors"))["latents"]
