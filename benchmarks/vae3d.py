@@ -19,7 +19,8 @@ Every variant runs in its own subprocess (fresh peak RSS); errors are against th
 Variants:
 
 - untiled: vae.decode / vae.encode;
-- diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile, blended;
+- diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile in whole
+  latent px, blended;
   in time the family's defaults: LTX and HunyuanVideo tile long videos in time too);
 - tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major), or
   with --budget B: TiledVAE(vae, memory_budget=B) (the plan picks the tile);
@@ -75,8 +76,9 @@ def build_vae(family: str, base_dim: int):
                    layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5).eval()
     if family == "ltx2":
         widths = tuple(max(16, c * base_dim // 256) for c in (256, 512, 1024, 2048))
-        return cls(block_out_channels=widths, decoder_block_out_channels=widths[:3],
-                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4).eval()
+        return cls(block_out_channels=widths, decoder_block_out_channels=widths[:3],  # (its ratios given:
+                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4,  # derived, they count a
+                   spatial_compression_ratio=32, temporal_compression_ratio=8).eval()  # time-only step)
     if family == "hunyuan":
         widths = tuple(max(32, c * base_dim // 128) for c in (128, 256, 512, 512))
         return cls(block_out_channels=widths, layers_per_block=1).eval()
@@ -118,9 +120,9 @@ def worker(args) -> None:
     if args.family == "hunyuan" and v == "untiled":  # one pass (its stock decode goes framewise past 4
         vae.use_framewise_decoding = vae.use_framewise_encoding = False  # latent frames): what tilewise is
     if v == "diffusers":  # spatial tiles; time: the family's own defaults (LTX, HunyuanVideo tile time too)
-        px = sc * args.tile
-        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
-                          tile_sample_stride_height=px * 3 // 4, tile_sample_stride_width=px * 3 // 4)
+        px, stride = sc * args.tile, sc * (args.tile * 3 // 4)  # a whole latent stride (LTX-2's tiling
+        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,  # floors a fractional one)
+                          tile_sample_stride_height=stride, tile_sample_stride_width=stride)
     model = vae
     if v.startswith("tilewise"):
         size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
@@ -217,7 +219,11 @@ def main() -> None:
                    "default: none, tiles of --tile)")
     p.add_argument("--budget-fraction", type=float, default=0.0,
                    help="at --big: tilewise's memory_budget = this fraction of the untiled run's projected "
-                   "peak RSS growth there (its growth at --latent scaled by the pixel count); 0: --budget")
+                   "peak there (its measure at --latent scaled by the pixel count; see --budget-basis); "
+                   "0: --budget")
+    p.add_argument("--budget-basis", choices=("smaller", "rss"), default="smaller",
+                   help="the untiled peak --budget-fraction is a fraction of: the smaller of its projected "
+                   "RSS growth and (with --live) live tensor peak (default), or the RSS growth")
     p.add_argument("--live", action="store_true", help="also the live tensor peak "
                    "(tilewise.memory.measure_live_peak) of untiled and tilewise, each in a separate run")
     p.add_argument("--threads", type=int, default=2, help="torch threads per variant (default 2)")
@@ -265,11 +271,12 @@ def main() -> None:
                                  projected=True, live_peak=live * scale if live is not None else None))
             budget = None
             if args.budget_fraction:  # a fraction of the smaller projection (RSS growth, live tensors)
-                need = min(projected, live * scale) if live is not None else projected
+                need = _need(args, projected, live, scale)
                 budget = f"{int(args.budget_fraction * need)}B"
                 live_note = f", live peak {live * scale / 2**20:.0f} MiB" if live is not None else ""
+                basis = "smaller projection" if args.budget_basis == "smaller" else "projected RSS growth"
                 notes.append(f"{task} at {size}: tilewise's memory_budget = {args.budget_fraction:g} x the "
-                             f"smaller projection of the untiled peak (RSS growth {projected / 2**20:.0f} MiB"
+                             f"{basis} of the untiled peak (RSS growth {projected / 2**20:.0f} MiB"
                              f"{live_note}) = {args.budget_fraction * need / 2**20:.0f} MiB")
                 print(notes[-1], flush=True)
             for v in _order(task, variants)[1:]:
@@ -278,7 +285,7 @@ def main() -> None:
                     r["live_peak"] = _live(args, v, task, args.big, tmp, budget)
                 r.update(task=task, size=size)
                 if "budget" in r:
-                    need = min(projected, live * scale) if live is not None else projected
+                    need = _need(args, projected, live, scale)
                     got = f", live peak {r['live_peak'] / need:.2f}" if "live_peak" in r else ""
                     grown = r["rss_growth"] / projected
                     notes.append(f"{task} at {size}, {v}: peak RSS growth {grown:.2f} x the projected "
@@ -289,7 +296,8 @@ def main() -> None:
     rows += big_rows
     sc = FAMILIES[args.family][3]
     budgeted = args.budget or args.budget_fraction
-    tiles = (f"diffusers' tiles of {args.tile} latent px ({sc * args.tile} px, stride 3/4), tilewise's "
+    tiles = (f"diffusers' tiles of {args.tile} latent px ({sc * args.tile} px, stride {args.tile * 3 // 4}), "
+             "tilewise's "
              f"within memory_budget={args.budget or 'of the notes'}" if budgeted else
              f"tiles of {args.tile} latent px ({sc * args.tile} px) for both tilers")
     if args.budget_fraction and not args.budget:
@@ -310,6 +318,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n" + text)
+
+
+def _need(args, projected: float, live: float | None, scale: float) -> float:
+    """The untiled peak at --big that --budget-fraction is a fraction of (--budget-basis)."""
+    return min(projected, live * scale) if live is not None and args.budget_basis == "smaller" else projected
 
 
 def _live(args, variant: str, task: str, size: int, tmp: str, budget: str | None) -> int:
