@@ -254,7 +254,7 @@ def main() -> None:
             ref = np.load(results["untiled"]["path"])
             untiled[task] = results["untiled"]
             for v in order:
-                if args.live and v in ("untiled", "tilewise"):
+                if args.live and (v == "untiled" or v.startswith("tilewise")):
                     results[v]["live_peak"] = _live(args, v, task, args.latent, tmp, None)
                 r = results[v]
                 size = _size(args.family, task, args.latent, args.frames)
@@ -281,7 +281,7 @@ def main() -> None:
                 print(notes[-1], flush=True)
             for v in _order(task, variants)[1:]:
                 r = run_variant(args, v, task, args.big, tmp, budget if v.startswith("tilewise") else None)
-                if args.live and v == "tilewise":
+                if args.live and v.startswith("tilewise"):
                     r["live_peak"] = _live(args, v, task, args.big, tmp, budget)
                 r.update(task=task, size=size)
                 if "budget" in r:
