@@ -6,22 +6,38 @@
   short);
 - qwen: AutoencoderKLQwenImage (Qwen-Image's layout, the same as Wan 2.1's) at base width --base-dim;
 - ltx: AutoencoderKLLTXVideo with LTX-Video 0.9.0's blocks (latent 128 channels, patch 4: 32x spatial,
-  8x temporal) at --base-dim / 96 of its widths (128, 256, 512, 512) and one layer per block.
- Every variant runs in its own subprocess (fresh peak RSS); errors
-are against the untiled output. Variants:
+  8x temporal) at --base-dim / 96 of its widths (128, 256, 512, 512) and one layer per block;
+- ltx2: AutoencoderKLLTX2Video with LTX-2's blocks (latent 128 channels, patch 4: 32x spatial, 8x
+  temporal) at --base-dim / 256 of its widths (256, 512, 1024, 2048; decoder 256, 512, 1024) and one
+  layer per block;
+- hunyuan: AutoencoderKLHunyuanVideo with HunyuanVideo's layout (latent 16 channels, 8x spatial, 4x
+  temporal, GroupNorms of 32 groups, mid-block attention over every frame) at --base-dim / 128 of its
+  widths (128, 256, 512, 512) and one layer per block; its untiled variant decodes / encodes in one pass
+  (use_framewise_decoding / _encoding = False: its stock default goes framewise, a blended temporal
+  tiling, past 4 latent / 16 video frames), which is what tilewise computes.
+Every variant runs in its own subprocess (fresh peak RSS); errors are against the untiled output.
+Variants:
 
 - untiled: vae.decode / vae.encode;
-- diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile, blended);
+- diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile in whole
+  latent px, blended;
+  in time the family's defaults: LTX and HunyuanVideo tile long videos in time too);
 - tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major), or
   with --budget B: TiledVAE(vae, memory_budget=B) (the plan picks the tile);
 - tilewise-sink-frames: decode_to a float32 .npy per frame (frames in order: frame-major run, streamed);
 - tilewise-sink-tiles: decode_to a float32 (T, H, W, C) .npy stack (random access: tile-major, streamed).
 
 --big runs a second size without the untiled variant (memory only; the untiled figure there is its
-measured growth at the first size scaled by the pixel count, marked as a projection).
+measured growth at the first size scaled by the pixel count, marked as a projection). --budget-fraction F
+gives tilewise there a memory_budget of F x the untiled peak projected there (the smaller of the RSS
+growth and, with --live, the live tensor peak): F = 0.25 makes the untiled decode need at least 4x the
+budget. --live also measures the live tensor peak (tilewise.memory.measure_live_peak: the storages alive at
+once, the GPU-relevant figure) of untiled and tilewise, each in a run of its own (the tracking slows it).
 
     python benchmarks/vae3d.py --latent 32 --frames 3 --tile 16 --big 64 --out benchmarks/results_vae3d.md
     python benchmarks/vae3d.py --family ltx --latent 8 --frames 3 --tile 4 --big 16 --budget 400MiB
+    python benchmarks/vae3d.py --family hunyuan --latent 16 --frames 3 --tile 8 --big 32 --tasks decode \
+        --variants untiled,diffusers,tilewise --budget-fraction 0.25 --live
 
 The timed runs (both tasks at --latent) come first, the memory-only ones (--big) after them.
 """
@@ -43,7 +59,8 @@ VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewis
 
 # family -> (class name, latent channels, temporal compression, spatial compression)
 FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenImage", 16, 4, 8),
-            "ltx": ("AutoencoderKLLTXVideo", 128, 8, 32)}
+            "ltx": ("AutoencoderKLLTXVideo", 128, 8, 32), "ltx2": ("AutoencoderKLLTX2Video", 128, 8, 32),
+            "hunyuan": ("AutoencoderKLHunyuanVideo", 16, 4, 8)}
 
 
 def build_vae(family: str, base_dim: int):
@@ -57,6 +74,14 @@ def build_vae(family: str, base_dim: int):
         widths = tuple(max(8, c * base_dim // 96) for c in (128, 256, 512, 512))
         return cls(block_out_channels=widths, decoder_block_out_channels=widths,
                    layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5).eval()
+    if family == "ltx2":
+        widths = tuple(max(16, c * base_dim // 256) for c in (256, 512, 1024, 2048))
+        return cls(block_out_channels=widths, decoder_block_out_channels=widths[:3],  # (its ratios given:
+                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4,  # derived, they count a
+                   spatial_compression_ratio=32, temporal_compression_ratio=8).eval()  # time-only step)
+    if family == "hunyuan":
+        widths = tuple(max(32, c * base_dim // 128) for c in (128, 256, 512, 512))
+        return cls(block_out_channels=widths, layers_per_block=1).eval()
     return cls(base_dim=base_dim, z_dim=16).eval()
 
 
@@ -78,12 +103,13 @@ def make_input(family: str, task: str, side: int, frames: int):
 
 
 def worker(args) -> None:
-    """Run one variant once; write its output (.npy) and figures (.json)."""
+    """Run one variant once; write its output (.npy) and figures (.json). With --live: the live tensor
+    peak (tilewise.memory.measure_live_peak) instead of the timed run's figures."""
     import numpy as np
     import torch
 
     import tilewise as tw
-    from tilewise.memory import current_rss, peak_rss, reset_peak_rss
+    from tilewise.memory import current_rss, measure_live_peak, peak_rss, reset_peak_rss
 
     torch.set_num_threads(args.threads)
     vae = build_vae(args.family, args.base_dim)
@@ -91,10 +117,12 @@ def worker(args) -> None:
     sc = FAMILIES[args.family][3]
     v = args.variant
     out = {"variant": v}
-    if v == "diffusers":
-        px = sc * args.tile
-        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
-                          tile_sample_stride_height=px * 3 // 4, tile_sample_stride_width=px * 3 // 4)
+    if args.family == "hunyuan" and v == "untiled":  # one pass (its stock decode goes framewise past 4
+        vae.use_framewise_decoding = vae.use_framewise_encoding = False  # latent frames): what tilewise is
+    if v == "diffusers":  # spatial tiles; time: the family's own defaults (LTX, HunyuanVideo tile time too)
+        px, stride = sc * args.tile, sc * (args.tile * 3 // 4)  # a whole latent stride (LTX-2's tiling
+        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,  # floors a fractional one)
+                          tile_sample_stride_height=stride, tile_sample_stride_width=stride)
     model = vae
     if v.startswith("tilewise"):
         size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
@@ -103,19 +131,31 @@ def worker(args) -> None:
         plan = model.plan(tuple(x.shape), args.task, streamed=sink, sequential=v.endswith("frames"))
         out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order,
                    tile=plan.tile_size)
+        if args.budget:
+            out["budget"] = tw.parse_bytes(args.budget)
+
+    def run():
+        with torch.no_grad():
+            if v.startswith("tilewise-sink"):
+                with tw.open_video_sink(path, t, h, w, c, bits=32) as sink:
+                    model.decode_to(x, sink)
+                return None
+            if args.task == "decode":
+                return model.decode(x).sample
+            return model.encode(x).latent_dist.mean
+
+    if v.startswith("tilewise-sink"):
+        _, c, t, h, w = plan.output_shape
+        path = args.result + ("-{:03d}.npy" if v.endswith("frames") else "-stack.npy")
+    if args.live:
+        _, out["live_peak"] = measure_live_peak(run)
+        with open(args.result + ".json", "w") as f:
+            json.dump(out, f)
+        return
     base = current_rss()
     reset_peak_rss()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        if v.startswith("tilewise-sink"):
-            _, c, t, h, w = plan.output_shape
-            path = args.result + ("-{:03d}.npy" if v.endswith("frames") else "-stack.npy")
-            with tw.open_video_sink(path, t, h, w, c, bits=32) as sink:
-                model.decode_to(x, sink)
-        elif args.task == "decode":
-            y = model.decode(x).sample
-        else:
-            y = model.encode(x).latent_dist.mean
+    y = run()
     dt = time.perf_counter() - t0
     out.update(seconds=dt, rss_growth=(peak_rss() or current_rss()) - base)
     if v.startswith("tilewise-sink"):  # (T, H, W, C) frames back to (1, C, T, H, W)
@@ -126,14 +166,18 @@ def worker(args) -> None:
         json.dump(out, f)
 
 
-def run_variant(args, variant: str, task: str, size: int, tmp: str) -> dict:
-    """One variant in a fresh subprocess."""
-    res = os.path.join(tmp, f"{task}-{size}-{variant}")
+def run_variant(args, variant: str, task: str, size: int, tmp: str, budget: str | None = None,
+                live: bool = False) -> dict:
+    """One variant in a fresh subprocess (tilewise within `budget` where given, else --budget)."""
+    res = os.path.join(tmp, f"{task}-{size}-{variant}" + ("-live" if live else ""))
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--task", task, "--size", str(size),
            "--frames", str(args.frames), "--tile", str(args.tile), "--threads", str(args.threads),
            "--base-dim", str(args.base_dim), "--family", args.family, "--result", res]
-    if args.budget:
-        cmd += ["--budget", args.budget]
+    budget = budget or args.budget
+    if budget:
+        cmd += ["--budget", budget]
+    if live:
+        cmd += ["--live"]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     with open(res + ".json") as f:
         out = json.load(f)
@@ -142,19 +186,24 @@ def run_variant(args, variant: str, task: str, size: int, tmp: str) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| task | size | variant | order | time s | x untiled | peak RSS growth MiB | plan peak MiB "
-             "| conv MACs x untiled | max abs | mean abs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | size | variant | order | time s | x untiled | budget MiB | peak RSS growth MiB "
+             "| plan peak MiB | live peak MiB | conv MACs x untiled | max abs | mean abs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mib(r, key):
+        return f"{r[key] / 2**20:.0f}" if r.get(key) is not None else ""
+
     for r in rows:
+        proj = " (projected)" if r.get("projected") else ""
         macs = f"{r['macs'] / r['macs_untiled']:.2f}" if "macs" in r else ""
-        plan = f"{r['plan_peak'] / 2**20:.0f}" if "plan_peak" in r else ""
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") is not None else ""
         err = (f"{r['max_abs']:.3g} | {r['mean_abs']:.3g}" if "max_abs" in r else " | ")
         secs = "" if r.get("projected") else f"{r['seconds']:.1f}"
-        growth = f"{r['rss_growth'] / 2**20:.0f}" + (" (projected)" if r.get("projected") else "")
+        live = mib(r, "live_peak") + (proj if r.get("live_peak") is not None else "")
         order = r.get("order", "") + (f", tile {r['tile']}" if "tile" in r else "")
-        lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {order} | {secs} | "
-                     f"{ratio} | {growth} | {plan} | {macs} | {err} |")
+        lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {order} | {secs} | {ratio} | "
+                     f"{mib(r, 'budget')} | {mib(r, 'rss_growth')}{proj} | {mib(r, 'plan_peak')} | {live} | "
+                     f"{macs} | {err} |")
     return lines
 
 
@@ -168,6 +217,15 @@ def main() -> None:
     p.add_argument("--base-dim", type=int, default=32, help="VAE base width (Wan 2.1: 96; default 32)")
     p.add_argument("--budget", default=None, help="tilewise's memory_budget (the plan picks the tile; "
                    "default: none, tiles of --tile)")
+    p.add_argument("--budget-fraction", type=float, default=0.0,
+                   help="at --big: tilewise's memory_budget = this fraction of the untiled run's projected "
+                   "peak there (its measure at --latent scaled by the pixel count; see --budget-basis); "
+                   "0: --budget")
+    p.add_argument("--budget-basis", choices=("smaller", "rss"), default="smaller",
+                   help="the untiled peak --budget-fraction is a fraction of: the smaller of its projected "
+                   "RSS growth and (with --live) live tensor peak (default), or the RSS growth")
+    p.add_argument("--live", action="store_true", help="also the live tensor peak "
+                   "(tilewise.memory.measure_live_peak) of untiled and tilewise, each in a separate run")
     p.add_argument("--threads", type=int, default=2, help="torch threads per variant (default 2)")
     p.add_argument("--tasks", default="decode,encode")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS}")
@@ -182,11 +240,13 @@ def main() -> None:
     import numpy as np
 
     variants = [v for v in args.variants.split(",") if v]
-    rows, big_rows = [], []
+    rows, big_rows, notes = [], [], []
     tasks = args.tasks.split(",")
+    load0, t0 = os.getloadavg(), time.strftime("%H:%M", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         # every timed run first (both tasks at the size untiled fits), then the memory-only size: a run
-        # whose timed part was kept quiet gives ratios to trust
+        # whose timed part was kept quiet gives ratios to trust; the live-peak runs (slowed by their
+        # tracking) after the timed ones of their size
         untiled = {}
         for task in tasks:
             order = _order(task, variants)
@@ -194,6 +254,8 @@ def main() -> None:
             ref = np.load(results["untiled"]["path"])
             untiled[task] = results["untiled"]
             for v in order:
+                if args.live and (v == "untiled" or v.startswith("tilewise")):
+                    results[v]["live_peak"] = _live(args, v, task, args.latent, tmp, None)
                 r = results[v]
                 size = _size(args.family, task, args.latent, args.frames)
                 r.update(errors(np.load(r["path"]), ref), task=task, size=size,
@@ -203,26 +265,69 @@ def main() -> None:
         for task in tasks if args.big else []:
             scale = (args.big / args.latent) ** 2
             size = _size(args.family, task, args.big, args.frames)
-            big_rows.append(dict(variant="untiled", task=task, size=size,
-                                 rss_growth=untiled[task]["rss_growth"] * scale, projected=True))
+            projected = untiled[task]["rss_growth"] * scale
+            live = untiled[task].get("live_peak")
+            big_rows.append(dict(variant="untiled", task=task, size=size, rss_growth=projected,
+                                 projected=True, live_peak=live * scale if live is not None else None))
+            budget = None
+            if args.budget_fraction:  # a fraction of the smaller projection (RSS growth, live tensors)
+                need = _need(args, projected, live, scale)
+                budget = f"{int(args.budget_fraction * need)}B"
+                live_note = f", live peak {live * scale / 2**20:.0f} MiB" if live is not None else ""
+                basis = "smaller projection" if args.budget_basis == "smaller" else "projected RSS growth"
+                notes.append(f"{task} at {size}: tilewise's memory_budget = {args.budget_fraction:g} x the "
+                             f"{basis} of the untiled peak (RSS growth {projected / 2**20:.0f} MiB"
+                             f"{live_note}) = {args.budget_fraction * need / 2**20:.0f} MiB")
+                print(notes[-1], flush=True)
             for v in _order(task, variants)[1:]:
-                r = run_variant(args, v, task, args.big, tmp)
-                r.update(task=task, size=_size(args.family, task, args.big, args.frames))
+                r = run_variant(args, v, task, args.big, tmp, budget if v.startswith("tilewise") else None)
+                if args.live and v.startswith("tilewise"):
+                    r["live_peak"] = _live(args, v, task, args.big, tmp, budget)
+                r.update(task=task, size=size)
+                if "budget" in r:
+                    need = _need(args, projected, live, scale)
+                    got = f", live peak {r['live_peak'] / need:.2f}" if "live_peak" in r else ""
+                    grown = r["rss_growth"] / projected
+                    notes.append(f"{task} at {size}, {v}: peak RSS growth {grown:.2f} x the projected "
+                                 f"untiled growth; plan peak {r['plan_peak'] / need:.2f}{got} x the "
+                                 "projection the budget is a fraction of")
                 big_rows.append(r)
                 print(table([r])[-1], flush=True)
     rows += big_rows
     sc = FAMILIES[args.family][3]
-    tiles = (f"diffusers' tiles of {args.tile} latent px ({sc * args.tile} px), tilewise's within "
-             f"memory_budget={args.budget}" if args.budget else
+    budgeted = args.budget or args.budget_fraction
+    tiles = (f"diffusers' tiles of {args.tile} latent px ({sc * args.tile} px, stride {args.tile * 3 // 4}), "
+             "tilewise's "
+             f"within memory_budget={args.budget or 'of the notes'}" if budgeted else
              f"tiles of {args.tile} latent px ({sc * args.tile} px) for both tilers")
+    if args.budget_fraction and not args.budget:
+        tiles += f" at --big, tiles of {args.tile} latent px at --latent"
+    hunyuan = (" Untiled is the one-pass decode / encode (use_framewise_decoding / _encoding = False; the "
+               "stock default goes framewise past 4 latent / 16 video frames)." if args.family == "hunyuan"
+               else "")
+    load1 = os.getloadavg()
     head = (f"{FAMILIES[args.family][0]} ({args.family}) at base width {args.base_dim}, seeded random "
-            f"weights, fp32, CPU, {args.threads} thread(s); {tiles}.\n"
-            f"Command: python benchmarks/vae3d.py {' '.join(sys.argv[1:])}\n")
+            f"weights, fp32, CPU, {args.threads} thread(s); {tiles}.{hunyuan}\n"
+            f"Run {t0}-{time.strftime('%H:%M', time.gmtime())} UTC, load average (1, 5, 15 min) "
+            f"{', '.join(f'{x:.1f}' for x in load0)} at start, {', '.join(f'{x:.1f}' for x in load1)} at end "
+            f"(time ratios from this one run).\n"
+            f"Command: python benchmarks/vae3d.py {' '.join(sys.argv[1:])}\n"
+            + "".join(f"- {n}\n" for n in notes))
     text = head + "\n" + "\n".join(table(rows)) + "\n"
     print(text)
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n" + text)
+
+
+def _need(args, projected: float, live: float | None, scale: float) -> float:
+    """The untiled peak at --big that --budget-fraction is a fraction of (--budget-basis)."""
+    return min(projected, live * scale) if live is not None and args.budget_basis == "smaller" else projected
+
+
+def _live(args, variant: str, task: str, size: int, tmp: str, budget: str | None) -> int:
+    """The live tensor peak of a variant, in a run of its own (the tracking slows it)."""
+    return run_variant(args, variant, task, size, tmp, budget, live=True)["live_peak"]
 
 
 def _order(task: str, variants: list[str]) -> list[str]:
