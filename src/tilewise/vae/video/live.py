@@ -79,7 +79,8 @@ def _op_bytes(op, need, sizes: FrameSizes, step: int, like) -> tuple[int, int]:
     if kind is OpKind.CONV3D:
         want = op.input_boxes(need[d])[0]
         inner = clip_box(want, sizes.shapes[src])
-        cached = sizes.of(src, inner, op.pad_t)  # (the new cache, cloned, beside the old one)
+        last = sizes.k == len(sizes.frames[src]) - 1  # (the last step keeps no cache)
+        cached = 0 if last else sizes.of(src, inner, op.pad_t)  # (the new cache, cloned, beside the old)
         cat = sizes.of(src, inner, t + op.pad_t) if op.pad_t else 0
         zeros = cached if op.pad_t and step == 0 and op.fill != "first" else 0
         end = sizes.of(src, inner, t + op.pad_t + op.pad_end) if op.pad_end else 0
