@@ -104,6 +104,7 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     lasts = [last_use(seg.ops, seg.outputs) for seg in segs]
     like = next((w for op in p.ops if isinstance(w := getattr(op, "weight", None), torch.Tensor)), None)
     tracked = {op.src[0] for op in p.ops if op.kind is OpKind.GROUP_NORM}
+    seen: dict[tuple, int] = {}
     for (i, t), (cores, need) in units.items():
         owned = set(segs[i].inputs) if staging is Place.HOST else set()
         elems = sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]], chans[src_of[op.dst]], last - 1)
@@ -112,10 +113,16 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
         for k in range(len(chunks)):
             macs += sum(_conv_macs(op, frames[op.dst][k], box_area(need[op.dst])) * b
                         for op in segs[i].ops if op.dst in need)
-            sizes = FrameSizes(shapes, chans, frames, k, b * item)
-            stats = max((sizes.of(v, c) for v, c in cores.items() if v in tracked), default=0)
-            working = max(working, unit_peak(segs[i].ops, need, sizes, owned, segs[i].outputs, lasts[i], k,
-                                             like, stats))
+            # (tiles of one shape as far from the borders, in steps of as many frames, hold the same)
+            key = (i, min(k, 2), k == last, tuple(frames[v][k] for v in need),
+                   tuple(_shape_at(bx, shapes[v]) for v, bx in need.items()),
+                   tuple(_shape_at(c, shapes[v]) for v, c in cores.items()))
+            if key not in seen:
+                sizes = FrameSizes(shapes, chans, frames, k, b * item)
+                stats = max((sizes.of(v, c) for v, c in cores.items() if v in tracked), default=0)
+                seen[key] = unit_peak(segs[i].ops, need, sizes, owned, segs[i].outputs, lasts[i], k, like,
+                                      stats)
+            working = max(working, seen[key])
     macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
                        for op in p.ops)
     tiles_of: dict[int, int] = {}
@@ -154,6 +161,13 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
                 host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
                 stats_bytes=stats,
                 dropped=int(shape[2]) - chunks[-1][1])
+
+
+def _shape_at(box, shape) -> tuple:
+    """A box's sides and its distances to the image's borders, up to 64 px (what its ops' padding sees)."""
+    y0, y1, x0, x1 = box
+    h, w = shape
+    return y1 - y0, x1 - x0, min(y0, 64), min(h - y1, 64), min(x0, 64), min(w - x1, 64)
 
 
 def _staged_peak(p, segs, shapes, chans, frames, unit: int, order: str) -> int:
