@@ -131,11 +131,13 @@ class CausalConv3d(Op):
                 shape = (x.shape[0], x.shape[1], self.pad_t, *x.shape[3:])
                 prev = x[:, :, :1].expand(shape) if self.fill == "first" else x.new_zeros(shape)
             x = torch.cat([prev, x], dim=2)
+            del prev  # (what is made here dies as soon as the next copy is made: nothing holds it)
             ctx.keep(self, inner, x[:, :, -self.pad_t:])
         if self.pad_end:
             end = (x[:, :, -1:].expand(-1, -1, self.pad_end, -1, -1) if self.fill_end == "last"
                    else x.new_zeros((*x.shape[:2], self.pad_end, *x.shape[3:])))
             x = torch.cat([x, end], dim=2)
+            del end  # (a view of the copy before: it would hold it through the convolution)
         pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
         if any(pad):  # (at the image's border only: a replicated crop there is the image's own padding)
             x = F.pad(x, pad) if self.padding_mode == "zeros" else F.pad(x, (*pad, 0, 0),

@@ -132,43 +132,53 @@ DIM_CALLS = {"permute", "flatten", "unflatten", "movedim", "moveaxis", "transpos
 def _replay_calls(low: Lowering, calls: list[Call], x: int) -> Callable:
     """The recorded calls as a function of the tensor in place of node x: plain ints equal to x's height
     or width (a video value's frames) on the example become the tensor's, and the first size given to a
-    reshape (view, ...) equal to x's batch becomes the tensor's batch."""
-    values = low.cap.values
-    ex = values[x].shape
+    reshape (view, ...) equal to x's batch becomes the tensor's batch. Each intermediate is freed after its
+    last reader (the replay holds what the calls still read, as the module did)."""
+    ex = low.cap.values[x].shape
     video = len(ex) == 5 and x not in low.framed  # (a one-frame value's frame is no size that follows)
+    last = {}  # node -> index of the last call reading it (freed after it: a replay holds what it needs)
+    for k, c in enumerate(calls):
+        for n in c.refs():
+            last[n] = k
 
     def run(t):
         sides = [(int(ex[-2]), t.shape[-2]), (int(ex[-1]), t.shape[-1])]
         sizes = _size_map([*sides, (int(ex[2]), t.shape[2])] if video else sides)
         env = {x: t}
-
-        def bind(obj):
-            if isinstance(obj, Ref):
-                return env[obj.node] if obj.node in env else low.value(obj.node)
-            if isinstance(obj, bool) or not isinstance(obj, int | list | tuple | dict):
-                return obj
-            if isinstance(obj, int):
-                return sizes.get(obj, obj)
-            if isinstance(obj, dict):
-                return {k: bind(v) for k, v in obj.items()}
-            return type(obj)(bind(v) for v in obj)
-
-        for c in calls:
+        for k, c in enumerate(calls):
             if c.name in DIM_CALLS:  # (dims stay; unflatten's sizes follow the tensor)
                 args, kwargs = c.args, c.kwargs
                 if c.name == "unflatten":
-                    args = (*args[:2], bind(args[2]), *args[3:]) if len(args) > 2 else args
-                args = tuple(bind(a) if isinstance(a, Ref) else a for a in args)
+                    args = (*args[:2], _bind(args[2], low, env, sizes), *args[3:]) if len(args) > 2 else args
+                args = tuple(_bind(a, low, env, sizes) if isinstance(a, Ref) else a for a in args)
             else:
-                args, kwargs = bind(c.args), bind(c.kwargs)
+                args, kwargs = _bind(c.args, low, env, sizes), _bind(c.kwargs, low, env, sizes)
                 if c.name in SIZE_CALLS:
                     args = _batch_size(args, int(ex[0]), t.shape[0])
             out = c.func(*args, **kwargs)
+            del args, kwargs
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            del out
             env.update(zip(c.outs, outs, strict=False))
-        return env[calls[-1].outs[0]]
+            del outs
+            for n in [n for n in env if last.get(n, -1) <= k and n != calls[-1].outs[0]]:
+                del env[n]
+        return env.pop(calls[-1].outs[0])
 
     return run
+
+
+def _bind(obj, low: Lowering, env: dict, sizes: dict):
+    """A recorded argument on the replay's tensors (`env`), its ints that are sizes mapped (`sizes`)."""
+    if isinstance(obj, Ref):
+        return env[obj.node] if obj.node in env else low.value(obj.node)
+    if isinstance(obj, bool) or not isinstance(obj, int | list | tuple | dict):
+        return obj
+    if isinstance(obj, int):
+        return sizes.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: _bind(v, low, env, sizes) for k, v in obj.items()}
+    return type(obj)(_bind(v, low, env, sizes) for v in obj)
 
 
 def _size_map(sides: list[tuple[int, int]]) -> dict[int, int]:

@@ -52,21 +52,10 @@ class CallValues:
         device = xs[0].device
         values = self.cap.values
 
-        def bind(obj):
-            if isinstance(obj, Ref):
-                return env[obj.node] if obj.node in env else values[obj.node]
-            if isinstance(obj, torch.device) and obj.type == "meta":  # (made on the trace's meta device)
-                return device
-            if isinstance(obj, dict):
-                return {k: bind(v) for k, v in obj.items()}
-            if isinstance(obj, list | tuple):
-                return type(obj)(bind(v) for v in obj)
-            return obj
-
         with torch.no_grad():
             for i in self.calls:
                 c = self.cap.calls[i]
-                args, kwargs = bind(c.args), bind(c.kwargs)
+                args, kwargs = _bind(c.args, env, values, device), _bind(c.kwargs, env, values, device)
                 if c.name in SIZE_CALLS:
                     args = _batch_size(args, self.batch, batch)
                 out = c.func(*args, **kwargs)
@@ -81,6 +70,20 @@ class CallValues:
             yield
         finally:
             self.current = {}
+
+
+def _bind(obj, env: dict, values: dict, device):
+    """A recorded argument on the call's values (`env`; else as recorded), the trace's meta device made
+    the call's (a module-level function: a recursive closure would keep `env` alive in a cycle)."""
+    if isinstance(obj, Ref):
+        return env[obj.node] if obj.node in env else values[obj.node]
+    if isinstance(obj, torch.device) and obj.type == "meta":  # (made on the trace's meta device)
+        return device
+    if isinstance(obj, dict):
+        return {k: _bind(v, env, values, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_bind(v, env, values, device) for v in obj)
+    return obj
 
 
 def per_call(cap: Capture, live: set[int], names: tuple[str, ...]) -> CallValues | None:

@@ -244,6 +244,7 @@ class _VideoRun:
         for tile in self.grid:
             self._unit(i, seg, tile.index, k)
             bar.update(1)
+        self.ctx.kv.clear()  # (the keys and values die with their segment's step)
         if self.ex.group is not None:
             self._sum_over_ranks(seg, k)
         if k == len(self.chunks) - 1:
@@ -329,6 +330,11 @@ class _VideoRun:
             return t.to(self.ex.device, non_blocking=True)
         return self.store.read((v, k), box)
 
+    def _staged_view(self, v: str, k: int, t) -> bool:
+        """Whether t, read of value v in step k, views the staged tensor (or x) rather than copying it."""
+        whole = self.x if v == self.program.input else self.store.values.get((v, k))
+        return whole is None or t.untyped_storage()._cdata == whole.untyped_storage()._cdata
+
     def _prepare_attention(self, seg, k: int) -> None:
         """Keys and values of every token of each frame of step k, in row bands of the staged input."""
         op = seg.ops[0]
@@ -356,7 +362,8 @@ class _VideoRun:
         for v in seg.inputs:
             t = self._read(v, k, need[v])
             vals[v] = (t, need[v])
-            shared.append(t)
+            if self._staged_view(v, k, t):  # (a copy, from the host, is ours: freed at its last reader)
+                shared.append(t)
         for j in range(len(seg.ops)):
             run_op(seg.ops, j, ctx, vals, need, self.shapes, self.lasts[i], keep=seg.outputs, shared=shared)
         self.cache_alive += cache_bytes(ctx.caches) - before

@@ -2,21 +2,24 @@
 
 Counted from the program and the tile layout exactly as `VideoExecutor` will run them: the cache bytes
 and staged bytes are what the executor then holds (tests compare them), the convolution multiply-adds
-are exact, the working set is an upper bound (every value of a segment's tile alive at once).
+are exact, the working set is what one unit (a segment on a tile for a step) holds op by op (`live`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ...locality.boxes import box_area
 from ...locality.ops import OpKind
 from ...locality.ops3d_sync import StepAttention
-from ...locality.program import SegmentKind
+from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
 from ..run.executor import tile_grid
 from ..settings import Job, Mode, Place, Settings
 from .executor import VIDEO_STAGINGS, Order, layout, video_segments
+from .live import FrameSizes, unit_peak
 
 
 @dataclass
@@ -41,7 +44,7 @@ class VideoPlan:
     cache_bytes: int  # caches held at once: every tile's ("frames"), one tile's ("tiles")
     cache_per_tile: int  # the largest tile's caches (over all its segments)
     staged_peak: int  # staged values held at once
-    working: int  # largest working set of one segment on one tile for one step (upper bound)
+    working: int  # most bytes one segment on one tile for one step holds, op by op (`live.unit_peak`)
     attention_bytes: int  # keys, values and one query chunk's scores of the largest frame step
     output_bytes: int  # the returned output (0 when it streams to a sink)
     peak: int  # estimated device peak
@@ -101,15 +104,28 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     last = len(chunks) - 1
     src_of = {op.dst: op.src[0] for op in p.ops}
     per_unit, macs, working = {}, 0, 0
-    for (i, t), (_, need) in units.items():
+    lasts = [last_use(seg.ops, seg.outputs) for seg in segs]
+    like = next((w for op in p.ops if isinstance(w := getattr(op, "weight", None), torch.Tensor)), None)
+    tracked = {op.src[0] for op in p.ops if op.kind is OpKind.GROUP_NORM}
+    seen: dict[tuple, int] = {}
+    for (i, t), (cores, need) in units.items():
+        owned = set(segs[i].inputs) if staging is Place.HOST else set()
         elems = sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]], chans[src_of[op.dst]], last - 1)
                     for op in segs[i].ops if hasattr(op, "cache_elems") and op.dst in need) if last else 0
         per_unit[i, t] = elems * b * item
         for k in range(len(chunks)):
             macs += sum(_conv_macs(op, frames[op.dst][k], box_area(need[op.dst])) * b
                         for op in segs[i].ops if op.dst in need)
-            held = sum(b * chans[v] * frames[v][k] * box_area(bx) * item for v, bx in need.items())
-            working = max(working, held)
+            # (tiles of one shape as far from the borders, in steps of as many frames, hold the same)
+            key = (i, min(k, 2), k == last, tuple(frames[v][k] for v in need),
+                   tuple(_shape_at(bx, shapes[v]) for v, bx in need.items()),
+                   tuple(_shape_at(c, shapes[v]) for v, c in cores.items()))
+            if key not in seen:
+                sizes = FrameSizes(shapes, chans, frames, k, b * item)
+                stats = max((sizes.of(v, c) for v, c in cores.items() if v in tracked), default=0)
+                seen[key] = unit_peak(segs[i].ops, need, sizes, owned, segs[i].outputs, lasts[i], k, like,
+                                      stats)
+            working = max(working, seen[key])
     macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
                        for op in p.ops)
     tiles_of: dict[int, int] = {}
@@ -150,6 +166,13 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
                 host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
                 stats_bytes=stats,
                 dropped=int(shape[2]) - chunks[-1][1])
+
+
+def _shape_at(box, shape) -> tuple:
+    """A box's sides and its distances to the image's borders, up to 64 px (what its ops' padding sees)."""
+    y0, y1, x0, x1 = box
+    h, w = shape
+    return y1 - y0, x1 - x0, min(y0, 64), min(h - y1, 64), min(x0, 64), min(w - x1, 64)
 
 
 def _staged_peak(p, segs, shapes, chans, frames, unit: int, order: str) -> int:
