@@ -52,3 +52,12 @@ def test_a_traced_ops_temporaries_are_measured_from_what_it_runs():
     others = [t for d, t in temps.items() if "rsqrt" not in d]  # (a layer norm: its per-position moments)
     assert norms and all(t >= 1 for t in norms), temps
     assert others and all(t < 0.5 for t in others), temps
+
+
+def test_a_cpu_plan_counts_what_host_staging_keeps_in_its_peak():
+    """On a CPU host memory is the device's own: staging="host" saves none of it, so a CPU plan's peak
+    counts the staged values it keeps there (HunyuanVideo's whole-video values between its GroupNorms)."""
+    tv = tw.TiledVAE(video_vae("hunyuan"), tile_size=3, progress=False)
+    host = tv.plan((1, 4, 2, 7, 9), staging="host")
+    device = tv.plan((1, 4, 2, 7, 9), staging="device")
+    assert host.host_bytes > 0 and host.peak >= device.peak and host.peak >= host.host_bytes

@@ -92,8 +92,9 @@ def _conv_macs(op, frames: int, area: int) -> int:
 
 
 def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order, item: int,
-          query_chunk: int = 4096, to_sink: bool = False) -> dict:
-    """The figures of a VideoPlan for program p on an input of `shape` (B, C, T, H, W)."""
+          query_chunk: int = 4096, to_sink: bool = False, cpu: bool = False) -> dict:
+    """The figures of a VideoPlan for program p on an input of `shape` (B, C, T, H, W). `cpu`: a CPU plan,
+    whose host memory is the device's (what staging="host" keeps counts in its peak)."""
     b = int(shape[0])
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     chunks = p.chunks(int(shape[2]))
@@ -159,6 +160,8 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     host = (caches if cached_on_host else 0) + (staged if staging is Place.HOST else 0)
     resident = (0 if cached_on_host else caches) + (0 if staging is Place.HOST else staged)
     reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
+    if cpu:  # (host memory is the CPU's own: what host staging keeps is held all the same)
+        resident += host
     return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
                 sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
                 cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
@@ -214,7 +217,8 @@ def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Orde
           to_sink: bool) -> VideoPlan:
     p = job.program
     shape = tuple(int(d) for d in shape)
-    f = count(p, shape, tile, job.ref, settings.attention, st, order, job.item, settings.query_chunk, to_sink)
+    f = count(p, shape, tile, job.ref, settings.attention, st, order, job.item, settings.query_chunk, to_sink,
+              cpu=not job.gpu)
     notes = []
     if settings.mode is Mode.FAST:
         notes.append(fast_note(p))
