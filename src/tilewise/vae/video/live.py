@@ -22,7 +22,9 @@ from ..plan.live import overwrites
 from .stores import nbytes
 
 TRACED = (OpKind.POINTWISE, OpKind.REARRANGE, OpKind.MODULE)
-_measured: dict[int, tuple] = {}  # id(op) -> (weakref to op, temporaries over the input's bytes)
+# (id(op), frames) -> (weakref to op, its ratios): what an op holds depends on its input's frame count
+# (an op that splits off the first frame holds a view of the rest, ...), so each count is measured
+_measured: dict[tuple[int, int], tuple] = {}
 
 
 class FrameSizes:
@@ -121,9 +123,9 @@ def _op_bytes(op, need, sizes: FrameSizes, step: int, like) -> tuple[int, int]:
 def traced_temps(op, channels: int, frames: int, like=None) -> tuple[float, float]:
     """(the most bytes a traced op's calls hold at once beside its output, over its input's; the bytes
     its output holds over its elements' (a view of a larger copy: frames sliced off)): measured once per
-    op (new tensor storages, birth to release), running it on a random (1, C, t, 8 d, 8 d) input (d: its
-    downsampling) of like's device and dtype."""
-    hit = _measured.get(id(op))
+    op and frame count t (new tensor storages, birth to release), running it on a random
+    (1, C, t, 8 d, 8 d) input (d: its downsampling) of like's device and dtype."""
+    hit = _measured.get((id(op), frames))
     if hit is not None and hit[0]() is op:
         return hit[1]
     d = max(1, int(getattr(op, "down", 1)))
@@ -141,7 +143,7 @@ def traced_temps(op, channels: int, frames: int, like=None) -> tuple[float, floa
         ratio = (max(0, peak - own) / (x.numel() * x.element_size()), max(1.0, own / max(1, nbytes(y))))
     except Exception:  # (an op that reads its call's values, ...: every call's output held)
         ratio = (float(getattr(op, "kernels", 0) or getattr(op, "calls", 0) or 1), 1.0)
-    _measured[id(op)] = (weakref.ref(op), ratio)
+    _measured[id(op), frames] = (weakref.ref(op), ratio)
     return ratio
 
 
