@@ -107,6 +107,19 @@ def refiner(seed: int = 0):
                                             layers_per_block=1).eval()
 
 
+def _group_norms(vae, seed: int):
+    """The VAE with its GroupNorms' weights and biases randomised (so a wrong statistic cannot hide)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in vae.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+    return vae.eval()
+
+
 def hunyuan(seed: int = 0):
     """AutoencoderKLHunyuanVideo (8x spatial, 4x temporal here): GroupNorms over frames x space, the
     mid-block's attention over every frame's tokens with a causal mask between frames; its norms'
@@ -118,13 +131,7 @@ def hunyuan(seed: int = 0):
     vae = AutoencoderKLHunyuanVideo(latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
                                     up_block_types=("HunyuanVideoUpBlock3D",) * 4,
                                     block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for m in vae.modules():
-            if isinstance(m, torch.nn.GroupNorm):
-                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
-                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
-    return vae.eval()
+    return _group_norms(vae, seed + 1)
 
 
 def mochi(seed: int = 0):
@@ -137,13 +144,7 @@ def mochi(seed: int = 0):
     torch.manual_seed(seed)
     vae = AutoencoderKLMochi(latent_channels=4, encoder_block_out_channels=(32,) * 4,
                              decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for m in vae.modules():
-            if isinstance(m, torch.nn.GroupNorm):
-                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
-                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
-    return vae.eval()
+    return _group_norms(vae, seed + 1)
 
 
 VAES = {"qwen": qwen, "mochi": mochi,
