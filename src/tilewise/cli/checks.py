@@ -135,14 +135,14 @@ def model_paths(model: Path | None, config: Path | None, vae_folder: bool = Fals
         check_controlnet_folder(controlnet)
 
 
-def image_input(path: Path, option: str = "image", decode: bool = False):
+def image_input(path: Path, option: str = "image", decode: bool = False, alpha: bool = False):
     """An input image whose header opens; with `decode`, read whole at its depth (a truncated or corrupt
-    image is refused now, not after the model loads): its `Picture` then."""
+    image is refused now, not after the model loads): its `Picture` then (`alpha`: its alpha is used)."""
     from ..sources import check_image, read_image
 
     what = "image" if option == "image" else f"{option} image"
     if decode:
-        return read_image(path, what)
+        return read_image(path, what, alpha=alpha)
     check_image(path, what)
     return None
 

@@ -56,6 +56,7 @@ def decode(
     """
     from ..pipelines import VaeFileOptions, load_vae, run_decode_file
     from ..pipelines.folders import part_config, vae_factor_of
+    from ..pipelines.image_latents import FRAMED
 
     checks.model_paths(model, config, vae_folder=True)
     video = _video_vae(model)
@@ -66,7 +67,9 @@ def decode(
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
     cfg = part_config(model, "vae", config)
-    shape = checks.latents_input(latents, video=video, channels=None if video else _latent_channels(cfg))
+    framed = _vae_class(model) in FRAMED  # (Qwen-Image 2.1: (1, C, 1, h, w) files)
+    shape = checks.latents_input(latents, video=video or framed,
+                                 channels=None if video else _latent_channels(cfg, _vae_class(model)))
     if video:
         checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
     f = None if video else vae_factor_of(cfg)
@@ -172,24 +175,33 @@ def _check_encode_input(image: Path, model: Path | None, config: Path | None) ->
     if _video_vae(model):
         checks.video_input(image)
         return
-    pic = checks.image_input(image, decode=True)
-    f = vae_factor_of(part_config(model, "vae", config))
+    cfg = part_config(model, "vae", config)
+    pic = checks.image_input(image, decode=True, alpha=(cfg or {}).get("in_channels") == 4)  # (RGBA VAEs)
+    f = vae_factor_of(cfg)
     if f is not None:
         check_image_size(str(image), pic.width, pic.height, f)
 
 
-def _latent_channels(cfg: dict | None) -> int | None:
-    """The latent channels a 2-D VAE's config names (None: not known before it loads)."""
-    c = (cfg or {}).get("latent_channels")
-    return c if isinstance(c, int) else None
+def _latent_channels(cfg: dict | None, name: str | None) -> int | None:
+    """The channels of a 2-D VAE's latents file its config names (Flux.2: 4 x latent_channels, its 2x2
+    patches; None: not known before it loads)."""
+    from ..pipelines.image_latents import channels_of
+
+    return channels_of(name or "AutoencoderKL", cfg or {})
+
+
+def _vae_class(model) -> str | None:
+    """The VAE class --model names (read from its JSON, nothing loaded; None: not known before it loads)."""
+    from ..pipelines.loading import vae_class
+
+    return vae_class(model)
 
 
 def _video_vae(model) -> bool:
     """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded)."""
     from ..locality.lowering3d import VIDEO_VAES
-    from ..pipelines.loading import vae_class
 
-    return vae_class(model) in VIDEO_VAES
+    return _vae_class(model) in VIDEO_VAES
 
 
 def plan(

@@ -21,11 +21,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
+from ..locality.classes import IMAGE_VAES, REFUSED
 from ..locality.lowering3d import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", *VIDEO_VAES)  # what a VAE folder may hold
+VAE_CLASSES = (*IMAGE_VAES, *VIDEO_VAES)  # what a VAE folder (or a pipeline's vae/) may hold
+# VAEs decode / encode load from a pipeline folder's vae/ alone (AutoencoderKL's and AutoencoderTiny's
+# pipelines load whole, as `generate` loads them)
+ALONE_VAES = tuple(name for name in VAE_CLASSES if name not in ("AutoencoderKL", "AutoencoderTiny"))
 WEIGHTS = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".gguf")
 LIBRARY_LOGGERS = ("diffusers", "transformers")
 
@@ -112,18 +116,29 @@ def check_model_folder(model: str | os.PathLike | None, config: str | os.PathLik
         if vae_folder and (path / "config.json").is_file() and not (path / "model_index.json").is_file():
             name = read_json(path / "config.json", "a VAE folder's config.json names its _class_name").get(
                 "_class_name")
-            if name not in VAE_CLASSES:
-                raise ModelProblem(f"{str(path)!r} holds a {name or 'model without _class_name'}, not a VAE "
-                                   f"tilewise tiles: one of {', '.join(VAE_CLASSES)}")
+            check_vae_class(name, f"{str(path)!r}")
             check_component(path, f"VAE folder {str(path)!r}", weights=True)
         else:
-            check_pipeline_folder(path, "--model")
+            index = check_pipeline_folder(path, "--model")
+            if vae_folder and isinstance(index.get("vae"), list) and len(index["vae"]) == 2:
+                check_vae_class(index["vae"][1], f"the vae of {str(path)!r}")
     if config is not None:
         path = Path(config)
         if not path.is_dir():
             raise BadRequest(f"--config {str(config)!r} is a file: give a diffusers pipeline folder (with "
                              "model_index.json, component configs and tokenizer) of the checkpoint's model")
         check_pipeline_folder(path, "--config", weights=False)
+
+
+def check_vae_class(name, what: str) -> None:
+    """A VAE class `decode` / `encode` take (`VAE_CLASSES`); ModelProblem naming it, with the reason where
+    the family table refuses it (`locality.classes.REFUSED`), else the classes that are taken."""
+    if name in VAE_CLASSES:
+        return
+    if name in REFUSED:
+        raise ModelProblem(f"{what} holds a {name}, which tilewise does not tile: {REFUSED[name]}")
+    raise ModelProblem(f"{what} holds a {name or 'model without _class_name'}, not a VAE tilewise tiles: one "
+                       f"of {', '.join(VAE_CLASSES)}")
 
 
 def check_controlnet_folder(folder: str | os.PathLike) -> None:

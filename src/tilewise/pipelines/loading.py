@@ -14,9 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadRequest, ModelProblem
-from ..locality.lowering3d import VIDEO_VAES
 from ..models import SCHEDULERS, default_prompt_embeds, load_default_pipeline
-from .folders import VAE_CLASSES, check_controlnet_folder, model_errors, read_json, read_model_index
+from .folders import (
+    ALONE_VAES,
+    check_controlnet_folder,
+    check_vae_class,
+    model_errors,
+    read_json,
+    read_model_index,
+)
 from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
 
@@ -218,23 +224,22 @@ def load_vae(
     local_files_only: bool = True,
 ):
     """The VAE of --model for decode / encode: a VAE folder (config.json of a diffusers VAE class) loaded
-    alone; a pipeline folder whose VAE is a 3-D VAE (Qwen-Image, Wan, LTX-Video): its vae/ folder alone
-    (no transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
+    alone; a pipeline folder whose VAE is a 3-D VAE (Qwen-Image, Wan, LTX-Video) or an image VAE other
+    than AutoencoderKL / AutoencoderTiny (Flux.2, Sana's DC-AE, Qwen-Image 2.1, ...): its vae/ folder
+    alone (no transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
     import diffusers
 
     torch_dtype = _torch_dtype(dtype)
     name = vae_class(model)
     path = None if model is None else Path(model)
     if path is not None and path.is_dir() and not (path / "model_index.json").is_file() and name is not None:
-        if name not in VAE_CLASSES:
-            raise ModelProblem(f"{str(path)!r} holds a {name}, not a VAE tilewise tiles: one of "
-                               f"{', '.join(VAE_CLASSES)}")
+        check_vae_class(name, f"{str(path)!r}")
         if config is not None:
             raise BadRequest(f"--config {str(config)!r} applies to a single-file --model only, but --model "
                              f"{str(path)!r} is a VAE folder (it carries its own config)")
         with model_errors(f"VAE folder {str(path)!r}"):
             vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
-    elif name in VIDEO_VAES and config is None:
+    elif name in ALONE_VAES and config is None:
         with model_errors(f"the VAE of {str(path)!r}", folder=path):
             vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
                                                            local_files_only=local_files_only)

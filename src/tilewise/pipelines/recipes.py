@@ -19,10 +19,12 @@ from ..distributed import rank_world, resolve_group
 from ..errors import BadInputFile, BadRequest, WontFit
 from ..locality.lowering3d import is_video_vae
 from ..sinks import open_sink
-from ..sources import read_image, read_latents
+from ..sources import read_image
 from .denoise import denoise, tiled_denoiser
 from .fits import check_generate_fits, check_image_output, check_latents_output
 from .generate_video import frames_arg, run_generate_video
+from .image_latents import as_input, encoded, from_file, latent_scale, patch, to_file
+from .image_latents import read as read_file_latents
 from .loading import Loaded
 from .options import GenerateOptions, GenerateResult, VaeFileOptions
 from .video import decode_video_file, encode_video_file
@@ -42,12 +44,6 @@ def parse_region(text: str) -> tuple[tuple[int, int, int, int], str]:
             f"region {text!r} must look like 'x0,y0,x1,y1:prompt' (pixels, e.g. '0,0,512,512:brick')"
         )
     return coords, prompt.strip()  # type: ignore[return-value]
-
-
-def latent_scale(vae) -> tuple[float, float]:
-    """(scaling_factor, shift_factor) of a VAE config (SD: 0.18215, 0; SD3/Flux have a shift)."""
-    cfg = vae.config
-    return float(getattr(cfg, "scaling_factor", 1.0) or 1.0), float(getattr(cfg, "shift_factor", 0.0) or 0.0)
 
 
 def generate(
@@ -186,8 +182,9 @@ def _decode_out(tv, z, out: str | None, bits: int, replace: bool = True):
     if not _writes(tv):  # rank 0 writes; this rank sends its rows
         tv.decode_to(z, None)
         return None
-    f = vae_factor(tv.vae)
-    with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, 3, bits=bits, replace=replace) as sink:
+    f, p = tv.factor("decode"), tv.program("decode")
+    with open_sink(out, z.shape[-2] * f, z.shape[-1] * f, p.channels()[p.output], bits=bits,
+                   replace=replace) as sink:
         tv.decode_to(z, sink)
     logger.info("wrote %s", out)
     return None
@@ -238,14 +235,13 @@ def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
         return decode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
                                  staging=o.staging, bits=o.bits, progress=o.progress, replace=o.replace,
                                  process_group=o.process_group)
-    # 2. check the output, read the latents (checked as they are read)
+    # 2. check the output, read the latents in the family's layout (checked as they are read, `image_latents`)
     check_image_output(o.out, o.bits, o.replace)
-    z = read_latents(o.source, channels=int(vae.config.latent_channels)).to(vae.device, vae.dtype)
-    sf, shift = latent_scale(vae)
-    # 3. plan and decode, streamed to the output
-    tv = _tiled_vae(vae, o)
+    tv = _tiled_vae(vae, o)  # (a class no tile program reproduces is refused here, with the reason)
+    z = from_file(vae, read_file_latents(vae, o.source))
+    # 3. plan and decode the raw latents, streamed to the output
     plan = tv.plan(tuple(z.shape))
-    _decode_out(tv, z / sf + shift, o.out, o.bits, o.replace)
+    _decode_out(tv, z, o.out, o.bits, o.replace)
     return plan
 
 
@@ -257,12 +253,16 @@ def _tiled_vae(vae, o: VaeFileOptions):
                     progress=o.progress, process_group=o.process_group)
 
 
-def load_image(path: str, multiple: int = 8):
+def load_image(path: str, multiple: int = 8, channels: int = 3):
     """An image file as a (1, 3, H, W) float tensor in [-1, 1], read at its depth (`tilewise.sources`);
-    sides must be multiples of `multiple`."""
-    pic = read_image(path)
+    sides must be multiples of `multiple`. channels=4 (an RGBA VAE: Qwen-Image 2.1): (1, 4, H, W), its
+    alpha last (opaque where the file has none)."""
+    if channels not in (3, 4):
+        raise BadRequest(f"the VAE encodes {channels}-channel images; tilewise reads images as RGB (3) or "
+                         "RGBA (4)")
+    pic = read_image(path, alpha=channels == 4)
     check_image_size(path, pic.width, pic.height, multiple)
-    return pic.tensor((-1.0, 1.0))
+    return pic.tensor((-1.0, 1.0), alpha=channels == 4)
 
 
 def check_image_size(path: str, w: int, h: int, multiple: int) -> None:
@@ -309,27 +309,26 @@ def run_encode_file(loaded: Loaded | Any, options: VaeFileOptions):
         return encode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
                                  staging=o.staging, progress=o.progress, replace=o.replace,
                                  process_group=o.process_group)
-    # 3. read the image, plan and encode: the distribution's mean, scaled like a pipeline's latents
-    x = load_image(o.source, vae_factor(vae)).to(vae.device, vae.dtype)
+    # 3. read the image (RGBA for a 4-channel VAE), plan and encode: the raw latent of the family's output
+    # (the distribution's mean, DC-AE's latent, VQModel's latents), in its latents file's layout
     tv = _tiled_vae(vae, o)
+    x = load_image(o.source, tv.factor("encode") * patch(vae), int(vae.config.in_channels))
+    x = as_input(vae, x).to(vae.device, vae.dtype)
     plan = tv.plan(tuple(x.shape), kind="encode")
-    dist = tv.encode(x).latent_dist
-    sf, shift = latent_scale(vae)
-    latents = ((dist.mean - shift) * sf).contiguous()
+    latents, metadata = to_file(vae, encoded(tv.encode(x)))
     # 4. rank 0 writes the file
     if _writes(tv):
-        _save_latents(latents, o.out, sf, shift, o.replace)
+        _save_latents(latents, o.out, metadata, o.replace)
     return plan
 
 
-def _save_latents(latents, out: str, sf: float, shift: float, replace: bool) -> None:
-    """Write latents to a .safetensors file atomically, with the scale and shift they carry as metadata."""
+def _save_latents(latents, out: str, metadata: dict[str, str], replace: bool) -> None:
+    """Write latents to a .safetensors file atomically, with how they are normalised as metadata."""
     from safetensors.torch import save_file  # (lazy: imports torch, see the module docstring)
 
     with atomic_path(out, replace=replace) as tmp:
         try:
-            save_file({"latents": latents.cpu()}, str(tmp),
-                      metadata={"scaling_factor": str(sf), "shift_factor": str(shift)})
+            save_file({"latents": latents.cpu()}, str(tmp), metadata=metadata)
         except Exception as e:  # safetensors' errors name neither the file nor errno
             if "os error 28" in str(e) or "No space left" in str(e):
                 raise OSError(errno.ENOSPC, "No space left on device", str(out)) from e

@@ -6,7 +6,8 @@ What `read_image` does with each kind (the README's "Input images"):
 - TIFFs through tifffile, 8- or 16-bit unsigned, 1-4 samples, contiguous or planar;
 - grey is replicated to R, G, B;
 - alpha is kept apart (`Picture.alpha`) and not used: the colour channels are taken as stored, and a
-  warning says so when some pixel is not opaque;
+  warning says so when some pixel is not opaque (unless the caller uses it: an RGBA VAE's encode,
+  `Picture.tensor(alpha=True)`);
 - float, 32-bit integer, CMYK-TIFF and other kinds are refused with `BadInputFile` naming what was found.
 The image's size is read from its header first, and an image whose pixels would not fit in memory is
 refused (`WontFit`) before it is decoded.
@@ -56,27 +57,34 @@ class Picture:
     def height(self) -> int:
         return int(self.pixels.shape[0])
 
-    def tensor(self, value_range: tuple[float, float] = (-1.0, 1.0)) -> Any:
-        """(1, 3, H, W) float32 tensor with 0 -> value_range[0] and the top level -> value_range[1]."""
+    def tensor(self, value_range: tuple[float, float] = (-1.0, 1.0), alpha: bool = False) -> Any:
+        """(1, 3, H, W) float32 tensor with 0 -> value_range[0] and the top level -> value_range[1];
+        with `alpha` (1, 4, H, W), the alpha channel last (opaque where the file has none)."""
         import torch
 
         lo, hi = value_range
-        half = ((1 << self.bits) - 1) / (hi - lo)
-        x = torch.from_numpy(self.pixels.astype(np.float32)).permute(2, 0, 1)[None]
+        top = (1 << self.bits) - 1
+        half = top / (hi - lo)
+        pixels = self.pixels
+        if alpha:
+            a = self.alpha if self.alpha is not None else np.full(pixels.shape[:2], top, pixels.dtype)
+            pixels = np.concatenate([pixels, a[..., None]], axis=2)
+        x = torch.from_numpy(pixels.astype(np.float32)).permute(2, 0, 1)[None]
         return x / half + lo
 
 
-def read_image(path: str | os.PathLike, what: str = "image") -> Picture:
-    """An input image at its depth (see the module docstring); BadInputFile naming `path` otherwise."""
+def read_image(path: str | os.PathLike, what: str = "image", alpha: bool = False) -> Picture:
+    """An input image at its depth (see the module docstring); BadInputFile naming `path` otherwise.
+    `alpha`: the caller uses the alpha channel (`Picture.tensor(alpha=True)`): no warning about it."""
     p, shown, head, png = _open(path, what)
     if png is not None and png[2] == 16:
         _check_room(png[0], png[1], CHANNELS.get(png[3], 4), 2, shown)
         arr = read_png16(str(p))
         kind = {1: "grey", 2: "grey+alpha", 3: "RGB", 4: "RGBA"}[arr.shape[2]]
-        return _picture(arr, 16, f"16-bit {kind} PNG", shown)
+        return _picture(arr, 16, f"16-bit {kind} PNG", shown, alpha)
     if head[:4] in _TIFF_MAGIC:
-        return _read_tiff(str(p), shown)
-    return _read_pillow(str(p), shown)
+        return _read_tiff(str(p), shown, alpha)
+    return _read_pillow(str(p), shown, alpha)
 
 
 def _open(path: str | os.PathLike, what: str) -> tuple[Any, str, bytes, tuple | None]:
@@ -94,18 +102,19 @@ def _check_room(w: int, h: int, channels: int, itemsize: int, shown: str) -> Non
                  hint="crop or shrink it first")
 
 
-def _picture(arr: np.ndarray, bits: int, kind: str, shown: str) -> Picture:
-    """Picture from (H, W, C) integer samples, C = 1 grey, 2 grey+alpha, 3 RGB, 4 RGBA."""
+def _picture(arr: np.ndarray, bits: int, kind: str, shown: str, used: bool = False) -> Picture:
+    """Picture from (H, W, C) integer samples, C = 1 grey, 2 grey+alpha, 3 RGB, 4 RGBA (`used`: the
+    caller uses the alpha)."""
     c = arr.shape[2]
     colour = arr[..., :3] if c >= 3 else np.repeat(arr[..., :1], 3, axis=2)
     alpha = arr[..., c - 1] if c in (2, 4) else None
-    if alpha is not None and int(alpha.min()) < (1 << bits) - 1:
+    if alpha is not None and not used and int(alpha.min()) < (1 << bits) - 1:
         logger.warning("%s has transparent pixels: its alpha is not used, the colour channels are taken as "
                        "stored", shown)
     return Picture(np.ascontiguousarray(colour), bits, alpha, kind)
 
 
-def _read_tiff(path: str, shown: str) -> Picture:
+def _read_tiff(path: str, shown: str, alpha: bool = False) -> Picture:
     import tifffile
 
     try:
@@ -131,7 +140,7 @@ def _read_tiff(path: str, shown: str) -> Picture:
         raise BadInputFile(f"{shown!r} is a TIFF with {arr.shape[2]} samples per pixel; tilewise reads 1 "
                            "(grey), 2 (grey+alpha), 3 (RGB) or 4 (RGBA)")
     bits = 8 * dtype.itemsize
-    return _picture(arr, bits, f"{bits}-bit TIFF", shown)
+    return _picture(arr, bits, f"{bits}-bit TIFF", shown, alpha)
 
 
 @contextmanager
@@ -175,14 +184,14 @@ def check_image(path: str | os.PathLike, what: str = "image") -> tuple[int, int]
         return im.size
 
 
-def _read_pillow(path: str, shown: str) -> Picture:
+def _read_pillow(path: str, shown: str, alpha: bool = False) -> Picture:
     with _pillow(path, shown) as im:
         mode, fmt = im.mode, im.format or "image"
         _check_room(im.width, im.height, 4, 1 if mode not in _PIL_16 + ("I",) else 4, shown)
         im.load()
         arr = _pillow_array(im, mode, fmt, shown)
     bits = 16 if arr.dtype == np.uint16 else 8
-    return _picture(arr, bits, f"{bits}-bit {mode} {fmt}", shown)
+    return _picture(arr, bits, f"{bits}-bit {mode} {fmt}", shown, alpha)
 
 
 def _pillow_array(im: Any, mode: str, fmt: str, shown: str) -> np.ndarray:

@@ -30,6 +30,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution, Enco
 from diffusers.models.autoencoders.vq_model import VQEncoderOutput
 
 from ..locality.build import LoweringError
+from ..locality.classes import REFUSED_IMAGE, REFUSED_VIDEO
 from ..locality.lowering import EXAMPLE_FRAMES, EXAMPLE_HW
 from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
@@ -175,8 +176,6 @@ def _cosmos_check(vae) -> str:
 
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
-AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents over time), not images or "
-         "videos; TiledVAE tiles image and video VAEs only; use the wrapped VAE")
 FAMILIES: dict[str, Family] = {
     "AutoencoderKL": KL,
     "AutoencoderTiny": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latents, encoded="tiny"),
@@ -213,50 +212,11 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLQwenImage21": Family(decode=lambda vae, z: _kl_decode(vae, z.unsqueeze(2)).squeeze(2),
                                        encode=lambda vae, x: _kl_encode(vae, x.unsqueeze(2)).squeeze(2),
                                        frame=True),
-    "AutoencoderKLKVAEVideo": Family(video=True, refused=(
-        "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
-        "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "
-        "wrapped VAE")),
-    "AutoencoderVidTok": Family(video=True, refused=(
-        "its encoder and decoder run a chunked causal loop over frames whose layers carry caches between "
-        "chunks (VidTokEncoder3D / VidTokDecoder3D), which the lowering does not reach yet; use the "
-        "wrapped VAE")),
     # 2-D VAEs traced as their decode and encode compute (tested exact against the stock VAE)
     **{name: KL for name in ("AutoencoderKLFlux2", "AutoencoderKLKVAE", "AutoencoderKLHunyuanImage")},
-    **{name: Family(refused=AUDIO) for name in (
-        "AutoencoderOobleck", "AutoencoderKLLTX2Audio", "AutoencoderKLKVAEAudio",
-        "AutoencoderKLMiniMaxH3Audio", "AutoencoderSAME", "Cosmos3AVAEAudioTokenizer", "MMAudioVAE",
-        "LongCatAudioDiTVae")},
-    "AutoencoderKLMiniMaxH3": Family(video=True, refused=(
-        "its decoder is a ViT (MiniMaxH3VideoViTDecoder3d: full self-attention over every latent voxel of a "
-        "clip, with register tokens), so each output pixel reads the whole clip: no tile program reproduces "
-        "it; use the wrapped VAE")),
-    "AutoencoderRAE": Family(refused=(
-        "its encoder is a pretrained ViT (DINOv2 / SigLIP / MAE) on an image resized to encoder_input_size "
-        "and its decoder a ViT with global self-attention over every patch: no tile program reproduces them; "
-        "use the wrapped VAE")),
-    "AutoencoderKLAllegro": Family(video=True, refused=(
-        "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
-        "enable_tiling); use the wrapped VAE")),
-    "ConsistencyDecoderVAE": Family(refused=(
-        "its decoder is a diffusion model (a UNet run for num_inference_steps steps from noise), not one "
-        "pass of local operators: no tile program reproduces it; decode with the wrapped VAE")),
-    "LTX2VideoDiffusionDecoderModel": Family(video=True, refused=(
-        "it is a diffusion decoder (LTX-2.5: pixels denoised over steps from noise, conditioned on the "
-        "latents, by LTX2VideoDiffusionDecodePipeline), not one pass of local operators: no tile program "
-        "reproduces it; decode with the wrapped model")),
-    "Kandinsky6SRVAE": Family(video=True, refused=(
-        "its causal convolutions carry their padding state between 16-frame segments (a chunked loop "
-        "with caches, Kandinsky6SRCausalConv3d), which the lowering does not reach yet; use the wrapped "
-        "VAE")),
-    "RFD4ProteinaAutoencoder": Family(refused=(
-        "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
-        "not images or videos")),
-    "AutoencoderKLTemporalDecoder": Family(refused=(
-        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
-        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
-        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
-        "not lower values with frames in the batch yet; use the wrapped VAE")),
+    # refused by name with the reason (`locality.classes`): no tile program reproduces them
+    **{name: Family(refused=why) for name, why in REFUSED_IMAGE.items()},
+    **{name: Family(video=True, refused=why) for name, why in REFUSED_VIDEO.items()},
 }
 
 

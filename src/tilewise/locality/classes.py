@@ -1,0 +1,66 @@
+"""VAE classes by name, read without importing diffusers: the image VAEs tile programs reproduce, and the
+classes no tile program reproduces, each with the reason.
+
+`vae.families` builds its table from these (a refused class is a `Family(refused=REFUSED[name])`); the
+CLI reads them to refuse a model folder from its JSON, before anything loads (`pipelines.folders`). The
+3-D VAEs are `lowering3d.VIDEO_VAES`.
+"""
+
+from __future__ import annotations
+
+# 2-D image VAEs (and Qwen-Image 2.1's image VAE in a video's layout), tested exact against the stock VAE
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLFlux2", "AutoencoderDC", "VQModel",
+              "AutoencoderKLKVAE", "AutoencoderKLHunyuanImage", "AsymmetricAutoencoderKL",
+              "AutoencoderKLQwenImage21")
+
+AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents over time), not images or "
+         "videos; TiledVAE tiles image and video VAEs only; use the wrapped VAE")
+
+# why no tile program reproduces a class (video: whether it is a 3-D VAE); refused by name
+REFUSED_VIDEO: dict[str, str] = {
+    "AutoencoderKLKVAEVideo": (
+        "its GroupNorms (KVAECachedGroupNorm) take statistics over each 16-frame chunk's frames and whole "
+        "frames, so every output pixel reads the whole frame: no tile program reproduces it; use the "
+        "wrapped VAE"),
+    "AutoencoderVidTok": (
+        "its encoder and decoder run a chunked causal loop over frames whose layers carry caches between "
+        "chunks (VidTokEncoder3D / VidTokDecoder3D), which the lowering does not reach yet; use the "
+        "wrapped VAE"),
+    "AutoencoderKLMiniMaxH3": (
+        "its decoder is a ViT (MiniMaxH3VideoViTDecoder3d: full self-attention over every latent voxel of a "
+        "clip, with register tokens), so each output pixel reads the whole clip: no tile program reproduces "
+        "it; use the wrapped VAE"),
+    "AutoencoderKLAllegro": (
+        "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
+        "enable_tiling); use the wrapped VAE"),
+    "LTX2VideoDiffusionDecoderModel": (
+        "it is a diffusion decoder (LTX-2.5: pixels denoised over steps from noise, conditioned on the "
+        "latents, by LTX2VideoDiffusionDecodePipeline), not one pass of local operators: no tile program "
+        "reproduces it; decode with the wrapped model"),
+    "Kandinsky6SRVAE": (
+        "its causal convolutions carry their padding state between 16-frame segments (a chunked loop "
+        "with caches, Kandinsky6SRCausalConv3d), which the lowering does not reach yet; use the wrapped "
+        "VAE"),
+}
+REFUSED_IMAGE: dict[str, str] = {
+    **{name: AUDIO for name in (
+        "AutoencoderOobleck", "AutoencoderKLLTX2Audio", "AutoencoderKLKVAEAudio",
+        "AutoencoderKLMiniMaxH3Audio", "AutoencoderSAME", "Cosmos3AVAEAudioTokenizer", "MMAudioVAE",
+        "LongCatAudioDiTVae")},
+    "AutoencoderRAE": (
+        "its encoder is a pretrained ViT (DINOv2 / SigLIP / MAE) on an image resized to encoder_input_size "
+        "and its decoder a ViT with global self-attention over every patch: no tile program reproduces them; "
+        "use the wrapped VAE"),
+    "ConsistencyDecoderVAE": (
+        "its decoder is a diffusion model (a UNet run for num_inference_steps steps from noise), not one "
+        "pass of local operators: no tile program reproduces it; decode with the wrapped VAE"),
+    "RFD4ProteinaAutoencoder": (
+        "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
+        "not images or videos"),
+    "AutoencoderKLTemporalDecoder": (
+        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
+        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
+        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
+        "not lower values with frames in the batch yet; use the wrapped VAE"),
+}
+REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
