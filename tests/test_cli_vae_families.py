@@ -17,7 +17,7 @@ from PIL import Image  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-from vae_support import family_vae  # noqa: E402
+from vae_support import family_vae, tiny_vae  # noqa: E402
 from video_vae_support import qwen21  # noqa: E402
 
 from tilewise.cli import app, main  # noqa: E402
@@ -25,13 +25,14 @@ from tilewise.errors import BadInputFile, ModelProblem  # noqa: E402
 
 runner = CliRunner()
 TOL = 1e-4
-NAMES = ["flux2", "dc", "vq", "kvae", "hunyuan", "asym", "qwen21"]
+NAMES = ["flux2", "dc", "vq", "kvae", "hunyuan", "asym", "qwen21", "tiny"]
 
 
 def _vae(name: str):
     """The family's tiny VAE with non-trivial latent normalisation: a scaling factor (and a shift where
     its config has one), Flux.2's batch-norm running statistics; Qwen-Image 2.1's mean and std as built."""
-    vae = qwen21() if name == "qwen21" else family_vae(name)
+    builders = {"qwen21": qwen21, "tiny": tiny_vae}
+    vae = builders[name]() if name in builders else family_vae(name)
     if name == "flux2":
         g = torch.Generator().manual_seed(3)
         vae.bn.running_mean.copy_(torch.randn(vae.bn.running_mean.shape, generator=g))
@@ -134,10 +135,10 @@ def test_decode_writes_the_stock_decode_of_the_pipeline_latents(folders, tmp_pat
 @pytest.mark.parametrize("name", NAMES)
 def test_encode_writes_the_pipeline_latents_of_the_stock_encode(folders, tmp_path, name):
     folder, vae = folders[name]
-    tv_factor = {"flux2": 4, "hunyuan": 4, "qwen21": 4}.get(name, 2)  # (Flux.2: 2 x its 2x2 patches)
+    f = {"flux2": 4, "hunyuan": 4, "qwen21": 4, "tiny": 8}.get(name, 2)  # (Flux.2: 2 x its 2x2 patches)
     channels = 4 if name == "qwen21" else 3  # (Qwen-Image 2.1 encodes RGBA)
     rng = np.random.default_rng(2)
-    pixels = rng.integers(0, 256, (6 * tv_factor, 8 * tv_factor, channels), dtype=np.uint8)
+    pixels = rng.integers(0, 256, (6 * f, 8 * f, channels), dtype=np.uint8)
     Image.fromarray(pixels).save(tmp_path / "in.png")
     text = _run("encode", tmp_path / "in.png", "--model", folder, "--out", tmp_path / "z.safetensors",
                 "--tile", 2, "--quiet")
@@ -177,6 +178,10 @@ def test_latents_files_of_another_layout_are_refused_naming_the_shape(folders, t
     err = _fails(capsys, "decode", tmp_path / "t.safetensors", "--model", folders["qwen21"][0], "--out",
                  tmp_path / "x.png", code=BadInputFile.exit_code)
     assert "(1, C, 1, h, w) (T must be 1)" in err and not (tmp_path / "x.png").exists()
+    Image.fromarray(np.zeros((8, 10, 3), np.uint8)).save(tmp_path / "in.png")  # (Flux.2 here: sides of 4 k)
+    err = _fails(capsys, "encode", tmp_path / "in.png", "--model", folders["flux2"][0], "--out",
+                 tmp_path / "z2.safetensors", code=BadInputFile.exit_code)
+    assert "is 10x8; both sides must be multiples of 4" in err and not (tmp_path / "z2.safetensors").exists()
 
 
 def _refused_folders(root):
@@ -206,3 +211,28 @@ def test_a_class_no_tile_program_reproduces_is_refused_by_name_with_the_reason(t
             err = _fails(capsys, *args, "--model", folder, "--out", out, code=ModelProblem.exit_code)
             assert f"holds a {name}, which tilewise does not tile: {REFUSED[name]}" in err
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_qwen_image_21_decodes_to_an_rgba_png_within_one_level(folders, tmp_path):
+    folder, vae = folders["qwen21"]
+    z = torch.randn(1, 4, 1, 5, 7, generator=torch.Generator().manual_seed(6))
+    save_file({"latents": z[0]}, str(tmp_path / "z.safetensors"))  # (one image's (C, 1, h, w))
+    _run("decode", tmp_path / "z.safetensors", "--model", folder, "--out", tmp_path / "x.png", "--tile", 2,
+         "--quiet")
+    with torch.no_grad():
+        want = vae.decode(_raw("qwen21", vae, z)).sample[0, :, 0]
+    want = ((want.clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).numpy()
+    with Image.open(tmp_path / "x.png") as im:
+        assert im.mode == "RGBA"
+        got = np.asarray(im).astype(np.float32)
+    assert got.shape == want.shape == (20, 28, 4) and np.abs(got - want).max() <= 0.5 + 1e-3  # (rounding)
+
+
+def test_the_classes_the_cli_reads_agree_with_the_family_table():
+    from tilewise.locality.classes import IMAGE_VAES, REFUSED
+    from tilewise.vae.families import FAMILIES
+
+    assert all(name in FAMILIES and not FAMILIES[name].refused and not FAMILIES[name].video
+               for name in IMAGE_VAES)
+    assert {n for n, f in FAMILIES.items() if f.refused} == set(REFUSED)
+    assert all(FAMILIES[name].refused == why for name, why in REFUSED.items())

@@ -22,7 +22,8 @@ from .report import finish_report, run_folder, write_plan
 def decode(
     latents: Annotated[
         Path,
-        typer.Argument(help=".safetensors with a 'latents' tensor (pipeline-scaled; 3-D VAE: B, C, T, H, W)"),
+        typer.Argument(help=".safetensors with a 'latents' tensor (as the VAE's pipeline hands them to its "
+                       "denoiser; 3-D VAE: B, C, T, H, W)"),
     ],
     out: Annotated[
         Path,
@@ -47,8 +48,9 @@ def decode(
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
-    --model: a pipeline folder, a checkpoint, or a VAE folder; a 3-D VAE (Qwen-Image, Wan, LTX-Video)
-    decodes (B, C, T, H, W) latents, one frame to an image, several to a video.
+    --model: a pipeline folder, a checkpoint, or a VAE folder (AutoencoderKL, Tiny, Flux.2, DC-AE, VQ,
+    KVAE, HunyuanImage, AsymmetricKL, Qwen-Image 2.1, the 3-D VAEs); a 3-D VAE (Qwen-Image, Wan,
+    LTX-Video) decodes (B, C, T, H, W) latents, one frame to an image, several to a video.
 
     Example: tilewise decode latents.safetensors --out image.tif --mode exact --budget 2GiB
 
@@ -124,11 +126,14 @@ def encode(
     nproc: Nproc = 1,
     no_clobber: NoClobber = False,
 ) -> None:
-    """Encode an image tile by tile into latents (the distribution's mean, pipeline-scaled); or, with
+    """Encode an image tile by tile into latents (the distribution's mean, as the VAE's pipeline hands them
+    to its denoiser); or, with
     --buckets, a whole dataset into the latent cache (shards by bucket, resumable).
 
-    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is not used. --model as
-    for decode; sides must be multiples of the VAE's factor (8, 16 for Wan 2.2).
+    8- and 16-bit, grey or colour images are read at their depth; an alpha channel is used by RGBA VAEs
+    (Qwen-Image 2.1) only. --model as
+    for decode; sides must be multiples of the VAE's factor (8, 16 for Wan 2.2; Flux.2: twice it, its
+    latents' 2x2 patches).
 
     Example: tilewise encode photo.png --out latents.safetensors
 

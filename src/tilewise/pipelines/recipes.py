@@ -214,9 +214,10 @@ def decode_file(
     process_group: Any = None,
     replace: bool = True,
 ):
-    """Decode a latents .safetensors (key 'latents', scaled like a pipeline's output) to an image file;
-    `loaded` is a pipeline or a VAE. A 3-D VAE (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W)
-    latents to an image or a video sink (`pipelines.video`).
+    """Decode a latents .safetensors (key 'latents', in the layout the VAE family's pipeline hands its
+    denoiser: `pipelines.image_latents`) to an image file; `loaded` is a pipeline or a VAE. A 3-D VAE
+    (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W) latents to an image or a video sink
+    (`pipelines.video`).
 
     The output and the latents file (header, shape, dtype, channels, values) are checked first. The
     options are those of `VaeFileOptions`; `run_decode_file` takes them as that record."""
@@ -287,7 +288,8 @@ def encode_file(
     process_group: Any = None,
     replace: bool = True,
 ):
-    """Encode an image file to a latents .safetensors (mean of the latent distribution, scaled).
+    """Encode an image file to a latents .safetensors (the raw latent of the VAE's output, e.g. the mean
+    of its latent distribution, in its family's layout: `pipelines.image_latents`).
 
     With `process_group` every rank encodes its band of tiles and rank 0 writes the file. `loaded` is a
     pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`). The options are those

@@ -1,6 +1,7 @@
 """VAE families as table entries: the computation a decode and an encode trace (the wrapped class's own
 calls), what decode does before its program and what encode returns; and the families no tile program
-can reproduce, refused by name with the reason.
+can reproduce, refused by name with the reason (the reasons in `locality.classes`, which the CLI reads
+before diffusers is imported).
 
 A family's programs are its decode and encode traced (`locality.trace`: what they compute, whatever the
 classes of their blocks); a call the lowering cannot place is refused when the TiledVAE is built
