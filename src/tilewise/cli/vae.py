@@ -69,9 +69,9 @@ def decode(
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
     cfg = part_config(model, "vae", config)
-    framed = _vae_class(model) in FRAMED  # (Qwen-Image 2.1: (1, C, 1, h, w) files)
-    shape = checks.latents_input(latents, video=video or framed,
-                                 channels=None if video else _latent_channels(cfg, _vae_class(model)))
+    name = _vae_class(model)
+    shape = checks.latents_input(latents, video=video or name in FRAMED,  # (Qwen-Image 2.1: (1, C, 1, h, w))
+                                 channels=None if video else _latent_channels(cfg, name))
     if video:
         checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
     f = None if video else vae_factor_of(cfg)
@@ -127,13 +127,12 @@ def encode(
     no_clobber: NoClobber = False,
 ) -> None:
     """Encode an image tile by tile into latents (the distribution's mean, as the VAE's pipeline hands them
-    to its denoiser); or, with
-    --buckets, a whole dataset into the latent cache (shards by bucket, resumable).
+    to its denoiser); or, with --buckets, a whole dataset into the latent cache (shards by bucket,
+    resumable).
 
     8- and 16-bit, grey or colour images are read at their depth; an alpha channel is used by RGBA VAEs
-    (Qwen-Image 2.1) only. --model as
-    for decode; sides must be multiples of the VAE's factor (8, 16 for Wan 2.2; Flux.2: twice it, its
-    latents' 2x2 patches).
+    (Qwen-Image 2.1) only. --model as for decode; sides must be multiples of the VAE's factor (8, 16 for
+    Wan 2.2; Flux.2: twice it, its latents' 2x2 patches).
 
     Example: tilewise encode photo.png --out latents.safetensors
 

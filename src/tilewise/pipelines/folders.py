@@ -120,8 +120,9 @@ def check_model_folder(model: str | os.PathLike | None, config: str | os.PathLik
             check_component(path, f"VAE folder {str(path)!r}", weights=True)
         else:
             index = check_pipeline_folder(path, "--model")
-            if vae_folder and isinstance(index.get("vae"), list) and len(index["vae"]) == 2:
-                check_vae_class(index["vae"][1], f"the vae of {str(path)!r}")
+            vae = components(index).get("vae")
+            if vae_folder and vae is not None:
+                check_vae_class(vae, f"the vae of {str(path)!r}")
     if config is not None:
         path = Path(config)
         if not path.is_dir():

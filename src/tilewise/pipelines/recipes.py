@@ -238,8 +238,8 @@ def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
                                  process_group=o.process_group)
     # 2. check the output, read the latents in the family's layout (checked as they are read, `image_latents`)
     check_image_output(o.out, o.bits, o.replace)
-    tv = _tiled_vae(vae, o)  # (a class no tile program reproduces is refused here, with the reason)
     z = from_file(vae, read_file_latents(vae, o.source))
+    tv = _tiled_vae(vae, o)  # (a class no tile program reproduces is refused here, with the reason)
     # 3. plan and decode the raw latents, streamed to the output
     plan = tv.plan(tuple(z.shape))
     _decode_out(tv, z, o.out, o.bits, o.replace)
