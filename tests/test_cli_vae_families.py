@@ -29,8 +29,9 @@ NAMES = ["flux2", "dc", "vq", "kvae", "hunyuan", "asym", "qwen21", "tiny"]
 
 
 def _vae(name: str):
-    """The family's tiny VAE with non-trivial latent normalisation: a scaling factor (and a shift where
-    its config has one), Flux.2's batch-norm running statistics; Qwen-Image 2.1's mean and std as built."""
+    """The family's tiny VAE with non-trivial latent normalisation: a scaling factor where its config has
+    one (none has a shift), Flux.2's batch-norm running statistics; Qwen-Image 2.1's mean and std as
+    built; VQModel's codebook spread like the latents."""
     builders = {"qwen21": qwen21, "tiny": tiny_vae}
     vae = builders[name]() if name in builders else family_vae(name)
     if name == "flux2":

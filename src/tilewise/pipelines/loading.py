@@ -246,4 +246,5 @@ def load_vae(
     else:
         return load_pipeline(model, config=config, device=device, dtype=dtype,
                              local_files_only=local_files_only).pipe.vae
-    return vae.to(device, torch_dtype).eval()
+    vae = vae.to(device)  # (cast only when asked: diffusers' to(dtype) warns about its float32 modules)
+    return (vae if vae.dtype == torch_dtype else vae.to(torch_dtype)).eval()
