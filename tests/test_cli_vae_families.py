@@ -237,3 +237,35 @@ def test_the_classes_the_cli_reads_agree_with_the_family_table():
                for name in IMAGE_VAES)
     assert {n for n, f in FAMILIES.items() if f.refused} == set(REFUSED)
     assert all(FAMILIES[name].refused == why for name, why in REFUSED.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flux2", "qwen21"])
+def test_decode_and_encode_on_two_ranks_equal_the_stock_vae(folders, tmp_path, name):
+    """--nproc 2 (torchrun, gloo): each rank its band of tile rows, rank 0 converts and writes."""
+    import os
+    import subprocess
+    import sys
+
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is needed")
+    folder, vae = folders[name]
+    z = torch.randn((1, 32, 4, 4) if name == "flux2" else (1, 4, 1, 8, 6),
+                    generator=torch.Generator().manual_seed(7))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    pixels = np.random.default_rng(8).integers(0, 256, (32, 24, 4 if name == "qwen21" else 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "in.png")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for args in (("decode", "z.safetensors", "--out", "x.npy", "--bits", "32"),
+                 ("encode", "in.png", "--out", "e.safetensors")):
+        argv = [sys.executable, "-m", "tilewise.cli", *args, "--model", str(folder), "--tile", "2", "--nproc",
+                "2", "-q"]
+        run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0 and "launching 2 ranks" in run.stderr, run.stderr[-3000:]
+    x = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        want = vae.decode(_raw(name, vae, z)).sample
+        enc = _file(name, vae, _stock_encode(vae, x.unsqueeze(2) if name == "qwen21" else x))
+    want = (want[:, :, 0] if name == "qwen21" else want)[0].permute(1, 2, 0).numpy()
+    assert np.abs(np.load(tmp_path / "x.npy") - want).max() <= TOL
+    assert (load_file(str(tmp_path / "e.safetensors"))["latents"] - enc).abs().max() <= TOL
