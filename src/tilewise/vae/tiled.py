@@ -201,10 +201,7 @@ class TiledVAE(ModelWrapper):
         if family.frame:  # (an image in a video's layout: the program runs its one frame)
             z = frames.one_frame(job, z)
         check_input(job, z)
-        if family.quantize and gradient.wants(self.vae, z):
-            raise RuntimeError(f"TiledVAE decode of a {job.model} has no backward (its quantisation runs "
-                               "untiled without one); use the wrapped VAE to train")
-        z, loss = self._quantized(z, family, call["force_not_quantize"])
+        z, loss = self._quantized(z, family, call["force_not_quantize"], gradient.wants(self.vae, z))
         sample = self._ran(self._run(job, z))
         if family.frame:
             sample = sample.unsqueeze(2)
@@ -246,9 +243,11 @@ class TiledVAE(ModelWrapper):
             return gradient.run(self.settings, job, t, self.vae)
         return runner.run(self.settings, job, t, None, self.vae)
 
-    def _quantized(self, z, family, force_not_quantize: bool):
+    def _quantized(self, z, family, force_not_quantize: bool, graph: bool = False):
         """A VQ family's latent as its decode quantises it (the nearest codebook entry at each position:
-        run untiled, the latent is small) and the commitment loss; other families' as given."""
+        the wrapped VAE's own quantizer, untiled, the latent is small) and the commitment loss; other
+        families' as given. `graph`: the quantizer runs with autograd, as the stock decode's does (its
+        straight-through estimator passes the decode's gradient to z; the loss reaches the codebook)."""
         if not family.quantize:
             return z, None
         if force_not_quantize:
@@ -257,7 +256,7 @@ class TiledVAE(ModelWrapper):
                                  "lookup_from_codebook reads codebook indices, not latents: use the wrapped "
                                  "VAE")
             return z, torch.zeros((z.shape[0],), dtype=z.dtype, device=z.device)
-        with torch.no_grad():
+        with torch.set_grad_enabled(graph):
             quant, loss, _ = self.vae.quantize(z)
         return quant, loss
 
