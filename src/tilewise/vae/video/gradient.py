@@ -13,7 +13,10 @@ leaves (the leaves' gradients of step s + 1) are backed through it in one `autog
 the step's input frames', the parameters' and its entering caches' gradients (carried to step s - 1).
 A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recomputed step, from its
 whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
-have one step, so that step's graph is the whole video's (tiled as the forward ran it).
+have one step, so that step's graph is the whole video's (tiled as the forward ran it). A
+timestep-conditioned LTX decode's per-call values (`trace.percall`, bound with autograd) are inputs of
+the node too: the recomputed steps read them as leaves, their gradients go on through their graph to temb
+and the embedders' parameters.
 
 Held by the backward (planned by `video.backward`, which also picks the tile within a memory budget): the
 kept caches of every step (`stored_bytes`, freed step by step as the reverse
