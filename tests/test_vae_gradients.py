@@ -120,6 +120,21 @@ def test_vq_decode_gradients_equal_untiled(name, force_not_quantize):
     assert (codebook is not None and float(codebook.abs().max()) > 0) == (not force_not_quantize)
 
 
+def test_vq_forward_gradients_equal_untiled():
+    """VQModel.forward (encode, quantise, decode) through the tiled encode and decode: the image's and
+    every parameter's gradient of output and commitment loss are the stock forward's."""
+    vae = family_vae("vq")
+    tv = tw.TiledVAE(vae, tile_size=4, progress=False)
+    x = torch.rand(1, 3, 18, 22, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    params, grads = list(vae.parameters()), []
+    for m in (tv, vae):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        loss = out.sample.square().mean() + out.commit_loss.sum()
+        grads.append(torch.autograd.grad(loss, [xi, *params], allow_unused=True))
+    _assert_close(grads[0], grads[1], ["x", *(n for n, _ in vae.named_parameters())])
+
+
 def test_backward_accumulates_parameter_gradients_of_a_training_decoder():
     """Fine-tuning a decoder: the latent needs no gradient, the training VAE's parameters get theirs in
     .grad through loss.backward(), as the untiled VAE's do (twice: accumulated)."""
