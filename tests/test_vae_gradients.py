@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vae_support import kl_vae, structured_latent, tiny_vae
+from vae_support import family_vae, kl_vae, structured_latent, tiny_vae
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -90,6 +90,49 @@ def test_tiny_autoencoder_gradients_equal_untiled(fn):
     _, got = _grads(fn, tv, vae, t, _seeded(None))
     _, want = _grads(fn, vae, vae, t, _seeded(None))
     _assert_close(got, want, ["input", *(n for n, _ in vae.named_parameters())])
+
+
+@pytest.mark.parametrize("force_not_quantize", [False, True], ids=["quantized", "not-quantized"])
+@pytest.mark.parametrize("name", ["vq", "movq64"])
+def test_vq_decode_gradients_equal_untiled(name, force_not_quantize):
+    """VQModel decode: the quantiser (nearest codebook entry, straight-through to z) runs untiled with
+    autograd, as the stock decode's; the loss adds the commitment loss, so the codebook has a gradient
+    where quantised. MoVQ (spatial norm: the decoder reads the quantised latent too) with
+    force_not_quantize=True is how Kandinsky 2.2 decodes."""
+    vae = family_vae(name)
+    tv = tw.TiledVAE(vae, tile_size=4, progress=False)
+    z = structured_latent(1, 4, 9, 11).requires_grad_(True)
+    g = torch.randn(1, 3, 18, 22, generator=torch.Generator().manual_seed(3))
+    params = list(vae.parameters())
+    grads, outs = [], []
+    for m in (tv, vae):
+        out = m.decode(z, force_not_quantize=force_not_quantize)
+        loss = (out.sample * g).sum() + out.commit_loss.sum()
+        grads.append(torch.autograd.grad(loss, [z, *params], allow_unused=True))
+        outs.append(out)
+    assert tv.plan(tuple(z.shape)).grid == (3, 3)
+    assert float((outs[0].sample - outs[1].sample).detach().abs().max()) <= TOL
+    assert torch.allclose(outs[0].commit_loss, outs[1].commit_loss)
+    names = ["z", *(n for n, _ in vae.named_parameters())]
+    worst = _assert_close(grads[0], grads[1], names)
+    print(f"{name} decode (force_not_quantize={force_not_quantize}): worst gradient error {worst:.2e}")
+    codebook = grads[1][names.index("quantize.embedding.weight")]
+    assert (codebook is not None and float(codebook.abs().max()) > 0) == (not force_not_quantize)
+
+
+def test_vq_forward_gradients_equal_untiled():
+    """VQModel.forward (encode, quantise, decode) through the tiled encode and decode: the image's and
+    every parameter's gradient of output and commitment loss are the stock forward's."""
+    vae = family_vae("vq")
+    tv = tw.TiledVAE(vae, tile_size=4, progress=False)
+    x = torch.rand(1, 3, 18, 22, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    params, grads = list(vae.parameters()), []
+    for m in (tv, vae):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        loss = out.sample.square().mean() + out.commit_loss.sum()
+        grads.append(torch.autograd.grad(loss, [xi, *params], allow_unused=True))
+    _assert_close(grads[0], grads[1], ["x", *(n for n, _ in vae.named_parameters())])
 
 
 def test_backward_accumulates_parameter_gradients_of_a_training_decoder():

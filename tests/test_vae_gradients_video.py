@@ -87,3 +87,44 @@ def test_a_second_backward_through_one_call_is_refused():
     with pytest.raises(RuntimeError, match="second backward"):
         y.backward()
 
+
+
+@pytest.mark.parametrize("temb_grad", [False, True], ids=["z", "z-and-temb"])
+@pytest.mark.parametrize("name", ["ltx0.9.5-t", "ltx2-t"])
+def test_timestep_conditioned_decode_gradients_equal_the_untiled_vae(name, temb_grad):
+    """decode(z, temb) of LTX-Video 0.9.5+ / LTX-2: the per-call timestep embedding (computed once per
+    call, with autograd) is a leaf of each recomputed step, its gradient backed through the embedders:
+    z's, temb's (where it requires grad) and every parameter's gradient (the embedders' and the norms'
+    scale-shift tables included) are the untiled VAE's; two samples, two timesteps, 2x3 tiles."""
+    vae = copy.deepcopy(video_vae(name))
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z0 = torch.randn(2, 4, 3, 5, 7, generator=torch.Generator().manual_seed(0))
+    assert tv.plan(tuple(z0.shape)).grid == (2, 3)
+    names, params = zip(*vae.named_parameters(), strict=True)
+    got = []
+    for m in (vae, tv):
+        z, temb = z0.clone().requires_grad_(True), torch.tensor([0.05, 0.6]).requires_grad_(temb_grad)
+        y = m.decode(z, temb).sample
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+        wrt = [z, temb, *params] if temb_grad else [z, *params]
+        got.append((y.detach(), torch.autograd.grad((y * w).sum(), wrt, allow_unused=True)))
+    (ref, rg), (out, tg) = got
+    assert _close(out, ref)
+    table = [i for i, n in enumerate(names) if "scale_shift_table" in n or "time_embedder" in n]
+    assert table and all(rg[len(rg) - len(names) + i] is not None for i in table)
+    for n, a, b in zip(["z", "temb"][: 1 + temb_grad] + list(names), tg, rg, strict=True):
+        assert (a is None) == (b is None), n
+        assert b is None or _close(a, b), n
+
+
+def test_a_timestep_that_requires_grad_alone_builds_the_graph():
+    """An eval-mode VAE, z without requires_grad, temb with it: the call builds a graph (temb asks for
+    one, as in the stock decode) and temb's gradient is the untiled VAE's."""
+    vae = copy.deepcopy(video_vae("ltx2-t"))
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = torch.randn(1, 4, 2, 5, 7, generator=torch.Generator().manual_seed(0))
+    got = []
+    for m in (vae, tv):
+        temb = torch.tensor([0.3], requires_grad=True)
+        got.append(torch.autograd.grad(m.decode(z, temb).sample.square().mean(), [temb])[0])
+    assert _close(got[1], got[0]) and float(got[0].abs().max()) > 0

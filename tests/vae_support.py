@@ -64,7 +64,9 @@ def structured_latent(b: int, c: int, h: int, w: int, seed: int = 0):
 
 def family_vae(name: str, seed: int = 0):
     """A narrow seeded VAE of one of the 2-D families the traced lowering covers beyond AutoencoderKL:
-    "vq" (VQModel, GroupNorm), "movq" (VQModel with MoVQ's spatial norm), "asym" (AsymmetricAutoencoderKL),
+    "vq" (VQModel, GroupNorm), "movq" (VQModel with MoVQ's spatial norm), "movq64" (the
+    same at 64 and 128 channels: two per group of the spatial norm's fixed 32; at 32 channels a per-channel
+    bias there has a zero gradient, float noise only), "asym" (AsymmetricAutoencoderKL),
     "flux2" (AutoencoderKLFlux2), "kvae" (AutoencoderKLKVAE), "hunyuan" (AutoencoderKLHunyuanImage),
     "dc" (AutoencoderDC, its linear attention at the latent's resolution only)."""
     import diffusers as d
@@ -78,6 +80,9 @@ def family_vae(name: str, seed: int = 0):
         "movq": lambda: d.VQModel(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4,
                                   norm_num_groups=32, num_vq_embeddings=32, vq_embed_dim=4,
                                   norm_type="spatial", **two),
+        "movq64": lambda: d.VQModel(block_out_channels=(64, 128), layers_per_block=1, latent_channels=4,
+                                    norm_num_groups=32, num_vq_embeddings=32, vq_embed_dim=4,
+                                    norm_type="spatial", **two),
         "asym": lambda: d.AsymmetricAutoencoderKL(
             down_block_out_channels=(16, 32), up_block_out_channels=(16, 32), layers_per_down_block=1,
             layers_per_up_block=1, latent_channels=4, norm_num_groups=8, **two),

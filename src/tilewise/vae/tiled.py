@@ -195,16 +195,16 @@ class TiledVAE(ModelWrapper):
                     {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
         if self.is_video:
             video.check(self.settings, job, z)
-            with video.bound(job, call.get("temb"), z, gradient.wants(self.vae, z)):
-                sample = self._ran(self._run_video(job, z))
+            temb = call.get("temb")
+            graph = gradient.wants(self.vae, z) or (torch.is_grad_enabled() and job.program.call is not None
+                                                    and isinstance(temb, torch.Tensor) and temb.requires_grad)
+            with video.bound(job, temb, z, graph):
+                sample = self._ran(self._run_video(job, z, graph))
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         if family.frame:  # (an image in a video's layout: the program runs its one frame)
             z = frames.one_frame(job, z)
         check_input(job, z)
-        if family.quantize and gradient.wants(self.vae, z):
-            raise RuntimeError(f"TiledVAE decode of a {job.model} has no backward (its quantisation runs "
-                               "untiled without one); use the wrapped VAE to train")
-        z, loss = self._quantized(z, family, call["force_not_quantize"])
+        z, loss = self._quantized(z, family, call["force_not_quantize"], gradient.wants(self.vae, z))
         sample = self._ran(self._run(job, z))
         if family.frame:
             sample = sample.unsqueeze(2)
@@ -228,14 +228,15 @@ class TiledVAE(ModelWrapper):
             h = h.unsqueeze(2) if family.frame else h
         return encode_output(family, h, call["return_dict"])
 
-    def _run_video(self, job: Job, t) -> tuple:
+    def _run_video(self, job: Job, t, graph: bool | None = None) -> tuple:
         """A 3-D decode or encode: with a graph (`video.gradient`: the causal steps recomputed last to
-        first as its backward) when the call asks for gradients, else the plain tiled run."""
+        first as its backward) when the call asks for gradients (`graph`; by default `gradient.wants`:
+        a timestep-conditioned decode's temb may ask too), else the plain tiled run."""
         family = family_of(self.vae)
         note = family.note(self.vae, job.kind, tuple(t.shape)) if family.note is not None else ""
         if note:
             logger.info("TiledVAE %s: %s", job.model, note)
-        if gradient.wants(self.vae, t):
+        if gradient.wants(self.vae, t) if graph is None else graph:
             return video_gradient.run(self.settings, job, t, self.vae)
         return video.run(self.settings, job, t)
 
@@ -246,9 +247,11 @@ class TiledVAE(ModelWrapper):
             return gradient.run(self.settings, job, t, self.vae)
         return runner.run(self.settings, job, t, None, self.vae)
 
-    def _quantized(self, z, family, force_not_quantize: bool):
+    def _quantized(self, z, family, force_not_quantize: bool, graph: bool = False):
         """A VQ family's latent as its decode quantises it (the nearest codebook entry at each position:
-        run untiled, the latent is small) and the commitment loss; other families' as given."""
+        the wrapped VAE's own quantizer, untiled, the latent is small) and the commitment loss; other
+        families' as given. `graph`: the quantizer runs with autograd, as the stock decode's does (its
+        straight-through estimator passes the decode's gradient to z; the loss reaches the codebook)."""
         if not family.quantize:
             return z, None
         if force_not_quantize:
@@ -257,7 +260,7 @@ class TiledVAE(ModelWrapper):
                                  "lookup_from_codebook reads codebook indices, not latents: use the wrapped "
                                  "VAE")
             return z, torch.zeros((z.shape[0],), dtype=z.dtype, device=z.device)
-        with torch.no_grad():
+        with torch.set_grad_enabled(graph):
             quant, loss, _ = self.vae.quantize(z)
         return quant, loss
 

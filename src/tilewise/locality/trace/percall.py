@@ -41,9 +41,11 @@ class CallValues:
                                f"run it under program.call.bound({', '.join(self.names)})")
         return self.current[node]
 
-    def evaluate(self, *xs: torch.Tensor, batch: int | None = None) -> dict[int, torch.Tensor]:
+    def evaluate(self, *xs: torch.Tensor, batch: int | None = None,
+                 grad: bool = False) -> dict[int, torch.Tensor]:
         """The values of a call whose per-call inputs are xs (the recorded calls replayed on them) and
-        whose tiled input has `batch` samples (default: the first input's first size)."""
+        whose tiled input has `batch` samples (default: the first input's first size); `grad`: replayed
+        with autograd (their graph reaches xs and the parameters they read)."""
         if len(xs) != len(self.inputs):
             raise ValueError(f"{len(self.inputs)} per-call inputs ({', '.join(self.names)}), got {len(xs)}")
         env = dict(zip(self.inputs, xs, strict=True))
@@ -52,7 +54,7 @@ class CallValues:
         device = xs[0].device
         values = self.cap.values
 
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             for i in self.calls:
                 c = self.cap.calls[i]
                 args, kwargs = _bind(c.args, env, values, device), _bind(c.kwargs, env, values, device)
@@ -63,9 +65,10 @@ class CallValues:
         return {n: env[n] for n in self.nodes}
 
     @contextmanager
-    def bound(self, *xs: torch.Tensor, batch: int | None = None) -> Iterator[None]:
-        """The program's ops read this call's values (computed here, once) while the block runs."""
-        self.current = self.evaluate(*xs, batch=batch)
+    def bound(self, *xs: torch.Tensor, batch: int | None = None, grad: bool = False) -> Iterator[None]:
+        """The program's ops read this call's values (computed here, once; `grad`: with autograd) while
+        the block runs."""
+        self.current = self.evaluate(*xs, batch=batch, grad=grad)
         try:
             yield
         finally:

@@ -49,8 +49,9 @@ def check(settings: Settings, job: Job, t) -> None:
 def bound(job: Job, temb, z, gradients: bool = False):
     """A context in which a decode's program reads this call's per-call values: LTX-Video 0.9.5+'s /
     LTX-2's timestep embedding (per-channel scales and shifts), computed once from temb
-    (`program.call`); a decoder not conditioned ignores temb, as the stock one does. ValueError for a
-    conditioned decode without a (B,) temb; RuntimeError for one that asks for gradients (no backward)."""
+    (`program.call`; `gradients`: with autograd, their graph reaching temb and the embedders' parameters,
+    `video.gradient` backs it); a decoder not conditioned ignores temb, as the stock one does. ValueError
+    for a conditioned decode without a (B,) temb."""
     call = job.program.call
     if call is None:
         return contextlib.nullcontext()
@@ -61,10 +62,7 @@ def bound(job: Job, temb, z, gradients: bool = False):
     if temb.numel() != z.shape[0]:
         raise ValueError(f"temb must hold one timestep per sample: {z.shape[0]} for z of shape "
                          f"{tuple(z.shape)}, got shape {tuple(temb.shape)}")
-    if gradients:
-        raise RuntimeError(f"TiledVAE decode(z, temb) of a timestep-conditioned {job.model} has no backward "
-                           "yet (its per-call values live for the call only); use the wrapped VAE to train")
-    return call.bound(temb, batch=int(z.shape[0]))
+    return call.bound(temb, batch=int(z.shape[0]), grad=gradients)
 
 
 def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):

@@ -13,7 +13,10 @@ leaves (the leaves' gradients of step s + 1) are backed through it in one `autog
 the step's input frames', the parameters' and its entering caches' gradients (carried to step s - 1).
 A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recomputed step, from its
 whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
-have one step, so that step's graph is the whole video's (tiled as the forward ran it).
+have one step, so that step's graph is the whole video's (tiled as the forward ran it). A
+timestep-conditioned LTX decode's per-call values (`trace.percall`, bound with autograd) are inputs of
+the node too: the recomputed steps read them as leaves, their gradients go on through their graph to temb
+and the embedders' parameters.
 
 Held by the backward (planned by `video.backward`, which also picks the tile within a memory budget): the
 kept caches of every step (`stored_bytes`, freed step by step as the reverse
@@ -24,7 +27,8 @@ one process).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -52,7 +56,21 @@ def run(settings: Settings, job: Job, t, vae) -> tuple:
                        order=Order.FRAMES, device=t.device, query_chunk=settings.query_chunk,
                        progress=settings.progress)
     call = Call(ex)
-    return _Steps.apply(t, call, *params), call.staged_peak
+    values = _call_values(job, call)
+    return _Steps.apply(t, call, *params, *values), call.staged_peak
+
+
+def _call_values(job: Job, call: Call) -> tuple:
+    """The running call's per-call values that carry a graph (a timestep-conditioned LTX decode's, bound
+    with autograd by `face.bound`: to temb and the embedders' parameters), kept on `call` with the others
+    (detached) for the backward, which reads them as leaves; inputs of the autograd node, so their
+    gradients continue through that graph."""
+    pc = job.program.call
+    if pc is None or not pc.current:
+        return ()
+    call.values = {n: v.detach() for n, v in pc.current.items()}
+    call.graphed = tuple(n for n, v in pc.current.items() if v.requires_grad)
+    return tuple(pc.current[n] for n in call.graphed)
 
 
 @dataclass
@@ -63,6 +81,8 @@ class Call:
     staged_peak: int = 0
     stored_bytes: int = 0  # the caches kept for the backward (every step's)
     used: bool = False
+    values: dict = field(default_factory=dict)  # the call's per-call values, detached (`_call_values`)
+    graphed: tuple = ()  # those of them that are inputs of the autograd node (their nodes)
 
 
 def _bar(ex: VideoExecutor, run: _VideoRun, what: str):
@@ -107,10 +127,29 @@ class _Steps(torch.autograd.Function):
             raise RuntimeError("TiledVAE's 3-D backward frees the kept caches as it runs: a second backward "
                                "through the same call (retain_graph=True) is not supported; call decode / "
                                "encode again")
-        ctx.call.used = True
-        rev = _Reverse(ctx.call.ex, ctx.x, ctx.states, ctx.params, ctx.needs_input_grad[0])
-        gx, gp = rev.go(grad_out.contiguous())
+        call = ctx.call
+        call.used = True
+        with _leaves(call) as leaves:  # (the per-call values the recomputed steps read, as leaves)
+            n = len(ctx.params) - len(leaves)
+            rev = _Reverse(call.ex, ctx.x, ctx.states, ctx.params[:n] + leaves, ctx.needs_input_grad[0])
+            gx, gp = rev.go(grad_out.contiguous())
         return (gx, None, *gp)
+
+
+@contextmanager
+def _leaves(call: Call):
+    """The call's per-call values bound for the program's ops while the backward recomputes (the
+    forward's `bound` has closed): those that are node inputs as fresh leaves, which it yields."""
+    pc = call.ex.program.call
+    if pc is None or not call.values:
+        yield ()
+        return
+    leaves = {n: call.values[n].detach().requires_grad_(True) for n in call.graphed}
+    before, pc.current = pc.current, {**call.values, **leaves}
+    try:
+        yield tuple(leaves.values())
+    finally:
+        pc.current = before
 
 
 class _StepRun(_VideoRun):
