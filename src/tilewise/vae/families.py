@@ -48,6 +48,8 @@ class Family:
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
+    batched: bool = False  # a video's frames in the batch: decode(z, num_frames) of (B T, C, H, W) runs a
+    # video program traced on (B, C, T, H, W) (`vae.video.batch`); encode is 2-D (each frame an image)
     inputs: Callable | None = None  # inputs(vae) -> decode's per-call inputs, by name, with examples
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
@@ -163,6 +165,22 @@ def _mochi_note(vae, kind: Kind, shape) -> str:
     return ""
 
 
+def _svd_decode(vae, z, image_only_indicator):
+    """SVD's temporal decoder on a (B, C, T, H, W) latent: its frames folded into the batch as
+    decode(z, num_frames=T) takes them, the decoder called as decode calls it, the frames unfolded."""
+    b, t = z.shape[0], z.shape[2]
+    x = vae.decoder(z.permute(0, 2, 1, 3, 4).flatten(0, 1), image_only_indicator=image_only_indicator,
+                    num_frames=t)
+    return x.unflatten(0, (b, t)).permute(0, 2, 1, 3, 4)
+
+
+def _svd_inputs(vae) -> dict:
+    """SVD's decode makes image_only_indicator, zeros of (B, T) (its AlphaBlenders' weights, per frame):
+    a per-call input, so that the weights follow each call's frames (`trace.percall`)."""
+    p = next(vae.parameters())
+    return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
+
+
 def _cosmos_check(vae) -> str:
     """Cosmos' attention blocks (CosmosCausalAttention), which the video lowering does not place yet."""
     if any(type(m).__name__ == "CosmosCausalAttention" for m in vae.modules()):
@@ -252,11 +270,11 @@ FAMILIES: dict[str, Family] = {
     "RFD4ProteinaAutoencoder": Family(refused=(
         "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
         "not images or videos")),
-    "AutoencoderKLTemporalDecoder": Family(refused=(
-        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
-        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
-        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
-        "not lower values with frames in the batch yet; use the wrapped VAE")),
+    # Stable Video Diffusion: decode(z, num_frames) of the frames in the batch, traced on the video they
+    # are (its temporal convolutions and GroupNorms over frames x space in one step of every frame of the
+    # call); its encoder is the 2-D one, each frame an image
+    "AutoencoderKLTemporalDecoder": Family(decode=_svd_decode, encode=_kl_encode, batched=True,
+                                           inputs=_svd_inputs),
 }
 
 
@@ -332,7 +350,8 @@ def _example(vae, kind: Kind, family: Family):
     cfg = vae.config
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
-    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if family.video else ()
+    video = family.video or family.batched and kind is Kind.DECODE
+    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:

@@ -16,6 +16,7 @@ from .capture import Call, Ref, capture, needed
 from .frames import FRAME_RULES, carry
 from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
+from .video_batch import batch_call
 from .video_fold import fold_call
 from .video_tokens import token_call
 
@@ -41,6 +42,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         return
     if any(n in low.folds for n in call.refs()):  # (its frames in the batch, to a GroupNorm of each frame)
         fold_call(low, i, call)
+        return
+    if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
+        batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
@@ -71,6 +75,13 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     if placed is not True:
         raise refused(low, call, placed or "no rule places it as an op of a tile program")
     _keep_parts(low, call)
+
+
+def _two_d(low: Lowering, i: int, call: Call) -> bool | str:
+    """The 2-D rules' placing of a call (`video_batch`: on a video value's frames in the batch)."""
+    rule = RULES.get(call.name) or (_arithmetic if call.name in ARITHMETIC else _unary if call.name in UNARY
+                                    else None)
+    return rule(low, i, call) if rule is not None else False
 
 
 def _keep_parts(low: Lowering, call: Call) -> None:
@@ -211,7 +222,8 @@ def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
     t_in, t_out = low.cap.values[x], low.cap.values[call.outs[0]]
     if t_out.shape[-2:] != t_in.shape[-2:] or t_out.ndim != t_in.ndim or t_out.shape[2:] != t_in.shape[2:]:
         return False
-    fn = carry(low, [x], call.outs[0], _replay(low, call, x))
+    plain = call.name in UNARY | ARITHMETIC | ALIASES and len(call.refs()) == 1  # (no tensor but x)
+    fn = carry(low, [x], call.outs[0], _replay(low, call, x), plain)
     in_place = IN_PLACE_FORM.get(call.name)
     fn_ = None
     if in_place:
