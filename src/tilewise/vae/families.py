@@ -10,7 +10,9 @@ arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an ar
 does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
 `Family.inputs`) are traced with it: what the program reads of them is computed once per call
 (`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
-layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)). A family
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)); SVD's
+temporal decoder on a (B, C, T, H, W) one (`Family.batched`: its decode takes (B T, C, H, W) and
+num_frames, `vae.video.batch`). A family
 may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
 drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
 count its Fourier features).
