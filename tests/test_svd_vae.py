@@ -2,8 +2,8 @@
 decode(z, num_frames) of the frames of each video in the batch (its temporal convolutions and GroupNorms
 over frames x space mix the frames of one call) tiled in space, exact; encode (the 2-D encoder) exact;
 the pipeline's decode_latents (chunks of decode_chunk_size frames, each one call) and the whole tiny
-pipeline with `pipe.vae = TiledVAE(pipe.vae)`; plans and the analysis; a decode that asks for gradients
-refused at the call."""
+pipeline with `pipe.vae = TiledVAE(pipe.vae)`; plans and the analysis; gradients through the encode; a
+decode that asks for gradients refused at the call."""
 
 import pytest
 
@@ -166,3 +166,19 @@ def test_the_pipeline_with_the_tiled_vae_makes_the_stock_frames():
     assert (out - ref).abs().max().item() <= TOL
     assert chunks.shape == stock.shape == (1, 3, 5, 14, 22)
     assert (chunks - stock).abs().max().item() <= TOL
+
+
+def test_gradients_through_the_tiled_encode_equal_the_stock_vae():
+    x = torch.randn(2, 3, 12, 16, generator=torch.Generator().manual_seed(7))
+    w = VAE.encoder.conv_in.weight
+    grads = []
+    for encode in (VAE.encode, tw.TiledVAE(VAE, tile_size=4, progress=False).encode):
+        xi = x.clone().requires_grad_()
+        post = encode(xi).latent_dist
+        (post.mean.square().sum() + post.logvar.sum()).backward()
+        grads.append((xi.grad, w.grad.clone()))
+        w.grad = None
+        VAE.zero_grad(set_to_none=True)
+    (gx, gw), (tx, tw_) = grads
+    assert (tx - gx).abs().max().item() <= TOL * max(1.0, gx.abs().max().item())
+    assert (tw_ - gw).abs().max().item() <= TOL * max(1.0, gw.abs().max().item())
