@@ -182,3 +182,18 @@ def test_gradients_through_the_tiled_encode_equal_the_stock_vae():
     (gx, gw), (tx, tw_) = grads
     assert (tx - gx).abs().max().item() <= TOL * max(1.0, gx.abs().max().item())
     assert (tw_ - gw).abs().max().item() <= TOL * max(1.0, gw.abs().max().item())
+
+
+def test_decode_to_streams_the_video_of_one_call(tmp_path):
+    import numpy as np
+
+    z = _latents(1, 3)
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    with torch.no_grad():
+        ref = VAE.decode(z, num_frames=3).sample  # (3, 3, 14, 22): the frames of one call
+    video = z.unflatten(0, (1, 3)).permute(0, 2, 1, 3, 4)  # (the (1, C, T, H, W) video decode_to takes)
+    with tw.open_video_sink(tmp_path / "v.npy", 3, 14, 22, 3) as sink:
+        tv.decode_to(video, sink)
+    got = np.load(tmp_path / "v.npy").astype(int)
+    want = np.stack([tw.sinks.to_hwc_uint(f) for f in ref]).astype(int)
+    assert got.shape == (3, 14, 22, 3) and np.abs(got - want).max() <= 1  # (float noise can flip a rounding)
