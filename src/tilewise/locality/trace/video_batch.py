@@ -25,6 +25,7 @@ from ..ops3d import FrameConv, Rearrange
 from ..ops3d_sync import FrameGroupNorm, StepAttention
 from ..units import check_attention
 from .capture import Call, Ref
+from .layers import pair
 from .state import Lowering, arg_of, const_value, is_attention, op_name, refused
 from .video_fold import FRAMES, RESHAPES, row_op
 
@@ -63,7 +64,7 @@ def _conv(low: Lowering, i: int, call: Call, src: int) -> bool | str:
     x, w = arg_of(call, 0, "input"), arg_of(call, 1, "weight")
     if not isinstance(x, Ref) or not isinstance(w, Ref) or w.node in low.batched or low.spatial(w.node):
         return "a convolution with a weight computed from the input"
-    stride, dilation = _pair(arg_of(call, 3, "stride", 1)), _pair(arg_of(call, 5, "dilation", 1))
+    stride, dilation = pair(arg_of(call, 3, "stride", 1)), pair(arg_of(call, 5, "dilation", 1))
     padding, weight = arg_of(call, 4, "padding", 0), const_value(low, w)
     if dilation != (1, 1):
         return f"conv2d with dilation {dilation} of a video value's frames (FrameConv does not dilate)"
@@ -71,7 +72,7 @@ def _conv(low: Lowering, i: int, call: Call, src: int) -> bool | str:
         if padding != "valid":
             return f"conv2d padding={padding!r} of a video value's frames (explicit or 'valid' is placed)"
         padding = 0
-    ph, pw = _pair(padding)
+    ph, pw = pair(padding)
     pad, node, mode = (ph, ph, pw, pw), x.node, "zeros"
     if node in low.pads:  # (an F.pad right before: the convolution pads itself, maybe not with zeros)
         node, (left, right, top, bottom), mode = low.pads.pop(node)
@@ -173,10 +174,6 @@ def _reshape(low: Lowering, i: int, call: Call, src: int) -> bool | str:
         return True
     shape = tuple(low.cap.values[call.outs[0]].shape)
     return f"{call.name} of a video value's frames in the batch to {shape}"
-
-
-def _pair(v) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
 
 
 RULES: dict[str, Callable] = {"conv2d": _conv, "group_norm": _group_norm, "interpolate": _interpolate,
