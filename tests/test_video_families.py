@@ -1,8 +1,8 @@
 """Video VAE families as table entries (`tilewise.vae.families`): the ones traced from what they compute
-decode and encode exactly (`test_vae_video.py`, `test_video_groupnorm.py`, `test_video_mochi.py`); the
-others are refused when the TiledVAE is built, by name, with the call and module path that cannot be
-tiled and why, or by their table entry's reason (audio VAEs, ViT decoders, causal loops not lowered
-yet): never accepted and failing later."""
+decode and encode exactly (`test_vae_video.py`, `test_video_groupnorm.py`, `test_video_mochi.py`,
+`test_svd_vae.py`); the others are refused when the TiledVAE is built, by name, with the call and module
+path that cannot be tiled and why, or by their table entry's reason (audio VAEs, ViT decoders, causal
+loops not lowered yet): never accepted and failing later."""
 
 import pytest
 
@@ -18,7 +18,6 @@ REFUSED = {
                  r"of frames of different values \(a causal cache",
     "cosmos": r"AutoencoderKLCosmos: its attention blocks \(CosmosCausalAttention.*are not placed by the "
               r"video lowering yet \(its GroupNorms of each frame are\)",
-    "svd": r"AutoencoderKLTemporalDecoder: its decoder mixes the frames of num_frames",
 }
 
 

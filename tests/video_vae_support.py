@@ -170,7 +170,7 @@ def factor(vae) -> int:
 def refused_family(name: str):
     """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
     exactly yet): CogVideoX (caches its chunked loop carries), Cosmos (attention blocks over each frame's
-    tokens and each position's frames), SVD's temporal decoder (frames mixed over the batch)."""
+    tokens and each position's frames)."""
     import diffusers as d
     import torch
 
@@ -183,8 +183,5 @@ def refused_family(name: str):
             latent_channels=4, encoder_block_out_channels=(8, 16, 16, 16),
             decode_block_out_channels=(8, 16, 16, 16), num_layers=1, resolution=64,
             attention_resolutions=(8,)),
-        "svd": lambda: d.AutoencoderKLTemporalDecoder(
-            block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2, latent_channels=4,
-            layers_per_block=1),
     }
     return builders[name]().eval()

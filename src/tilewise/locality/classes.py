@@ -57,10 +57,5 @@ REFUSED_IMAGE: dict[str, str] = {
     "RFD4ProteinaAutoencoder": (
         "a protein autoencoder (per-residue latents <-> atom coordinates): its values are token sequences, "
         "not images or videos"),
-    "AutoencoderKLTemporalDecoder": (
-        "its decoder mixes the frames of num_frames, which decode(z, num_frames) folds into the batch "
-        "((B T, C, H, W) values: TemporalResnetBlock's convolutions over frames and GroupNorms over frames "
-        "x space, AlphaBlender, time_conv_out; GroupNorms of each frame between them); the tile programs do "
-        "not lower values with frames in the batch yet; use the wrapped VAE"),
 }
 REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}

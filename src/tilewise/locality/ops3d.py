@@ -154,12 +154,16 @@ class CausalConv3d(Op):
 
 @dataclass
 class FrameConv(Op):
-    """A 2-D convolution on every frame (WanResample's nn.Conv2d), zero padding made explicit per tile."""
+    """A 2-D convolution on every frame (WanResample's nn.Conv2d; the conv2d of a video value's frames in
+    the batch, `trace.video_batch`), its padding (zeros, or the border replicated or reflected with
+    padding_mode) made explicit per tile."""
 
     weight: Any = None
     bias: Any = None
     stride: tuple[int, int] = (1, 1)
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    groups: int = 1
+    padding_mode: str = "zeros"
     kind = OpKind.FRAME_CONV
 
     @property
@@ -177,13 +181,14 @@ class FrameConv(Op):
         b, t = x.shape[0], x.shape[2]
         x = fold(x)
         pad = (inner[2] - need[2], need[3] - inner[3], inner[0] - need[0], need[1] - inner[1])
-        if any(pad):
-            x = F.pad(x, pad)
-        return unfold(F.conv2d(x, self.weight, self.bias, self.stride), b, t)
+        if any(pad):  # (at the image's border only, as CausalConv3d's)
+            x = F.pad(x, pad) if self.padding_mode == "zeros" else F.pad(x, pad, mode=self.padding_mode)
+        return unfold(F.conv2d(x, self.weight, self.bias, self.stride, 0, 1, self.groups), b, t)
 
     def describe(self):
         (kh, kw) = self.kernel
-        return f"conv {kh}x{kw} per frame s{self.stride[0]} pad{self.padding}"
+        mode = "" if self.padding_mode == "zeros" else f" {self.padding_mode}"
+        return f"conv {kh}x{kw} per frame s{self.stride[0]} pad{self.padding}{mode}"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .affine import apply_affine
 from .boxes import sub_tensor
 from .ops import GroupNorm, Op, OpKind
 from .streamed_attention import heads_view
@@ -74,6 +75,14 @@ class FrameGroupNorm(VideoGroupNorm):
         """(B, C, t, h, w) -> (B t, C, h, w): each frame a row of the statistics (a view for B = 1)."""
         return x.transpose(1, 2).flatten(0, 1)
 
+    def run(self, ctx, inputs, have, box, shapes):
+        x = sub_tensor(inputs[0], have[0], box)
+        affine = ctx.group_affine(self, x, box, shapes[0])
+        if affine is None:  # (torch's own, the untiled run: each frame a row of its statistics)
+            y = F.group_norm(self.fold(x), self.groups, self.weight, self.bias, self.eps)
+            return y.view(x.shape[0], x.shape[2], *y.shape[1:]).transpose(1, 2)
+        return apply_affine(x, affine)
+
     def affine(self, stats, x):
         b, c, t = x.shape[:3]
         if stats[0].requires_grad or stats[1].requires_grad:  # (a recomputed step: differentiable)
@@ -91,7 +100,8 @@ class FrameGroupNorm(VideoGroupNorm):
 class StepAttention(Op):
     """diffusers Attention (after its GroupNorm) over every token of the step's frames, tokens in (t, h, w)
     order; `causal`: a token attends to the tokens of its frame and the frames before it (HunyuanVideo's
-    prepare_causal_attention_mask), else to all. src = (normed, residual). A sync op."""
+    prepare_causal_attention_mask); `own_frame`: to the tokens of its frame (an Attention of each frame,
+    the frames in the batch: SVD's temporal decoder); else to all. src = (normed, residual). A sync op."""
 
     heads: int = 1
     to_q: Any = None
@@ -101,6 +111,7 @@ class StepAttention(Op):
     residual: bool = True
     rescale: float = 1.0
     causal: bool = True
+    own_frame: bool = False
     sync = True
     kind = OpKind.ATTENTION
 
@@ -122,7 +133,8 @@ class StepAttention(Op):
         q = self.to_q(self._tokens(n))
         outs = []
         for f in range(t):
-            kf, vf = (k[:, : f + 1], v[:, : f + 1]) if self.causal else (k, v)
+            kf, vf = (k[:, f : f + 1], v[:, f : f + 1]) if self.own_frame else (
+                (k[:, : f + 1], v[:, : f + 1]) if self.causal else (k, v))
             kf, vf = heads_view(kf.flatten(1, 2), self.heads), heads_view(vf.flatten(1, 2), self.heads)
             qf = heads_view(q[:, f], self.heads)
             parts = [F.scaled_dot_product_attention(qf[:, :, i : i + chunk], kf, vf)
@@ -142,6 +154,8 @@ class StepAttention(Op):
         return y / self.rescale if self.rescale != 1.0 else y
 
     def describe(self):
+        if self.own_frame:
+            return f"attention over each frame's tokens, heads={self.heads}"
         mask = "causal between frames" if self.causal else "no mask"
         return f"attention over the step's tokens, heads={self.heads}, {mask}"
 

@@ -1,5 +1,5 @@
-"""TiledVAE's checks at the call, before any tile runs: the input's dtype and values, and whether the run
-fits the memory and disk there are (`tilewise.limits`)."""
+"""TiledVAE's checks: the VAE it is built on (`check_vae`); at the call, before any tile runs, the input's
+dtype and values, and whether the run fits the memory and disk there are (`tilewise.limits`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,22 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..errors import WontFit
 from ..limits import check_disk, device_memory_available, host_memory_available
 from ..memory import format_bytes
+from .families import FAMILIES
 from .settings import Job, Kind, Place
+
+
+def check_vae(vae) -> None:
+    """Refuse at construction what is not a VAE this wraps: a class of the families' table (`families`:
+    those it refuses, with their reasons, later), or a module with an encoder and a decoder (traced as an
+    AutoencoderKL). A VAE on the meta device is not refused: plans and counted runs use one
+    (tests/test_counting.py)."""
+    if type(vae).__name__ not in FAMILIES and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
+                                                      for part in ("encoder", "decoder")):
+        hint = (" (a denoiser: tile it with tw.TiledDenoiser)" if hasattr(vae, "time_embedding")
+                or hasattr(vae, "time_proj") else "")
+        raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
+                         f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
+                         f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
 
 
 def check_input(job: Job, t) -> None:

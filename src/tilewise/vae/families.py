@@ -11,7 +11,9 @@ arguments mean what they mean there (VQModel's `force_not_quantize`, ...); an ar
 does not follow is refused by name. A decode's per-call inputs (LTX-Video 0.9.5+'s / LTX-2's timestep,
 `Family.inputs`) are traced with it: what the program reads of them is computed once per call
 (`locality.trace.percall`), never baked into the program. Qwen-Image 2.1's image VAE in a video's
-layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)). A family
+layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C, 1, H, W)); SVD's
+temporal decoder on a (B, C, T, H, W) one (`Family.batched`: its decode takes (B T, C, H, W) and
+num_frames, `vae.video.batch`). A family
 may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
 drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
 count its Fourier features).
@@ -50,6 +52,8 @@ class Family:
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
+    batched: bool = False  # a video's frames in the batch: decode(z, num_frames) of (B T, C, H, W) runs a
+    # video program traced on (B, C, T, H, W) (`vae.video.batch`); encode is 2-D (each frame an image)
     inputs: Callable | None = None  # inputs(vae) -> decode's per-call inputs, by name, with examples
     refused: str = ""  # why no tile program reproduces it (refused when the TiledVAE is built)
     check: Callable | None = None  # check(vae) -> why this configuration is refused ("" where it is not)
@@ -165,6 +169,22 @@ def _mochi_note(vae, kind: Kind, shape) -> str:
     return ""
 
 
+def _svd_decode(vae, z, image_only_indicator):
+    """SVD's temporal decoder on a (B, C, T, H, W) latent: its frames folded into the batch as
+    decode(z, num_frames=T) takes them, the decoder called as decode calls it, the frames unfolded."""
+    b, t = z.shape[0], z.shape[2]
+    x = vae.decoder(z.permute(0, 2, 1, 3, 4).flatten(0, 1), image_only_indicator=image_only_indicator,
+                    num_frames=t)
+    return x.unflatten(0, (b, t)).permute(0, 2, 1, 3, 4)
+
+
+def _svd_inputs(vae) -> dict:
+    """SVD's decode makes image_only_indicator, zeros of (B, T) (its AlphaBlenders' weights, per frame):
+    a per-call input, so that the weights follow each call's frames (`trace.percall`)."""
+    p = next(vae.parameters())
+    return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
+
+
 def _cosmos_check(vae) -> str:
     """Cosmos' attention blocks (CosmosCausalAttention), which the video lowering does not place yet."""
     if any(type(m).__name__ == "CosmosCausalAttention" for m in vae.modules()):
@@ -218,6 +238,11 @@ FAMILIES: dict[str, Family] = {
     # refused by name with the reason (`locality.classes`): no tile program reproduces them
     **{name: Family(refused=why) for name, why in REFUSED_IMAGE.items()},
     **{name: Family(video=True, refused=why) for name, why in REFUSED_VIDEO.items()},
+    # Stable Video Diffusion: decode(z, num_frames) of the frames in the batch, traced on the video they
+    # are (its temporal convolutions and GroupNorms over frames x space in one step of every frame of the
+    # call); its encoder is the 2-D one, each frame an image
+    "AutoencoderKLTemporalDecoder": Family(decode=_svd_decode, encode=_kl_encode, batched=True,
+                                           inputs=_svd_inputs),
 }
 
 
@@ -293,7 +318,8 @@ def _example(vae, kind: Kind, family: Family):
     cfg = vae.config
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
-    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if family.video else ()
+    video = family.video or family.batched and kind is Kind.DECODE
+    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:

@@ -24,15 +24,16 @@ from ..distributed import rank_world, resolve_group
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
 from . import frames, gradient, runner
-from .checks import check_fits, check_input, check_video_fits
+from .checks import check_fits, check_input, check_vae, check_video_fits
 from .devices import DeviceProfile, profile, vae_device
-from .families import FAMILIES, bind, encode_output, family_of, lower_family
+from .families import bind, encode_output, family_of, lower_family
 from .plan.make import make_plan, request
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
 from .plan.settle import settle
 from .settings import Attention, FastSettings, Job, Kind, Mode, Place, Settings
 from .video import backward as video_backward
+from .video import batch
 from .video import face as video
 from .video import gradient as video_gradient
 from .video.plan import make_video_plan
@@ -104,7 +105,7 @@ class TiledVAE(ModelWrapper):
         if not isinstance(vae, torch.nn.Module) or isinstance(vae, TiledVAE):
             raise ValueError(f"vae must be a diffusers VAE module (not already tiled), "
                              f"got {type(vae).__name__}")
-        _check_vae(vae)
+        check_vae(vae)
         fast = FastSettings(fast_estimator, fast_sample, fast_low, fast_crop, color_fix)
         settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
                             query_chunk, stage_dir, fast, process_group, device_kind)
@@ -135,9 +136,10 @@ class TiledVAE(ModelWrapper):
     def disable_slicing(self) -> None:
         logger.info("TiledVAE: disable_slicing() ignored (tilewise's tiling is active)")
 
-    def forward(self, sample, *args, **kwargs):
+    def forward(self, sample, *args, num_frames: int | None = None, **kwargs):
         """The VAE's forward (encode, then decode the posterior mode or a sample) on the tiled paths, with
-        the wrapped class's arguments."""
+        the wrapped class's arguments (`num_frames`: SVD's; its pipeline passes it where forward names it)."""
+        kwargs = kwargs if num_frames is None else {**kwargs, "num_frames": num_frames}
         family = family_of(self.vae)
         call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
                     {"sample_posterior": False, "return_dict": True, "generator": None, **_inputs(family)})
@@ -193,13 +195,15 @@ class TiledVAE(ModelWrapper):
         family, job = family_of(self.vae), self.job("decode")
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
                     {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
-        if self.is_video:
+        if self.is_video or family.batched:  # (SVD's: the frames of each video in the batch, `video.batch`)
+            z = batch.as_video(job, z, call["num_frames"]) if family.batched else z
             video.check(self.settings, job, z)
             temb = call.get("temb")
             graph = gradient.wants(self.vae, z) or (torch.is_grad_enabled() and job.program.call is not None
                                                     and isinstance(temb, torch.Tensor) and temb.requires_grad)
-            with video.bound(job, temb, z, graph):
+            with self._bound(job, temb, z, graph):
                 sample = self._ran(self._run_video(job, z, graph))
+            sample = batch.as_rows(sample) if family.batched else sample
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         if family.frame:  # (an image in a video's layout: the program runs its one frame)
             z = frames.one_frame(job, z)
@@ -240,6 +244,17 @@ class TiledVAE(ModelWrapper):
             return video_gradient.run(self.settings, job, t, self.vae)
         return video.run(self.settings, job, t)
 
+    def _bound(self, job: Job, temb, z, gradients: bool = False):
+        """The context a video decode's program reads its call's values in (`video.bound`: LTX's timestep
+        embedding; SVD's AlphaBlender weights, `batch.bound`)."""
+        if family_of(self.vae).batched:
+            return batch.bound(job, z, gradients)
+        return video.bound(job, temb, z, gradients)
+
+    def _video(self, kind: Kind) -> bool:
+        """Whether a decode or encode runs a video program (a 3-D VAE's; SVD's decode)."""
+        return self.is_video or family_of(self.vae).batched and kind is Kind.DECODE
+
     def _run(self, job: Job, t) -> tuple:
         """A 2-D decode or encode: with a graph (`gradient`: the reverse tile program as its backward)
         when the call asks for gradients, else the plain tiled run."""
@@ -270,13 +285,14 @@ class TiledVAE(ModelWrapper):
         With a process group every rank calls it; rank 0 writes (its sink receives the other ranks'
         rows), the others pass sink=None. A 3-D VAE streams frames into a video sink
         (`tilewise.sinks.video`), or its one frame into an image sink; an image VAE in a video's layout
-        (Qwen-Image 2.1) its (1, C, 1, H, W) latent into an image sink. `temb`: a timestep-conditioned
-        decoder's (LTX-Video 0.9.5+, LTX-2), as decode takes it.
+        (Qwen-Image 2.1) its (1, C, 1, H, W) latent into an image sink; SVD's temporal decoder the (1, C,
+        T, H, W) video of one decode call's frames. `temb`: a timestep-conditioned decoder's (LTX-Video
+        0.9.5+, LTX-2), as decode takes it.
         """
         job = self.job("decode")
-        if self.is_video:
+        if self._video(Kind.DECODE):
             video.check(self.settings, job, z)
-            with video.bound(job, temb, z):
+            with self._bound(job, temb, z):
                 self._ran((None, video.decode_to(self.settings, job, z, sink)))
             return
         z = frames.one_frame(job, z) if family_of(self.vae).frame else z
@@ -315,9 +331,10 @@ class TiledVAE(ModelWrapper):
         the backward's peaks fit it).
         """
         job = self.job(kind)
-        if self.is_video:
+        if self._video(job.kind):
             if len(shape) != 5:
-                raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+                raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
+                                 f"shapes, got {tuple(shape)}")
             if backward:
                 return video_backward.plan(self.settings, job, tuple(shape), self.vae, tile_size, staging)
             return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
@@ -335,9 +352,10 @@ class TiledVAE(ModelWrapper):
         """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
         memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
         job = self.job(kind)
-        if self.is_video:
+        if self._video(job.kind):
             if len(shape) != 5:
-                raise ValueError(f"a 3-D VAE plans (B, C, T, H, W) shapes, got {tuple(shape)}")
+                raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
+                                 f"shapes, got {tuple(shape)}")
             plan = make_video_plan(self.settings, job, tuple(shape), to_sink=streamed)
             check_video_fits(job, plan)
             return plan
@@ -366,22 +384,11 @@ def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "de
     return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
 
 
-def _check_vae(vae) -> None:
-    """Refuse at construction what is not a VAE this wraps: a class of the families' table (`families`:
-    those it refuses, with their reasons, later), or a module with an encoder and a decoder (traced as an
-    AutoencoderKL). A VAE on the meta device is not refused: plans and counted runs use one
-    (tests/test_counting.py)."""
-    if type(vae).__name__ not in FAMILIES and not all(isinstance(getattr(vae, part, None), torch.nn.Module)
-                                                      for part in ("encoder", "decoder")):
-        hint = (" (a denoiser: tile it with tw.TiledDenoiser)" if hasattr(vae, "time_embedding")
-                or hasattr(vae, "time_proj") else "")
-        raise ValueError(f"vae must be a diffusers VAE with an encoder and a decoder (AutoencoderKL, "
-                         f"AutoencoderTiny, AutoencoderKLWan, AutoencoderKLQwenImage, "
-                         f"AutoencoderKLLTXVideo, ...), got a {type(vae).__name__}{hint}")
-
-
 def _inputs(family) -> dict:
-    """The per-call inputs a family's decode takes by name, with their defaults (LTX: temb)."""
+    """The per-call arguments a family's decode takes by name, with their defaults (LTX: temb; SVD:
+    num_frames)."""
+    if family.batched:
+        return {"num_frames": 1}
     return {"temb": None} if family.inputs is not None else {}
 
 

@@ -13,13 +13,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..ops3d import fold, unfold
 from .capture import Call, Ref
 from .state import Lowering, arg_of
 
 
-def carry(low: Lowering, srcs: list[int], out: int, fn: Callable) -> Callable:
+def carry(low: Lowering, srcs: list[int], out: int, fn: Callable, plain: bool = False) -> Callable:
     """fn (a replayed call of the nodes `srcs`, making node `out`) on the program's tensors: the frame
-    axis put back on the one-frame inputs, and taken off a one-frame output."""
+    axis put back on the one-frame inputs, and taken off a one-frame output; a video value's frames put
+    back into the batch around it (`video_batch`), unless the call is `plain` (elementwise, of no
+    other tensor: it computes the same on either layout)."""
+    batched = [n in low.batched for n in srcs]
+    if any(batched) and not plain:
+
+        def folded(*ts):
+            b, t = next((x.shape[0], x.shape[2]) for x, f in zip(ts, batched, strict=True) if f)
+            return unfold(fn(*(fold(x) if f else x for x, f in zip(ts, batched, strict=True))), b, t)
+
+        return folded
     framed = [n in low.framed for n in srcs]
     drop = low.one_frame(low.cap.values[out])
     if not any(framed) and not drop:

@@ -8,14 +8,15 @@ from collections.abc import Callable
 import torch
 
 from ..build import LoweringError
-from ..ops import Add, Conv, GroupNorm, OpKind, Pointwise, Resample
-from ..ops3d import Rearrange
+from ..ops import Add, OpKind, Pointwise
 from ..ops_traced import Cat, Combine, Slice
 from ..units import CHANNEL_ATTENTION, attention, channel_attention
 from .capture import Call, Ref, capture, needed
 from .frames import FRAME_RULES, carry
-from .state import Lowering, arg_of, channel_dim, const_value, is_attention, op_name, refused
+from .layers import LAYER_RULES
+from .state import Lowering, arg_of, channel_dim, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
+from .video_batch import batch_call
 from .video_fold import fold_call
 from .video_tokens import token_call
 
@@ -41,6 +42,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         return
     if any(n in low.folds for n in call.refs()):  # (its frames in the batch, to a GroupNorm of each frame)
         fold_call(low, i, call)
+        return
+    if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
+        batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
@@ -73,113 +77,19 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     _keep_parts(low, call)
 
 
+def _two_d(low: Lowering, i: int, call: Call) -> bool | str:
+    """The 2-D rules' placing of a call (`video_batch`: on a video value's frames in the batch)."""
+    rule = RULES.get(call.name) or (_arithmetic if call.name in ARITHMETIC else _unary if call.name in UNARY
+                                    else None)
+    return rule(low, i, call) if rule is not None else False
+
+
 def _keep_parts(low: Lowering, call: Call) -> None:
     """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
     if call.name in KEEP_PARTS and len(call.outs) == 1:
         parts = {low.frame_parts[n] for n in call.refs() if n in low.frame_parts}
         if len(parts) == 1:
             low.frame_parts[call.outs[0]] = parts.pop()
-
-
-def _conv(low: Lowering, i: int, call: Call) -> bool:
-    x, w = arg_of(call, 0, "input"), arg_of(call, 1, "weight")
-    if not isinstance(x, Ref) or not isinstance(w, Ref) or low.spatial(w.node) is not None:
-        return False
-    bias = arg_of(call, 2, "bias")
-    stride = _pair(arg_of(call, 3, "stride", 1))
-    padding = arg_of(call, 4, "padding", 0)
-    dilation = _pair(arg_of(call, 5, "dilation", 1))
-    groups = int(arg_of(call, 6, "groups", 1))
-    weight = const_value(low, w)
-    if isinstance(padding, str):
-        if padding == "valid":
-            padding = (0, 0)
-        else:  # "same": stride 1, the total padding split as torch does (the extra on the bottom / right)
-            total = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:], strict=True)]
-            pad = (total[0] // 2, total[0] - total[0] // 2, total[1] // 2, total[1] - total[1] // 2)
-            padding = None
-    if padding is not None:
-        ph, pw = _pair(padding)
-        pad = (ph, ph, pw, pw)
-    src, mode = x.node, "zeros"
-    if src in low.pads:  # an F.pad right before: the conv pads (asymmetrically, maybe not zeros) itself
-        src, (left, right, top, bottom), mode = low.pads.pop(src)
-        if mode != "zeros" and any(pad):
-            return "an F.pad of another mode before a zero-padded convolution"
-        pad = (pad[0] + top, pad[1] + bottom, pad[2] + left, pad[3] + right)
-    name = low.spatial(src)
-    if name is None:
-        return False
-    out = low.b.emit(Conv, (name,), call.where, weight=weight, bias=const_value(low, bias), stride=stride,
-                     dilation=dilation, padding=pad, groups=groups, padding_mode=mode)
-    low.set(call.outs[0], out)
-    return True
-
-
-def _pad(low: Lowering, i: int, call: Call) -> bool | str:
-    """F.pad of zeros, or replicate / reflect (a Conv2d's padding_mode): merged into the conv reading it
-    (of a video value: space and time, (left, right, top, bottom, front, back))."""
-    x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
-    mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
-    sides = 6 if low.cap.values[x.node].ndim == 5 else 4
-    if low.spatial(x.node) is None or x.node in low.framed or len(pad) not in (4, sides) \
-            or any(p < 0 for p in pad):
-        return False
-    if mode == "constant" and (value or 0) != 0:
-        return f"F.pad with the value {value} (only zeros, replicate or reflect pad like a convolution)"
-    if mode not in ("constant", "zeros", "replicate", "reflect"):
-        return f"F.pad mode {mode!r} reads the opposite border (not a local padding)"
-    low.pads[call.outs[0]] = (x.node, pad, "zeros" if mode in ("constant", "zeros") else mode)
-    return True
-
-
-def _group_norm(low: Lowering, i: int, call: Call) -> bool:
-    x = arg_of(call, 0, "input")
-    name = low.spatial(x.node) if isinstance(x, Ref) else None
-    if name is None:
-        return False
-    weight, bias = const_value(low, arg_of(call, 2, "weight")), const_value(low, arg_of(call, 3, "bias"))
-    out = low.b.emit(GroupNorm, (name,), call.where, groups=int(arg_of(call, 1, "num_groups")),
-                     eps=float(arg_of(call, 4, "eps", 1e-5)), weight=weight, bias=bias)
-    low.set(call.outs[0], out)
-    return True
-
-
-def _interpolate(low: Lowering, i: int, call: Call) -> bool:
-    x = arg_of(call, 0, "input")
-    name = low.spatial(x.node) if isinstance(x, Ref) else None
-    mode = arg_of(call, 3, "mode", "nearest")
-    # (nearest-exact picks floor((i + 1/2) / s) = floor(i / s): nearest, at the integer factors placed)
-    if name is None or x.node in low.framed or mode not in ("nearest", "nearest-exact") \
-            or arg_of(call, 7, "antialias", False):
-        return False
-    src, dst = low.cap.values[x.node].shape[-2:], low.cap.values[call.outs[0]].shape[-2:]
-    if dst[0] % src[0] or dst[1] % src[1] or dst[0] // src[0] != dst[1] // src[1]:
-        return False
-    scale = dst[0] // src[0]
-    factor = arg_of(call, 2, "scale_factor")
-    if factor is not None and float(_pair(factor)[0]) != scale:
-        return False
-    # (a `size`, e.g. SpatialNorm's f.shape[-2:], is taken as the integer ratio it has to the input on the
-    # example, whose sides are uncommon: a size fixed whatever the input would not come out an exact ratio)
-    out = low.b.emit(Resample, (name,), call.where, scale=scale)
-    low.set(call.outs[0], out)
-    return True
-
-
-def _shuffle(low: Lowering, i: int, call: Call) -> bool:
-    x = arg_of(call, 0, "input")
-    name = low.spatial(x.node) if isinstance(x, Ref) and x.node not in low.framed else None
-    if name is None:
-        return False
-    r = int(arg_of(call, 1, "upscale_factor" if call.name == "pixel_shuffle" else "downscale_factor"))
-    up = call.name == "pixel_shuffle"
-    fn = torch.nn.functional.pixel_shuffle if up else torch.nn.functional.pixel_unshuffle
-    out = low.b.emit(Rearrange, (name,), op_name(call, call.name), fn=lambda t, ctx, fn=fn, r=r: fn(t, r),
-                     down=1 if up else r, up=r if up else 1,
-                     channels=int(low.cap.values[call.outs[0]].shape[1]), label=f"{call.name} {r}")
-    low.set(call.outs[0], out)
-    return True
 
 
 def _alias(low: Lowering, i: int, call: Call) -> bool:
@@ -211,7 +121,8 @@ def _unary(low: Lowering, i: int, call: Call, kernels: int = 1) -> bool:
     t_in, t_out = low.cap.values[x], low.cap.values[call.outs[0]]
     if t_out.shape[-2:] != t_in.shape[-2:] or t_out.ndim != t_in.ndim or t_out.shape[2:] != t_in.shape[2:]:
         return False
-    fn = carry(low, [x], call.outs[0], _replay(low, call, x))
+    plain = call.name in UNARY | ARITHMETIC | ALIASES and len(call.refs()) == 1  # (no tensor but x)
+    fn = carry(low, [x], call.outs[0], _replay(low, call, x), plain)
     in_place = IN_PLACE_FORM.get(call.name)
     fn_ = None
     if in_place:
@@ -376,8 +287,7 @@ def _prefixed(c: Call, module, low: Lowering, nodes) -> Call:
 
 
 RULES: dict[str, Callable] = {
-    "conv2d": _conv, "pad": _pad, "group_norm": _group_norm, "interpolate": _interpolate,
-    "pixel_shuffle": _shuffle, "pixel_unshuffle": _shuffle, "cat": _cat, "concatenate": _cat,
+    **LAYER_RULES, "cat": _cat, "concatenate": _cat,
     "concat": _cat, "chunk": _slices, "split": _slices,
     "__getitem__": _slices, "repeat_interleave": _channel_repeat, "repeat": _repeat,
     **{a: _alias for a in ALIASES},
@@ -399,7 +309,3 @@ def _replay(low: Lowering, call: Call, x: int) -> Callable:
 
     func, args, kwargs = call.func, call.args, call.kwargs
     return lambda t: func(*bind(args, t), **bind(kwargs, t))
-
-
-def _pair(v) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))

@@ -47,6 +47,10 @@ class Lowering:
     folds: dict[int, tuple] = field(default_factory=dict)
     row_ops: dict[tuple, str] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
+    # node -> (B, T): a video value's frames folded into the batch ((B T, C, H, W) as captured, carried as
+    # the (B, C, T, H, W) value) for a 2-D computation of each frame (`trace.video_batch`); an F.pad's
+    # output of one too
+    batched: dict[int, tuple[int, int]] = field(default_factory=dict)
     # node -> (video value name, layout): a video value's tokens, "channels_last" (B, T, H, W, C) or
     # "flat" (B, T H W, C), on their way to and from an Attention unit (`trace.video_tokens`)
     tokens: dict[int, tuple[str, str]] = field(default_factory=dict)

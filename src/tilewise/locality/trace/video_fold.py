@@ -11,9 +11,12 @@
   of positions (`x[i : i + 2**15]`), `cat`, `.unflatten(0, (B, H, W)).permute(0, 4, 3, 1, 2)` back: a
   `ColumnAttention` of the video value (its module run on each box's columns).
 
-The permute is placed only where such a row computation follows it (else the other rules and the
-measured ones take it); the calls between are followed by the rows of the folded value they hold
-(`Lowering.folds`). Any other call on the folded value is refused by name.
+The permute is placed only where such a row computation follows it, or (its frames) a flatten of them
+into the batch (else the other rules and the measured ones take it); the calls between are followed by
+the rows of the folded value they hold (`Lowering.folds`). A value with all its frames in the batch is
+a batched value (`video_batch`: the 2-D calls on it are placed frame by frame; its rows sliced or split
+come back here, and it goes back to the video value through (B, T, ...) and the permute back, also from
+SVD's `x[None, :].reshape(B, T, C, H, W)`). Any other call on the folded value is refused by name.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Fold:
     what: str
 
 
-FOLDS = {f.into: f for f in (
+FOLDS: dict[tuple, Fold] = {f.into: f for f in (
     Fold((0, 2, 1, 3, 4), 2, (0, 2, 1, 3, 4), "group_norm", "its frames in the batch, for a GroupNorm of "
          "each frame (permute(0, 2, 1, 3, 4), flatten(0, 1), split / chunk along the batch, group_norm, cat, "
          "unflatten and permute back)"),
@@ -52,11 +55,17 @@ FOLDS = {f.into: f for f in (
 )}
 
 
+FRAMES = FOLDS[(0, 2, 1, 3, 4)]  # (a video value's frames into the batch)
+
+
 def fold_rule(low: Lowering, i: int, call: Call, dims: tuple) -> bool:
     """A permute of a video value that folds axes into the batch (`FOLDS`) for a row computation that
-    reads what the next calls make of it; False for any other permute."""
+    reads what the next calls make of it (or, its frames, flattened into the batch); False for any other
+    permute."""
     x, fold = arg_of(call, 0, "input"), FOLDS.get(dims)
-    if fold is None or not isinstance(x, Ref) or not _reaches(low, i, call.outs[0], fold.row_call):
+    if fold is None or not isinstance(x, Ref):
+        return False
+    if not _reaches(low, i, call.outs[0], fold.row_call) and not (fold is FRAMES and _flattens(low, i, call)):
         return False
     low.folds[call.outs[0]] = ("first", low.spatial(x.node), 0, 0, tuple(low.cap.values[call.outs[0]].shape),
                                fold)
@@ -79,9 +88,14 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
         put(out, layout, name, a, b)
     elif layout == "first" and call.name == "permute" and permutation(call) == fold.back:
         low.set(out, name)
+    elif layout == "lead" and call.name in RESHAPES and shape == first:  # (x[None, :].reshape(B, T, ...))
+        put(out, "first", name, 0, 0)
     elif layout == "first" and shape == flat and (call.name in RESHAPES or call.name == "flatten" and (
             arg_of(call, 1, "start_dim", 0), arg_of(call, 2, "end_dim", -1)) == (0, fold.rows - 1)):
-        put(out, "batch", name, 0, n)
+        if fold is FRAMES:  # (every frame in the batch: a batched value, `video_batch`)
+            batch(low, out, name, first)
+        else:
+            put(out, "batch", name, 0, n)
     elif layout == "batch" and call.name in ("split", "chunk") and arg_of(call, 2, "dim", 0) in (0, -len(
             flat)):
         at = a
@@ -92,7 +106,7 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
         start, stop = _rows(arg_of(call, 1, "indices"), b - a)
         put(out, "batch", name, a + start, a + stop)
     elif layout == "batch" and call.name == fold.row_call:
-        put(out, "batch", _row_op(low, call, name, fold), a, b)
+        put(out, "batch", row_op(low, call, name, fold), a, b)
     elif layout == "batch" and call.name in CATS and arg_of(call, 1, "dim", 0) in (0, -len(flat)):
         parts = [low.folds.get(t.node) if isinstance(t, Ref) else None for t in arg_of(call, 0, "tensors")]
         joined = all(p is not None and p[:2] == ("batch", name) for p in parts) and all(
@@ -100,7 +114,10 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
         if not joined:
             raise refused(low, call, "a concatenation along the batch of rows that are not those of one "
                           "value in order (its chunks rejoined)", final=True)
-        put(out, "batch", name, parts[0][2], parts[-1][3])
+        if fold is FRAMES and (parts[0][2], parts[-1][3]) == (0, n):
+            batch(low, out, name, first)
+        else:
+            put(out, "batch", name, parts[0][2], parts[-1][3])
     elif layout == "batch" and (a, b) == (0, n) and shape == first and (
             call.name in RESHAPES or call.name == "unflatten" and arg_of(call, 1, "dim") in (0, -len(flat))):
         put(out, "first", name, 0, 0)
@@ -108,7 +125,13 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
         raise refused(low, call, f"a call on a video value with {fold.what} other than those", final=True)
 
 
-def _row_op(low: Lowering, call: Call, x: str, fold: Fold) -> str:
+def batch(low: Lowering, node: int, name: str, first: tuple) -> None:
+    """Node: video value `name` with its frames in the batch ((B, T) = first[:2]), a batched value."""
+    low.set(node, name)
+    low.batched[node] = (int(first[0]), int(first[1]))
+
+
+def row_op(low: Lowering, call: Call, x: str, fold: Fold) -> str:
     """The op of video value x for this row computation (one op for every chunk computed alike): a
     FrameGroupNorm for a group_norm of its frames, a ColumnAttention for an Attention of its positions."""
     if fold.row_call == "group_norm":
@@ -153,6 +176,16 @@ def _rows(idx, n: int) -> tuple[int, int] | None:
         return None
     r = range(n)[sl]
     return r.start, r.start + len(r)
+
+
+def _flattens(low: Lowering, i: int, call: Call) -> bool:
+    """Whether the one call reading a permute's output (B, T, C, H, W) flattens it to (B T, C, H, W)."""
+    node = call.outs[0]
+    readers = [c for c in low.cap.calls[i + 1 :] if node in c.refs()]
+    if len(readers) != 1 or readers[0].name not in RESHAPES | {"flatten"} or len(readers[0].outs) != 1:
+        return False
+    shape = tuple(low.cap.values[node].shape)
+    return tuple(low.cap.values[readers[0].outs[0]].shape) == (shape[0] * shape[1], *shape[2:])
 
 
 def _reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:

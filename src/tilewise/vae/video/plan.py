@@ -146,7 +146,7 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
             # (per-frame attention: a query chunk of each frame scores its frame's tokens; over the step's
             # tokens: a query chunk of one frame at a time scores the tokens of every frame up to its own)
             rows = op.heads if isinstance(op, StepAttention) else t  # (score rows of one query chunk)
-            keys = t * tokens if isinstance(op, StepAttention) else tokens
+            keys = t * tokens if isinstance(op, StepAttention) and not op.own_frame else tokens
             attn = max(attn, kv + b * rows * min(query_chunk, per_tile) * keys * 4)
     # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group) (of each frame:
     # per (batch, frame, group)), kept by the run

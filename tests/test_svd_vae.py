@@ -1,0 +1,199 @@
+"""Stable Video Diffusion's VAE (AutoencoderKLTemporalDecoder) through TiledVAE, against the stock VAE:
+decode(z, num_frames) of the frames of each video in the batch (its temporal convolutions and GroupNorms
+over frames x space mix the frames of one call) tiled in space, exact; encode (the 2-D encoder) exact;
+the pipeline's decode_latents (chunks of decode_chunk_size frames, each one call) and the whole tiny
+pipeline with `pipe.vae = TiledVAE(pipe.vae)`; plans and the analysis; gradients through the encode; a
+decode that asks for gradients refused at the call."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import tilewise as tw  # noqa: E402
+from tilewise.locality.ops3d_sync import FrameGroupNorm, StepAttention, VideoGroupNorm  # noqa: E402
+
+TOL = 1e-4  # fp32, exact paths
+
+
+def _vae():
+    """A tiny seeded SVD VAE: two blocks of 32 channels (its GroupNorms have 32 groups), two layers a block
+    (the mid-block's attention, one head, runs between its two resnets only); its AlphaBlenders'
+    mix_factor (0 at init) set apart per block, so the temporal and spatial paths both count and differ
+    block by block; time_conv_out's weights perturbed (it mixes neighbouring frames more)."""
+    import diffusers as d
+
+    torch.manual_seed(0)
+    vae = d.AutoencoderKLTemporalDecoder(block_out_channels=(32, 32), latent_channels=4, layers_per_block=2,
+                                         down_block_types=("DownEncoderBlock2D",) * 2).eval()
+    with torch.no_grad():
+        blenders = [m for m in vae.modules() if hasattr(m, "mix_factor")]
+        for k, m in enumerate(blenders):
+            m.mix_factor.fill_(0.4 * k - 0.7)
+        vae.decoder.time_conv_out.weight.add_(torch.randn_like(vae.decoder.time_conv_out.weight) * 0.3)
+    return vae
+
+
+VAE = _vae()
+
+
+def _latents(b: int, t: int, h: int = 7, w: int = 11, seed: int = 1):
+    return torch.randn(b * t, 4, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 2), (1, 3), (2, 2)])
+def test_tiled_decode_of_the_frames_of_each_video_equals_stock(b, t):
+    z = _latents(b, t)
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    assert tv.plan((b, 4, t, 7, 11)).grid == (2, 3)  # (odd latent sides: tiles of 4, 4 and 3 columns)
+    with torch.no_grad():
+        ref = VAE.decode(z, num_frames=t).sample
+        out = tv.decode(z, num_frames=t) if b == 1 else tv.decode(z, t, return_dict=False)
+    out = out.sample if b == 1 else out[0]
+    assert out.shape == ref.shape == (b * t, 3, 14, 22)
+    assert (out - ref).abs().max().item() <= TOL
+    # (the frames mix: decoding them one call each differs from the call of all of them)
+    if t == 3:
+        with torch.no_grad():
+            apart = torch.cat([VAE.decode(f, num_frames=1).sample for f in z.split(1)])
+        assert (apart - ref).abs().max().item() > 1e-2
+
+
+def test_one_tile_runs_the_untiled_program_exactly():
+    # (a latent within one tile runs the program untiled: its GroupNorms of each frame take each frame's
+    # statistics there too)
+    z = _latents(1, 3, 5, 6)
+    with torch.no_grad():
+        ref = VAE.decode(z, num_frames=3).sample
+        out = tw.TiledVAE(VAE, tile_size=64, progress=False).decode(z, num_frames=3).sample
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_the_decode_program_mixes_frames_where_the_decoder_does():
+    p = tw.TiledVAE(VAE, progress=False).program("decode")
+    video = [op for op in p.ops if type(op) is VideoGroupNorm]  # (the temporal blocks' norms)
+    frame = [op for op in p.ops if type(op) is FrameGroupNorm]  # (the spatial blocks', the attention's)
+    attn = [op for op in p.ops if isinstance(op, StepAttention)]
+    convs = [op for op in p.ops if "conv3d 3x1x1" in op.describe()]
+    assert len(video) == 2 * 8 and len(convs) == 2 * 8 + 1  # (8 temporal blocks, time_conv_out)
+    assert len(frame) == 2 * 8 + 2 and len(attn) == 1 and attn[0].own_frame  # (+ attention, conv_norm_out)
+    assert all(op.pad_t == op.pad_end == 1 and op.fill == op.fill_end == "zeros" for op in convs)
+    r = tw.analyze(p)
+    assert r.scale == 2 and not r.exact_tileable  # (its GroupNorms and attention: sync ops)
+    assert len(r.sync_ops) == len(video) + len(frame) + 1
+    assert "decoder.mid_block.attentions.0" in dict(r.sync_ops)
+
+
+def test_tiled_encode_equals_stock():
+    x = torch.randn(3, 3, 28, 44, generator=torch.Generator().manual_seed(2))
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    with torch.no_grad():
+        ref = VAE.encode(x).latent_dist
+        out = tv.encode(x).latent_dist
+        (plain,) = tv.encode(x, return_dict=False)
+    assert type(out).__name__ == "DiagonalGaussianDistribution"
+    assert (out.mean - ref.mean).abs().max().item() <= TOL
+    assert (out.logvar - ref.logvar).abs().max().item() <= TOL
+    assert torch.equal(plain.mean, out.mean)
+    assert tv.plan((3, 3, 28, 44), "encode").grid == (4, 6)
+
+
+def test_forward_takes_num_frames_as_the_stock_one():
+    import inspect
+
+    x = torch.randn(2, 3, 12, 16, generator=torch.Generator().manual_seed(3))
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    assert "num_frames" in inspect.signature(tv.forward).parameters  # (what the SVD pipeline looks for)
+    with torch.no_grad():
+        ref = VAE(x, num_frames=2).sample
+        out = tv(x, num_frames=2).sample
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_bad_calls_are_refused_with_the_values():
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    with pytest.raises(ValueError, match=r"5 rows, not a whole number of videos of num_frames=2"):
+        tv.decode(_latents(1, 5), num_frames=2)
+    with pytest.raises(ValueError, match=r"must be a \(B T, C, H, W\) tensor.*got \(1, 4, 2, 7, 11\)"):
+        tv.decode(torch.zeros(1, 4, 2, 7, 11), num_frames=2)
+    with pytest.raises(ValueError, match=r"num_frames must be a positive int.*got 0"):
+        tv.decode(_latents(1, 2), num_frames=0)
+    with pytest.raises(TypeError, match="num_frames"):
+        tv.decode(_latents(1, 2))  # (required, as the stock decode's)
+    with pytest.raises(ValueError, match=r"plans \(B, C, T, H, W\) shapes, got \(2, 4, 7, 11\)"):
+        tv.plan((2, 4, 7, 11))
+
+
+def test_a_decode_that_asks_for_gradients_is_refused_at_the_call():
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    z = _latents(1, 2).requires_grad_()
+    with pytest.raises(RuntimeError, match="AutoencoderKLTemporalDecoder has no backward yet: its "
+                                           "AlphaBlenders' weights"):
+        tv.decode(z, num_frames=2)
+
+
+def _pipeline():
+    """A tiny StableVideoDiffusionPipeline: the SVD UNet of the denoiser tests (`tiny_denoisers.svd`), this
+    VAE, a tiny CLIP vision encoder (32 px images, 8 px patches) and its feature extractor."""
+    from diffusers import EulerDiscreteScheduler, StableVideoDiffusionPipeline
+    from tiny_denoisers import UD
+    from tiny_denoisers import svd as svd_unet
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(0)
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+        patch_size=8, projection_dim=UD)).eval()
+    return StableVideoDiffusionPipeline(vae=VAE, image_encoder=encoder, unet=svd_unet()[0],
+                                        scheduler=EulerDiscreteScheduler(),
+                                        feature_extractor=CLIPImageProcessor())
+
+
+def test_the_pipeline_with_the_tiled_vae_makes_the_stock_frames():
+    pipe = _pipeline()
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    kw = dict(image=image, height=32, width=32, num_frames=5, num_inference_steps=2, decode_chunk_size=2,
+              output_type="pt", motion_bucket_id=127, fps=6, noise_aug_strength=0.02)
+    with torch.no_grad():
+        ref = pipe(**kw, generator=torch.Generator().manual_seed(6)).frames
+        pipe.vae = tw.TiledVAE(VAE, tile_size=6, progress=False)  # (16 x 16 latents: 3 x 3 tiles)
+        out = pipe(**kw, generator=torch.Generator().manual_seed(6)).frames
+        latents = torch.randn(1, 5, 4, 7, 11, generator=torch.Generator().manual_seed(4))
+        chunks = pipe.decode_latents(latents, num_frames=5, decode_chunk_size=2)  # (calls of 2, 2, 1 frames)
+        pipe.vae = VAE
+        stock = pipe.decode_latents(latents, num_frames=5, decode_chunk_size=2)
+    assert out.shape == ref.shape == (1, 5, 3, 32, 32)
+    assert (out - ref).abs().max().item() <= TOL
+    assert chunks.shape == stock.shape == (1, 3, 5, 14, 22)
+    assert (chunks - stock).abs().max().item() <= TOL
+
+
+def test_gradients_through_the_tiled_encode_equal_the_stock_vae():
+    x = torch.randn(2, 3, 12, 16, generator=torch.Generator().manual_seed(7))
+    w = VAE.encoder.conv_in.weight
+    grads = []
+    for encode in (VAE.encode, tw.TiledVAE(VAE, tile_size=4, progress=False).encode):
+        xi = x.clone().requires_grad_()
+        post = encode(xi).latent_dist
+        (post.mean.square().sum() + post.logvar.sum()).backward()
+        grads.append((xi.grad, w.grad.clone()))
+        w.grad = None
+        VAE.zero_grad(set_to_none=True)
+    (gx, gw), (tx, tw_) = grads
+    assert (tx - gx).abs().max().item() <= TOL * max(1.0, gx.abs().max().item())
+    assert (tw_ - gw).abs().max().item() <= TOL * max(1.0, gw.abs().max().item())
+
+
+def test_decode_to_streams_the_video_of_one_call(tmp_path):
+    import numpy as np
+
+    z = _latents(1, 3)
+    tv = tw.TiledVAE(VAE, tile_size=4, progress=False)
+    with torch.no_grad():
+        ref = VAE.decode(z, num_frames=3).sample  # (3, 3, 14, 22): the frames of one call
+    video = z.unflatten(0, (1, 3)).permute(0, 2, 1, 3, 4)  # (the (1, C, T, H, W) video decode_to takes)
+    with tw.open_video_sink(tmp_path / "v.npy", 3, 14, 22, 3) as sink:
+        tv.decode_to(video, sink)
+    got = np.load(tmp_path / "v.npy").astype(int)
+    want = np.stack([tw.sinks.to_hwc_uint(f) for f in ref]).astype(int)
+    assert got.shape == (3, 14, 22, 3) and np.abs(got - want).max() <= 1  # (float noise can flip a rounding)
