@@ -136,3 +136,13 @@ def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
         fast = tw.TiledVAE(vae, tile_size=2, mode="fast", progress=False)
         assert (fast.decode(z).sample - ref).abs().max() <= TOL
     assert "the run is exact" in str(fast.plan(tuple(z.shape)))
+
+
+def test_gradients_through_the_encode_equal_the_stock_vae():
+    vae = video_vae("cosmos")
+    tv = tw.TiledVAE(vae, tile_size=1, progress=False)
+    e, block = vae.encoder, vae.encoder.down_blocks[1]
+    _same_gradients(vae, tv, _video(9, 16, 16, seed=6),
+                    [block.attentions[0].to_v.weight, block.temp_attentions[0].to_k.weight,
+                     e.norm_out.norm.bias, e.conv_in.conv_t.weight],
+                    lambda m, t: m.encode(t).latent_dist.mode().square().sum())
