@@ -16,8 +16,6 @@ from tilewise.locality import LoweringError  # noqa: E402
 REFUSED = {
     "cogvideox": r"AutoencoderKLCogVideoX \(decode\).*cat at 'decoder\.conv_in': a concatenation along time "
                  r"of frames of different values \(a causal cache",
-    "cosmos": r"AutoencoderKLCosmos: its attention blocks \(CosmosCausalAttention.*are not placed by the "
-              r"video lowering yet \(its GroupNorms of each frame are\)",
 }
 
 

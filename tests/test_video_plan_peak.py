@@ -32,7 +32,7 @@ def _peaks(name, shape, tile, order, staging):
 @pytest.mark.parametrize("name,frames,order,staging", [
     ("wan2.1", 3, "frames", "device"), ("wan2.1", 3, "tiles", "host"), ("qwen", 2, "tiles", "device"),
     ("ltx0.9.0", 3, "frames", "device"), ("ltx0.9.0", 3, "tiles", "host"), ("ltx2", 2, "tiles", "device"),
-    ("hunyuan", 2, "frames", "device")])
+    ("hunyuan", 2, "frames", "device"), ("cosmos", 3, "tiles", "host")])
 def test_plan_peak_bounds_the_live_bytes_of_the_run(name, frames, order, staging):
     plan, live = _peaks(name, (1, 4, frames, 9, 8), 4, order, staging)
     assert live <= plan <= SLACK * live, (name, plan, live, plan / live)

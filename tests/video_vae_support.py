@@ -147,7 +147,21 @@ def mochi(seed: int = 0):
     return _group_norms(vae, seed + 1)
 
 
-VAES = {"qwen": qwen, "mochi": mochi,
+def cosmos(seed: int = 0):
+    """AutoencoderKLCosmos (8x spatial, 8x temporal: its haar wavelet patcher of 4 and one resampling):
+    GroupNorms of each frame, attention over each frame's tokens and causal attention over each position's
+    frames in its mid blocks and the blocks at resolution 8; its norms' weights and biases randomised."""
+    import torch
+    from diffusers import AutoencoderKLCosmos
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLCosmos(latent_channels=4, encoder_block_out_channels=(8, 16, 16, 16),
+                              decode_block_out_channels=(8, 16, 16, 16), num_layers=1, resolution=64,
+                              attention_resolutions=(8,))
+    return _group_norms(vae, seed + 1)
+
+
+VAES = {"qwen": qwen, "mochi": mochi, "cosmos": cosmos,
         "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
         "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner,
         "ltx0.9.5-t": lambda: ltx("0.9.5", timestep=True), "ltx2-t": lambda: ltx2(timestep=True)}
@@ -169,8 +183,7 @@ def factor(vae) -> int:
 
 def refused_family(name: str):
     """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
-    exactly yet): CogVideoX (caches its chunked loop carries), Cosmos (attention blocks over each frame's
-    tokens and each position's frames)."""
+    exactly yet): CogVideoX (caches its chunked loop carries)."""
     import diffusers as d
     import torch
 
@@ -179,9 +192,5 @@ def refused_family(name: str):
         "cogvideox": lambda: d.AutoencoderKLCogVideoX(
             down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
             block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4),
-        "cosmos": lambda: d.AutoencoderKLCosmos(
-            latent_channels=4, encoder_block_out_channels=(8, 16, 16, 16),
-            decode_block_out_channels=(8, 16, 16, 16), num_layers=1, resolution=64,
-            attention_resolutions=(8,)),
     }
     return builders[name]().eval()

@@ -1,16 +1,18 @@
 """Sync ops of video programs: a GroupNorm of a video value (statistics per (batch, group) over the step's
 frames and the whole frame), a GroupNorm of each frame (statistics per (batch, frame, group) over the
 whole frame: the frames folded into the batch, Mochi's and Cosmos'), an attention over every token of the
-step's frames (HunyuanVideo's mid-block, a causal mask between frames), and the frames of several values
-concatenated along time (`FrameCat`); and an attention over each position's frames (Mochi's encoder:
-local in space, over every frame of the step).
+step's frames (HunyuanVideo's mid-block, a causal mask between frames), an attention over each frame's
+tokens (Cosmos', `FrameSDPA`), and the frames of several values concatenated along time (`FrameCat`); and
+an attention over each position's frames (Mochi's encoder, Cosmos' causal one: local in space, over every
+frame of the step).
 
 In a one-step program (every frame in one step, as the traced lowering makes them) the step's frames are
 the video's: these are the model's own GroupNorm and attention. The video executor merges a GroupNorm's
 statistics over every tile of the step (`vae.run.stats.GroupStats`) before its segment runs, and makes
 the attention's keys and values of every token of the step before its queries run tile by tile. A
-GroupNorm of each frame reduces over no frame but its own, so it is exact in a program of several causal
-steps too (a step holds whole frames); the others run in one-step programs only.
+GroupNorm of each frame and an attention over each frame's tokens reduce over no frame but their own, so
+they are exact in a program of several causal steps too (a step holds whole frames); the others run in
+one-step programs only.
 """
 
 from __future__ import annotations
@@ -180,6 +182,83 @@ class ColumnAttention(Op):
 
     def describe(self):
         return "attention over each position's frames"
+
+
+@dataclass
+class FrameSDPA(Op):
+    """scaled_dot_product_attention over each frame's tokens (Cosmos' CosmosSpatialAttentionProcessor2_0:
+    tokens (B t, heads, h w, C / heads)) of queries, keys and values that are 1x1x1 projections of one
+    value (`proj`: their (weight, bias), as traced); no mask. src = (normed,). The output is the
+    attention's, back as (B, C, t, h, w) (its output projection and residual are ops of their own). A
+    sync op: every query attends to every token of its frame."""
+
+    proj: tuple = ()  # ((w_q, b_q), (w_k, b_k), (w_v, b_v))
+    heads: int = 1
+    sync = True
+    kind = OpKind.ATTENTION
+
+    def _tokens(self, n, part: int):
+        """Projection `part` (0: queries, 1: keys, 2: values) of n (B, C, t, h, w) as (B t, heads, h w, d)."""
+        w, b = self.proj[part]
+        y = F.conv3d(n, w, b).permute(0, 2, 3, 4, 1).flatten(2, 3).flatten(0, 1)
+        return y.unflatten(2, (self.heads, -1)).transpose(1, 2)
+
+    def keys_values(self, n):
+        """(B t, heads, N, d) keys and values of the tokens of n, frame by frame (bands of rows
+        concatenate along dim 2)."""
+        return self._tokens(n, 1), self._tokens(n, 2)
+
+    def attend(self, n, k, v, chunk: int = 4096):
+        """Queries of n (B, C, t, h, w) attend to k, v of their frame in query chunks; (B, C, t, h, w)."""
+        b, _, t, h, w = n.shape
+        q = self._tokens(n, 0)
+        parts = [F.scaled_dot_product_attention(q[:, :, i : i + chunk], k, v)
+                 for i in range(0, q.shape[2], chunk)]
+        o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        o = o.transpose(1, 2).flatten(2, 3).type_as(q)
+        return o.unflatten(1, (h, w)).unflatten(0, (b, t)).permute(0, 4, 1, 2, 3)
+
+    def out_channels(self, channels):
+        return int(self.proj[2][0].shape[0])
+
+    def run(self, ctx, inputs, have, box, shapes):
+        n = sub_tensor(inputs[0], have[0], box)
+        k, v = ctx.attention_kv(self, n, box)
+        return self.attend(n, k, v, ctx.query_chunk)
+
+    def describe(self):
+        return f"attention over each frame's tokens, heads={self.heads}"
+
+
+@dataclass
+class ColumnSDPA(Op):
+    """scaled_dot_product_attention over each position's frames (Cosmos'
+    CosmosTemporalAttentionProcessor2_0: tokens (B h w, heads, t, C / heads)) of queries, keys and values
+    (src = (q, k, v)); `causal`: a frame attends to itself and the frames before it (its tril mask). The
+    output back as (B, C, t, h, w). Local in space (no halo); it reads every frame of the step, so
+    one-step programs only."""
+
+    heads: int = 1
+    causal: bool = True
+
+    def _tokens(self, x):
+        """(B, C, t, h, w) -> (B h w, heads, t, d)."""
+        return x.permute(0, 3, 4, 2, 1).flatten(0, 2).unflatten(2, (self.heads, -1)).transpose(1, 2)
+
+    def run(self, ctx, inputs, have, box, shapes):
+        q, k, v = (sub_tensor(t, h, box) for t, h in zip(inputs, have, strict=True))
+        b, _, t, h, w = q.shape
+        mask = torch.tril(q.new_ones(t, t)).bool() if self.causal else None
+        o = F.scaled_dot_product_attention(self._tokens(q), self._tokens(k), self._tokens(v), attn_mask=mask)
+        o = o.transpose(1, 2).flatten(2, 3).type_as(q)
+        return o.unflatten(0, (b, h, w)).permute(0, 4, 3, 1, 2)
+
+    def out_channels(self, channels):
+        return channels[2]
+
+    def describe(self):
+        mask = ", causal between frames" if self.causal else ""
+        return f"attention over each position's frames, heads={self.heads}{mask}"
 
 
 @dataclass

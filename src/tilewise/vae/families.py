@@ -29,7 +29,11 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
 from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution, EncoderOutput
+from diffusers.models.autoencoders.vae import (
+    DiagonalGaussianDistribution,
+    EncoderOutput,
+    IdentityDistribution,
+)
 from diffusers.models.autoencoders.vq_model import VQEncoderOutput
 
 from ..locality.build import LoweringError
@@ -48,7 +52,8 @@ class Family:
 
     decode: Callable | None = None
     encode: Callable | None = None
-    encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent"
+    encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent",
+    # "identity"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
@@ -185,16 +190,6 @@ def _svd_inputs(vae) -> dict:
     return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
 
 
-def _cosmos_check(vae) -> str:
-    """Cosmos' attention blocks (CosmosCausalAttention), which the video lowering does not place yet."""
-    if any(type(m).__name__ == "CosmosCausalAttention" for m in vae.modules()):
-        return ("its attention blocks (CosmosCausalAttention, in its mid and up / down blocks: attention "
-                "over each frame's tokens, and causal attention over each position's frames with a mask made "
-                "per call) are not placed by the video lowering yet (its GroupNorms of each frame are); use "
-                "the wrapped VAE")
-    return ""
-
-
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 FAMILIES: dict[str, Family] = {
@@ -224,7 +219,10 @@ FAMILIES: dict[str, Family] = {
                                  check=_mochi_check),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (CogVideoX: caches of a chunked loop; HunyuanVideo 1.5: its upsampler's frames not measured, ...)
-    "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, check=_cosmos_check),
+    # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
+    # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
+    # IdentityDistribution of the latents
+    "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
     **{name: VIDEO for name in ("AutoencoderKLCogVideoX",
                                 "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
@@ -252,6 +250,7 @@ ENCODED = {
     "latents": (VQEncoderOutput, "latents", None),
     "tiny": (AutoencoderTinyOutput, "latents", None),
     "latent": (EncoderOutput, "latent", None),
+    "identity": (AutoencoderKLOutput, "latent_dist", IdentityDistribution),
 }
 
 

@@ -149,7 +149,7 @@ class TiledVAE(ModelWrapper):
             return dec if call["return_dict"] else (dec.sample, dec.commit_loss)
         if family.encoded == "tiny":  # AutoencoderTiny.forward: encode, quantise latents to 8 bits, decode
             z = self.vae.unscale_latents(self.vae.scale_latents(z).mul_(255).round_().byte() / 255.0)
-        elif family.encoded == "posterior":  # (the others decode what encode returns: AutoencoderDC)
+        elif family.encoded in ("posterior", "identity"):  # (the others decode what encode returns: DC-AE)
             z = z.sample(generator=call["generator"]) if call["sample_posterior"] else z.mode()
         dec = self.decode(z, **{k: call[k] for k in _inputs(family)}).sample
         return DecoderOutput(sample=dec) if call["return_dict"] else (dec,)

@@ -76,7 +76,8 @@ def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale:
 def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction, channels: int):
     """How many frames fn makes of t (a video value like `like`): None where it keeps them, else
     (t, step) -> floor(a t + b), a and b fitted on runs at three frame counts (small random inputs, the
-    module's device and dtype) and checked; a string where they do not fit one such line. A run counts
+    module's device and dtype) and checked (ceil(a t + b) where the counts between the example's take
+    it); a string where they do not fit one such line. A run counts
     only where its output has the example's `channels` (a reshape's -1 may take up frames it misses)."""
     d, t0 = scale.denominator, int(like.shape[2])
     p = next(iter(low.root.parameters()), None)
@@ -84,18 +85,26 @@ def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction,
     if device.type == "meta":
         return "its frames are unmeasurable here (its parameters are on the meta device)"
     g = torch.Generator().manual_seed(1)
-    runs = {}
-    for t in (t0, 2 * t0 - 1, 3 * t0 - 2, 2 * t0, 3 * t0):
+    runs, more = {}, {}
+
+    def run(t):
         x = torch.randn((1, int(like.shape[1]), t, 2 * d, 2 * d), generator=g).to(device, dtype)
         try:
             with torch.no_grad():
                 y = fn(x)
         except Exception:  # (a frame count the module does not take)
-            continue
+            return None
         if int(y.shape[1]) != channels:
             return (f"its output's channels follow its frames ({channels} on the example, {int(y.shape[1])} "
                     f"from {t} frames): a size it was given is fixed at the example's frame count")
-        runs[t] = int(y.shape[2])
+        return int(y.shape[2])
+
+    for t in (t0, 2 * t0 - 1, 3 * t0 - 2, 2 * t0, 3 * t0):
+        o = run(t)
+        if isinstance(o, str):
+            return o
+        if o is not None:
+            runs[t] = o
         if len(runs) == 3:
             break
     if len(runs) < 2:
@@ -107,6 +116,14 @@ def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction,
         return "its frames are not a linear function of its input's"
     if a == 1 and b == 0:
         return None
+    # (frame counts between the example's: a stride over padded frames rounds up, Cosmos' wavelet patcher)
+    for t in range(t0 + 1, t0 + min(int(1 / a) if a < 1 else 1, 8) + 1):
+        o = run(t)
+        if isinstance(o, int):
+            more[t] = o
+    if any((a * t + b) // 1 != o for t, o in more.items()) and all(
+            -((-a * t - b) // 1) == o for t, o in {**runs, **more}.items()):
+        return lambda t, step, a=a, b=b: int(-((-a * t - b) // 1))
     return lambda t, step, a=a, b=b: int((a * t + b) // 1)
 
 

@@ -18,6 +18,7 @@ from .state import Lowering, arg_of, channel_dim, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
 from .video_batch import batch_call
 from .video_fold import fold_call
+from .video_sdpa import sdpa_call
 from .video_tokens import token_call
 
 ALIASES = {"contiguous", "clone", "detach", "dropout", "float", "to", "type_as", "half", "bfloat16", "double"}
@@ -39,6 +40,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     """Place one recorded call (module docstring); LoweringError for one no rule places."""
     if any(n in low.tokens for n in call.refs()):  # (a video value's tokens, to or from an Attention)
         token_call(low, i, call)
+        return
+    if any(n in low.sdpa for n in call.refs()):  # (a video value's tokens, to or from an attention)
+        sdpa_call(low, i, call)
         return
     if any(n in low.folds for n in call.refs()):  # (its frames in the batch, to a GroupNorm of each frame)
         fold_call(low, i, call)

@@ -54,6 +54,9 @@ class Lowering:
     # node -> (video value name, layout): a video value's tokens, "channels_last" (B, T, H, W, C) or
     # "flat" (B, T H W, C), on their way to and from an Attention unit (`trace.video_tokens`)
     tokens: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # node -> (video value name, its axes as groups of (B, C, T, H, W, N, D), their sizes): a video value's
+    # tokens on their way to and from a scaled_dot_product_attention (`trace.video_sdpa`)
+    sdpa: dict[int, tuple] = field(default_factory=dict)
     # one-frame values of a 2-D program ((B, C, 1, H, W) as captured, carried as (B, C, H, W): an image VAE
     # in a video's layout, `trace.frames`)
     framed: set[int] = field(default_factory=set)

@@ -17,6 +17,9 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - a GroupNorm of each frame with the frames folded into the batch (Mochi's chunked GroupNorm, Cosmos'):
   a `FrameGroupNorm`, statistics per (batch, frame, group); an attention over each position's frames,
   the positions folded into the batch (Mochi's encoder): a `ColumnAttention` (`video_fold`);
+- `scaled_dot_product_attention` of a video value's tokens (Cosmos' attention blocks): over each frame's
+  tokens a `FrameSDPA`, over each position's frames a `ColumnSDPA` (`video_sdpa`); `new_ones` of a video
+  value read only as such an attention's causal mask: no op;
 - a concatenation along time of frames of different values that are not such parts (a cache a chunked
   causal loop carries from call to call) is refused: no measurement of the module around it places it
   either.
@@ -36,6 +39,7 @@ from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
+from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 
 
@@ -312,7 +316,8 @@ def _parts_cat(low: Lowering, call: Call, tensors) -> str | None:
 def _permute(low: Lowering, i: int, call: Call) -> bool | str:
     """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
     tokens on their way to an Attention (`video_tokens`); False for another permute."""
-    return fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
+    return (fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
+            or sdpa_rule(low, i, call))
 
 
 def _span(a, b) -> str:
@@ -325,7 +330,8 @@ def _triple(v) -> tuple[int, int, int]:
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
-               "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute}
+               "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
+               "new_ones": new_ones_rule}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "contiguous": _squeezed_unary,

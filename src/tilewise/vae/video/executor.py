@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from ...distributed import all_reduce_sum, rank_world
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
-from ...locality.ops3d_sync import ColumnAttention, StepAttention, VideoGroupNorm
+from ...locality.ops3d_sync import ColumnAttention, ColumnSDPA, StepAttention, VideoGroupNorm
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
@@ -96,7 +96,7 @@ def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, di
 def step_syncs(program: VideoProgram) -> list:
     """The ops of `program` that reduce over every frame of a causal step (`ops3d_sync`; a GroupNorm of
     each frame reduces over its own frame only)."""
-    return [op for op in program.ops if isinstance(op, StepAttention | ColumnAttention)
+    return [op for op in program.ops if isinstance(op, StepAttention | ColumnAttention | ColumnSDPA)
             or isinstance(op, VideoGroupNorm) and not op.per_frame]
 
 
