@@ -162,12 +162,14 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -
     s, run = scope.s, scope.s.run
     mine = set(seg.inputs) | set(seg.outputs)
     run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
-                      stage_dir=None, heap_slack=0, check_emitted=True)
+                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
+    # says what it recomputes: its ops, inputs, measured values)
     if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
         run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
     tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items()))
     return (id(scope.program), tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
-            seg.kind, tuple(t.core for t in grid), scope.shapes[scope.program.input], scope.ref, tracked,
+            seg.kind, tuple(seg.measured), seg.again, tuple(t.core for t in grid),
+            scope.shapes[scope.program.input], scope.ref, tracked,
             replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
             frozenset(fixed), tuple(probes or ()))
 
@@ -370,7 +372,7 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
                 band.launches += 1  # (the carried rows are cloned)
         for v, core in cores.items():
-            band.add(_store_cost(v, core, scope), times=n)
+            band.add(_store_cost(v, core, scope, v in seg.measured), times=n)
         cost.add(band)
     return cost
 
@@ -444,13 +446,16 @@ def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
     return Cost(flops=flops, launches=launches, h2d=h2d)
 
 
-def _store_cost(v: str, core, scope: Scope) -> Cost:
-    """The executor's store of one core: its finite check or statistics, then its write."""
+def _store_cost(v: str, core, scope: Scope, measured: bool = False) -> Cost:
+    """The executor's store of one core: its finite check or statistics, then its write (none when it is
+    `measured` only: recomputed by its readers)."""
     chans, program, tracked, s = scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
     n = box_area(core) * chans[v] * unit
     cost = Cost()
-    if v == program.output:
+    if measured:
+        pass
+    elif v == program.output:
         cost.launches += 1  # into the output tensor (decode_to: to the sink)
     elif s.off(v):
         cost.d2h += n
@@ -499,7 +504,7 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
                 cost.h2d += h * w * c * unit
             if s.run.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
                 cost.d2h += 2 * h * w * c * unit
-        if op.kind is OpKind.GROUP_NORM:
+        if op.kind is OpKind.GROUP_NORM and id(op) not in seg.again:  # (an affine once per run)
             cost.launches += AFFINE
         if op.kind is OpKind.WHOLE:  # (the module run once on the whole; its FLOPs are not counted)
             cost.launches += op.calls
