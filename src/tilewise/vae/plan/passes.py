@@ -13,7 +13,8 @@ from ..devices import DeviceProfile
 from ..run.attention import query_grid
 from ..run.executor import cut, last_readers, tile_grid
 from ..settings import Place
-from .counts import Cost, Scope, Setting, segment_cost, untiled_cost
+from .counts import Scope, segment_cost
+from .op_costs import Cost, Setting, untiled_cost
 from .records import Pass, PassKind, Stage
 
 # Device bytes of the small tensors a segment's peak holds that the plan does not follow one by one: the
