@@ -233,7 +233,7 @@ def test_gpu_plan_reads_the_next_tile_ahead_unless_only_a_plan_without_fits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_statistics_kernels_are_the_counted_constants(dtype):
     from tilewise.locality.affine import group_norm_affine
-    from tilewise.vae.plan import counts
+    from tilewise.vae.plan import op_costs as counts
     from tilewise.vae.run.stats import GroupStats
 
     with fake():

@@ -5,7 +5,7 @@ interpreter (`run_op`) and the back-propagation of boxes that tells each op what
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -120,12 +120,16 @@ class SegmentKind(Vocabulary):
 
 @dataclass
 class Segment:
-    """A run of ops between sync points: reads `inputs` (staged), produces `outputs` (staged)."""
+    """A run of ops between sync points: reads `inputs` (staged), produces `outputs` (staged but those
+    `measured`: their cores' statistics taken, nothing stored; a later segment recomputes them); `again`:
+    ids of ops an earlier segment ran too (their GroupNorm affines made there)."""
 
     ops: list[Op]
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     kind: SegmentKind = SegmentKind.LOCAL
+    measured: list[str] = field(default_factory=list)
+    again: frozenset = frozenset()
 
 
 def split_segments(program: Program, is_global: Callable[[Op], bool] | None = None) -> list[Segment]:
@@ -180,6 +184,78 @@ def _link(segments: list[Segment], program: Program) -> None:
     last = segments[producer[program.output]] if producer[program.output] >= 0 else None
     if last is not None and program.output not in last.outputs:
         last.outputs.append(program.output)
+
+
+# ops a reader may run again on its own tile to recompute a value (local: boxes back-propagate; a
+# GroupNorm here has its statistics from an earlier segment)
+RECOMPUTABLE = (OpKind.CONV, OpKind.POINTWISE, OpKind.ADD, OpKind.GROUP_NORM, OpKind.RESAMPLE)
+
+
+def recomputable(segments: list[Segment], given: str) -> list[str]:
+    """Staged values a later segment could recompute instead of reading (`recompute`), in program order:
+    a GroupNorm input made in a local segment by local ops (RECOMPUTABLE) from that segment's staged
+    inputs, each of which stays staged until the value's last reader anyway (`given`, the program input,
+    stays to the end)."""
+    last = _last_readers(segments, given)
+    out = []
+    for seg in segments:
+        for v in seg.outputs:
+            if v not in last or v in seg.measured or seg.kind is not SegmentKind.LOCAL:
+                continue  # (the output, or a value no segment reads)
+            readers = [s for s in segments if v in s.inputs]
+            normed = all(any(op.kind is OpKind.GROUP_NORM and op.src[0] == v for op in s.ops)
+                         for s in readers)
+            made = _made_from(seg, v)
+            if normed and made is not None and all(u == given or last.get(u, -1) >= last[v] for u in made[1]):
+                out.append(v)
+    return out
+
+
+def recompute(segments: list[Segment], values, given: str) -> list[Segment]:
+    """The segments with each of `values` recomputed, not staged: the segment making it still computes
+    it for its statistics (`Segment.measured`) but stores nothing; each segment reading it first runs
+    the ops that make it, on its own tile from the staged values they read (a bigger halo, more FLOPs,
+    fewer staged bytes). Values in program order, each `recomputable` among the segments so far."""
+    segs = [replace(s, ops=list(s.ops), inputs=list(s.inputs), outputs=list(s.outputs),
+                    measured=list(s.measured)) for s in segments]
+    order = {id(op): k for k, op in enumerate(op for s in segments for op in s.ops)}
+    for v in values:
+        if v not in recomputable(segs, given):
+            raise ValueError(f"value {v!r} cannot be recomputed by its readers; recomputable: "
+                             f"{recomputable(segs, given)}")
+        i = next(k for k, s in enumerate(segs) if v in s.outputs)
+        ops, leaves = _made_from(segs[i], v)
+        segs[i].measured.append(v)
+        for j, seg in enumerate(segs):
+            if j == i or v not in seg.inputs:
+                continue
+            have = {id(op) for op in seg.ops}
+            new = [op for op in ops if id(op) not in have]
+            seg.ops = sorted(new + seg.ops, key=lambda op: order[id(op)])
+            seg.inputs = [u for u in seg.inputs if u != v] + [u for u in leaves if u not in seg.inputs]
+            seg.again = seg.again | {id(op) for op in new}
+    return segs
+
+
+def _made_from(seg: Segment, v: str) -> tuple[list[Op], list[str]] | None:
+    """The ops of seg that make v and the staged inputs of seg they read, or None when one of them is
+    not RECOMPUTABLE."""
+    need, ops = {v}, []
+    for op in reversed(seg.ops):
+        if op.dst in need:
+            if op.kind not in RECOMPUTABLE:
+                return None
+            ops.append(op)
+            need.update(op.src)
+    made = {op.dst for op in seg.ops}
+    return ops[::-1], [u for u in seg.inputs if u in need and u not in made]
+
+
+def _last_readers(segments: list[Segment], given: str) -> dict[str, int]:
+    """Index of the last segment reading each staged value (not `given`)."""
+    last = {u: i for i, s in enumerate(segments) for u in s.inputs}
+    last.pop(given, None)
+    return last
 
 
 def back_propagate(ops: list[Op], wants: dict[str, Box], shapes: dict | None = None) -> dict[str, Box]:

@@ -84,8 +84,9 @@ def plan(settings: Settings, job: Job, shape: tuple[int, ...], tile_size: int | 
         fwd = make_plan(settings, job, shape, request(settings, job, tile_size, place))
         return replace(fwd, backward=backward_plan(job, shape, fwd.choices, settings))
     fwd = settle(settings, job, shape)
-    if fwd.tile_batch > 1:  # (a differentiable call runs tile by tile, forward and backward)
-        fwd = make_plan(settings, job, shape, fwd.choices.replace(tile_batch=1))
+    if fwd.tile_batch > 1 or fwd.choices.recompute:  # (a differentiable call runs tile by tile, forward
+        # and backward, every value staged: `run.reverse`)
+        fwd = make_plan(settings, job, shape, fwd.choices.replace(tile_batch=1, recompute=()))
     for choices in _smaller(fwd.choices):
         back = backward_plan(job, shape, choices, settings)
         if back.peak <= settings.memory_budget:

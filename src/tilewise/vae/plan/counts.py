@@ -18,7 +18,9 @@ GroupNorms that read it. `segment_cost` walks the same boxes and counts:
   group's ops once on n times the batch (a cat per stacked input, n times the working set), its cores
   stored tile by tile.
 
-`benchmarks/counting.py` counts the same on a real (or fake) run; `tests/test_counting.py` compares.
+What one op costs on its box, the kernel constants, `Cost`, `Setting` and the untiled run's reference
+cost are in `op_costs`. `benchmarks/counting.py` counts the same on a real (or fake) run;
+`tests/test_counting.py` compares.
 """
 
 from __future__ import annotations
@@ -26,83 +28,32 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ...locality.boxes import box_area, clip_box, map_box, zero_pad
+from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
 from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
 from ..run.bands import band_rows, row_local, tile_bands, working_bytes
 from ..run.batches import axis_class, batch_groups, batchable, period_and_reach
-from ..run.options import RunOptions
 from ..settings import Attention, Place
-from .live import Sizes, lazy_input, lazy_output, live_peak, pointwise_conv, untiled_peak
-
-# kernels of the pieces made of several operators (counted with benchmarks/counting.py)
-ATTENTION_TILE = 6  # queries: to_q, scores (one fused kernel a query chunk), heads back, to_out, residual
-ATTENTION_COPY = 1  # ... plus one copy when the tile's box is not contiguous in its tensor
-KEYS_VALUES = 4  # to_k and to_v of one band of tokens (matmul and bias each)
-KV_STORE = 2  # ... written into their stores when there are several bands (a copy each)
-PROJECT_INTO = 2  # ... or projected straight into them (plain Linear layers: one addmm each)
-STREAMED = 2  # streamed attention (locality.streamed_attention), once a query box: o, lse (half: a cast)
-STREAMED_CHUNK = 6  # ... and per key chunk: the fused kernel, the log-sum-exp merge and the output's
-MERGE = 5  # GroupStats: the tiles' moments merged (stack, two mv, deviation; float32 ones widened: 1 more)
-AFFINE = 6  # a GroupNorm's per-channel affine from its statistics (once per run)
-ADJUST = 5  # fast mode: sample statistics corrected by the low pass's (estimators._adjusted)
-CHECK = 6  # the segment's finite check (stack, sum, isfinite), and one host sync
-MOMENTS = 13  # GroupNorm moments in chunks: the fixed kernels ...
-MOMENTS_CHUNK = 8  # ... and those of every chunk
-WELFORD = 1  # one torch.var_mean pass (stats_chunk=0), float32 values; a half-precision copy adds one
-
-
-@dataclass
-class Cost:
-    """What a pass (or a segment of it) dispatches; `working` is a per-tile (or per-band) maximum."""
-
-    work: int = 0  # conv multiply-adds per batch item
-    flops: int = 0
-    launches: int = 0
-    syncs: int = 0  # reads back to the host (finite checks)
-    h2d: int = 0  # bytes host -> device
-    d2h: int = 0
-    working: int = 0
-    d2h_side: int = 0  # ... of them copied on a side stream (host staging's stores: vae/copies.py)
-    ahead: int = 0  # device bytes of the next tile's inputs, read while a tile runs (a maximum)
-    fetched: int = 0  # host -> device bytes of such reads ahead, every tile's (a sum)
-
-    def add(self, other: Cost, together: bool = False, times: int = 1) -> None:
-        """Add `other` (`times` times: tiles that count alike)."""
-        n = times
-        self.work, self.flops = self.work + n * other.work, self.flops + n * other.flops
-        self.launches, self.syncs = self.launches + n * other.launches, self.syncs + n * other.syncs
-        self.h2d, self.d2h = self.h2d + n * other.h2d, self.d2h + n * other.d2h
-        self.d2h_side += n * other.d2h_side
-        self.ahead, self.fetched = max(self.ahead, other.ahead), self.fetched + n * other.fetched
-        self.working = self.working + n * other.working if together else max(self.working, other.working)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """How a pass runs as its count sees it: the options its executor is given (`run`), on a GPU-shaped
-    plan or not, for an element size and a batch."""
-
-    run: RunOptions = field(default_factory=RunOptions)
-    gpu: bool = False  # a GPU plan: staged host / disk values cross the link
-    item: int = 4  # bytes per element
-    batch: int = 1
-
-    @property
-    def global_attention(self) -> bool:
-        return self.run.attention is Attention.GLOBAL
-
-    def off(self, v: str) -> bool:
-        """Whether staged value v lives across the link (its reads and writes are transfers)."""
-        return self.gpu and self.run.place(v) is not Place.DEVICE
-
-    def with_run(self, **changes) -> Setting:
-        """The same count with some run options changed."""
-        return replace(self, run=self.run.replace(**changes))
+from .live import Sizes, live_peak, pointwise_conv
+from .op_costs import (
+    ADJUST,
+    AFFINE,
+    CHECK,
+    KEYS_VALUES,
+    KV_STORE,
+    MERGE,
+    PROJECT_INTO,
+    Cost,
+    Setting,
+    moments,
+    op_cost,
+    stats_copy,
+    streamed,
+)
 
 
 @dataclass(frozen=True)
@@ -162,12 +113,14 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -
     s, run = scope.s, scope.s.run
     mine = set(seg.inputs) | set(seg.outputs)
     run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
-                      stage_dir=None, heap_slack=0, check_emitted=True)
+                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
+    # says what it recomputes: its ops, inputs, measured values)
     if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
         run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
     tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items()))
     return (id(scope.program), tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
-            seg.kind, tuple(t.core for t in grid), scope.shapes[scope.program.input], scope.ref, tracked,
+            seg.kind, tuple(seg.measured), seg.again, tuple(t.core for t in grid),
+            scope.shapes[scope.program.input], scope.ref, tracked,
             replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
             frozenset(fixed), tuple(probes or ()))
 
@@ -231,7 +184,7 @@ def _probe_adds(cores, probes, scope: Scope, probed: dict) -> int:
             b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
             if b[0] < b[1] and b[2] < b[3]:
                 probed[v] = probed.get(v, 0) + 1
-                launches += len(tracked[v]) * _moments(b, chans[v], s)
+                launches += len(tracked[v]) * moments(b, chans[v], s)
     return launches
 
 
@@ -254,7 +207,7 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
         for t in grid:
             core = map_box(t.core, shapes[ref], shapes[op.dst])
             if t.index in sampled and core[0] < core[1] and core[2] < core[3]:
-                cost.launches += _moments(core, chans[v], s)
+                cost.launches += moments(core, chans[v], s)
                 n += 1
         cost.launches += merge_launches(n, s) + ADJUST * adjusted
     return cost
@@ -361,96 +314,30 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
             if c is not None and (c[0] != box[0] or c[2:] != box[2:]):
                 c = None
             if c is None:
-                band.add(_op_cost(seg.ops, i, box, need, shapes, chans, sn, last, cores, fixed))
+                band.add(op_cost(seg.ops, i, box, need, shapes, chans, sn, last, cores, fixed))
             elif c[1] < box[1]:  # rows past the carried ones, then joined to them
-                band.add(_op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, sn, last, cores, fixed))
+                band.add(op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, sn, last, cores, fixed))
                 band.launches += 1
             if op.kind is OpKind.CONV and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
                     and nxt[d][2:] == box[2:]:
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
                 band.launches += 1  # (the carried rows are cloned)
         for v, core in cores.items():
-            band.add(_store_cost(v, core, scope), times=n)
+            band.add(_store_cost(v, core, scope, v in seg.measured), times=n)
         cost.add(band)
     return cost
 
 
-def _op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixed) -> Cost:
-    """Work, FLOPs and launches of ops[i] on `box` (run_op; a conv in im2col row bands on a CPU plan)."""
-    op = ops[i]
-    cost = Cost()
-    if op.kind is OpKind.CONV:
-        lazy = lazy_input(ops, i, last, keep)
-        macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * box_area(box)
-        cost.work, cost.flops = macs, 2 * macs * s.batch
-        if pointwise_conv(op) and not lazy:
-            cost.launches = 1
-            return cost
-        rows = box[1] - box[0]
-        per_row = (box[3] - box[2]) * op.weight.shape[1] * op.kernel[0] * op.kernel[1] * 4
-        step = max(1, s.run.conv_workspace // max(per_row, 1)) if s.run.conv_workspace else rows
-        step = min(step, rows)
-        shape = shapes[op.src[0]]
-        for y in range(box[0], box[1], step):
-            part = (y, min(y + step, box[1]), box[2], box[3])
-            want = op.input_boxes(part)[0]
-            inner = clip_box(want, shape)
-            padded = not op.pads_itself(want, inner) and any(zero_pad(want, inner)[0])
-            cost.launches += 1 + padded + lazy  # conv, pad (unless the conv pads), the upsampled band
-        if step < rows:
-            cost.launches += -(-rows // step)  # every band copied into the one output
-        return cost
-    if op.kind is OpKind.RESAMPLE:
-        cost.launches = 0 if lazy_output(ops, i, last, keep) else 1
-    elif op.kind is OpKind.POINTWISE:
-        cost.launches = op.kernels  # (the lowering says how many)
-    elif op.kind is OpKind.ADD:
-        cost.launches = 1 + (op.scale != 1.0)
-    elif op.kind is OpKind.GROUP_NORM:
-        cost.launches = 1  # GroupNorm's affine in one kernel (statistics known: executor)
-    elif op.kind is OpKind.ATTENTION:
-        cost.add(_attention_tile(op, box, need, shapes, chans, s))
-    elif op.kind is OpKind.MODULE:  # (a module placed by its measured locality: the calls it makes;
-        cost.launches = op.calls  # its FLOPs are not counted)
-    elif op.kind is OpKind.WHOLE:  # (a box of the output made once: `_segment_once`)
-        cost.launches = 0
-    else:
-        cost.launches = 1
-    return cost
-
-
-def _attention_tile(op, box, need, shapes, chans, s: Setting) -> Cost:
-    """The queries of one box attending to all tokens (global) or to the box's own (tile)."""
-    src = op.src[0]
-    c = chans[src]
-    nq = box_area(box)
-    h, w = shapes[src]
-    nk = h * w if s.global_attention else nq
-    chunks = max(1, -(-nq // s.run.query_chunk))
-    d = c // op.heads
-    proj = 2 * nq * c * c * 2  # to_q and to_out
-    if not s.global_attention:
-        proj += 2 * nq * c * c * 2  # the box's own keys and values
-    flops = s.batch * (proj + 4 * op.heads * nq * nk * d)
-    launches = ATTENTION_TILE + (chunks - 1) + (chunks > 1)  # one fused kernel a chunk, then joined
-    h2d = 0
-    if s.run.kv_chunk and s.global_attention:  # the online softmax over key chunks, all read once per box
-        launches = ATTENTION_TILE - 1 + STREAMED + (s.item < 4) + STREAMED_CHUNK * -(-nk // s.run.kv_chunk)
-        h2d = 2 * s.batch * nk * c * s.item if s.gpu else 0
-    if not (box[2] == 0 and box[3] == w) and box[1] - box[0] > 1:
-        launches += ATTENTION_COPY
-    if not s.global_attention:
-        launches += KEYS_VALUES
-    return Cost(flops=flops, launches=launches, h2d=h2d)
-
-
-def _store_cost(v: str, core, scope: Scope) -> Cost:
-    """The executor's store of one core: its finite check or statistics, then its write."""
+def _store_cost(v: str, core, scope: Scope, measured: bool = False) -> Cost:
+    """The executor's store of one core: its finite check or statistics, then its write (none when it is
+    `measured` only: recomputed by its readers)."""
     chans, program, tracked, s = scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
     n = box_area(core) * chans[v] * unit
     cost = Cost()
-    if v == program.output:
+    if measured:
+        pass
+    elif v == program.output:
         cost.launches += 1  # into the output tensor (decode_to: to the sink)
     elif s.off(v):
         cost.d2h += n
@@ -462,17 +349,8 @@ def _store_cost(v: str, core, scope: Scope) -> Cost:
     if v not in tracked and s.run.check_finite:
         cost.launches += 1  # a sum for the finite check
     for _ in tracked.get(v, ()):
-        cost.launches += _moments(core, chans[v], s)
+        cost.launches += moments(core, chans[v], s)
     return cost
-
-
-def _moments(core, c: int, s: Setting) -> int:
-    """Kernels of one GroupStats.add of a core with c channels (stats.moments)."""
-    if s.run.stats_chunk == 0:
-        return WELFORD + (s.item < 4)
-    h, w = core[1] - core[0], core[3] - core[2]
-    rows = max(1, min(h, s.run.stats_chunk // max(s.batch * c * w * 4, 1)))
-    return MOMENTS + MOMENTS_CHUNK * -(-h // rows)
 
 
 def _segment_once(seg, scope: Scope, parts: int) -> Cost:
@@ -499,7 +377,7 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
                 cost.h2d += h * w * c * unit
             if s.run.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
                 cost.d2h += 2 * h * w * c * unit
-        if op.kind is OpKind.GROUP_NORM:
+        if op.kind is OpKind.GROUP_NORM and id(op) not in seg.again:  # (an affine once per run)
             cost.launches += AFFINE
         if op.kind is OpKind.WHOLE:  # (the module run once on the whole; its FLOPs are not counted)
             cost.launches += op.calls
@@ -514,41 +392,3 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
         cost.launches += CHECK
         cost.syncs += 1
     return cost
-
-
-def untiled_cost(program, shapes, chans, s: Setting) -> Cost:
-    """The plain untiled run (`Program.run`: what a TiledVAE does when one tile covers the latent) and
-    its finite check; `working` is its peak of live values (`untiled_peak`)."""
-    full = {v: (0, h, 0, w) for v, (h, w) in shapes.items()}
-    last = last_use(program.ops, [program.output])
-    cost = Cost()
-    one = s.with_run(conv_workspace=0)
-    for i, op in enumerate(program.ops):
-        if op.kind is OpKind.GROUP_NORM:
-            cost.launches += 1  # torch's own GroupNorm
-        elif op.kind is OpKind.ATTENTION:
-            q = _attention_tile(op, full[op.dst], full, shapes, chans, one)
-            cost.flops += q.flops + s.batch * 2 * 2 * box_area(full[op.dst]) * chans[op.src[0]] ** 2
-            cost.launches += q.launches + KEYS_VALUES
-        else:
-            cost.add(_op_cost(program.ops, i, full[op.dst], full, shapes, chans, one, last, (), set()))
-    cost.launches += 5  # the finite check of the output (sum, isfinite)
-    cost.syncs += 1
-    cost.working = untiled_peak(program, shapes, chans, s.batch * s.item)
-    return cost
-
-
-def streamed(s: Setting) -> tuple[int, int] | None:
-    """(key chunk, bytes per element) of streamed global attention, or None."""
-    return (s.run.kv_chunk, s.item) if s.run.kv_chunk and s.global_attention else None
-
-
-def stats_copy(v: str, core, chans, s: Setting, tracked) -> int:
-    """Bytes a core's statistics hold while computed: a half-precision core read as float32 (one
-    var_mean pass), or the float32 rows of one chunk of moments."""
-    if v not in tracked:
-        return 0
-    n = box_area(core) * chans[v] * s.batch * 4
-    if s.run.stats_chunk == 0:
-        return n if s.item < 4 else 0
-    return min(n, s.run.stats_chunk)

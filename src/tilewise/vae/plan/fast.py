@@ -17,8 +17,9 @@ from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_p
 from ..run.executor import tile_grid
 from ..run.options import Choices
 from ..settings import Estimator, Job, Kind, Place, Settings
-from .counts import ADJUST, Setting, sample_stats_cost, stats_copy
+from .counts import sample_stats_cost
 from .live import Sizes, together_peak
+from .op_costs import ADJUST, Setting, stats_copy
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
 

@@ -15,8 +15,8 @@ from ..fast.split import fast_split, fixed_ops
 from ..run.options import Choices, pass_options
 from ..run.staging import TRIM_FREE
 from ..settings import Job, Mode, Place, Settings
-from .counts import Setting, untiled_cost
 from .fast import fast_passes
+from .op_costs import Setting, untiled_cost
 from .passes import PassSpec, conv_work, pass_plan, untiled_pass
 from .records import Pass, PassKind, Plan, staging_floor
 

@@ -13,7 +13,8 @@ from ..devices import DeviceProfile
 from ..run.attention import query_grid
 from ..run.executor import cut, last_readers, tile_grid
 from ..settings import Place
-from .counts import Cost, Scope, Setting, segment_cost, untiled_cost
+from .counts import Scope, segment_cost
+from .op_costs import Cost, Setting, untiled_cost
 from .records import Pass, PassKind, Stage
 
 # Device bytes of the small tensors a segment's peak holds that the plan does not follow one by one: the
@@ -100,7 +101,7 @@ class _Walk:
     def __post_init__(self):
         spec, p = self.spec, self.spec.program
         self.shapes, self.chans = p.shapes(tuple(spec.shape[-2:])), p.channels()
-        self.segs = cut(p, spec.fixed, self.s.run.attention)
+        self.segs = cut(p, spec.fixed, self.s.run.attention, self.s.run.recompute)
         self.last = last_readers(self.segs, p.input)
         self.grid = tile_grid(self.shapes[spec.ref], spec.tile)
         self.producer = {op.dst: op.name for op in p.ops}
@@ -122,7 +123,7 @@ class _Walk:
         """Segment i: its staged outputs made, what it dispatches and holds, the values it read last."""
         spec, s, b = self.spec, self.s, self.spec.shape[0]
         for v in seg.outputs:
-            if v != spec.program.output:
+            if v != spec.program.output and v not in seg.measured:
                 shape = (b, self.chans[v], *self.shapes[v])
                 self.stages.append(Stage(v, self.producer[v], shape, self.nbytes(v), s.run.place(v)))
                 self.alive[v], self.lifetimes[v] = self.nbytes(v), (i, i)
@@ -140,7 +141,8 @@ class _Walk:
         self.hidden += self.profile.hidden(c.flops, c.launches, side, s.item < 4)
         out_now = self.out_b if i >= self.made_out else 0  # (the output: allocated by its own segment)
         self.kept += sum(b * (8 * self.chans[op.src[0]] + 16 * op.groups) for op in seg.ops
-                         if op.kind is OpKind.GROUP_NORM and id(op) not in spec.fixed)
+                         if op.kind is OpKind.GROUP_NORM and id(op) not in spec.fixed
+                         and id(op) not in seg.again)
         self.held.append(c.working + c.ahead + kv + out_now + self.im2col + self.kept + SMALL_TENSORS)
         on_device = sum(n for v, n in self.alive.items() if s.run.place(v) is Place.DEVICE)
         self.gpu_peak = max(self.gpu_peak, self.held[-1] + on_device)

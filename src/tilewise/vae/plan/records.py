@@ -208,11 +208,15 @@ class Plan:
         if self.device != "cpu" and self.staging in (Place.HOST, Place.MIXED) and not self.untiled:
             rows.append("    copies to the host on a side stream" + (", the next tile's inputs read while a "
                                                                      "tile runs" if self.read_ahead else ""))
+        if self.choices.recompute:
+            rows.append(f"    {len(self.choices.recompute)} GroupNorm inputs recomputed by their readers "
+                        "from staged values, not staged (their makers take their statistics)")
         if self.staging_floor is not None:
             moved = self.h2d + self.d2h
             ratio = f" ({moved / self.staging_floor:.2f}x)" if self.staging_floor else ""
-            rows.append(f"    staging floor at this budget {fb(self.staging_floor)} host<->device (what "
-                        f"cannot stay on the device, out once and back once); this plan moves "
+            own = ", of the values it stages" if self.choices.recompute else ""
+            rows.append(f"    staging floor at this budget{own} {fb(self.staging_floor)} host<->device "
+                        f"(what cannot stay on the device, out once and back once); this plan moves "
                         f"{fb(moved)}{ratio}")
         for s in self.stages[:6]:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
@@ -261,7 +265,8 @@ def staging_floor(budget: int, held: list[int], lifetimes: dict[str, tuple[int, 
     byte out once and back once. The least such bytes, any part of any value placed off the device: a
     covering of the segments' excess by the values' lifetimes (intervals), which the greedy scan covering
     each segment's shortfall with the values alive longest solves exactly. A lower bound for runs that
-    stage every value and recompute none."""
+    stage every value they are given (a plan's own staged set: one that recomputes some has a floor of
+    the others)."""
     off = dict.fromkeys(sizes, 0)
     for i, h in enumerate(held):
         alive = sorted((v for v, (a, z) in lifetimes.items() if a <= i <= z), key=lambda v: -lifetimes[v][1])

@@ -10,8 +10,10 @@ where it does not ("device+host", `place`), in host memory, or on disk (which of
 from __future__ import annotations
 
 from ...locality.ops import OpKind
+from ...locality.program import recomputable
 from ...memory import format_bytes
 from ..devices import BAND_BYTES
+from ..run.executor import cut
 from ..run.options import Choices
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
@@ -77,9 +79,26 @@ def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
             if settled >= set(stagings) or any(q.staging is Place.DEVICE for q in fits):
                 break  # (device staging at this tile beats every staging at a smaller one)
         if fits:
-            fits = [_batched(settings, job, shape, q) for q in fits]
+            fits = [_batched(settings, job, shape, _recomputed(settings, job, shape, q)) for q in fits]
             return min(fits, key=lambda q: (q.seconds, -q.tile_size))
     raise _no_fit(settings, search.least or search.last)
+
+
+def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
+    """`plan` with the staged values its time model finds cheaper to recompute than to move across the
+    link (`locality.program.recompute`: the reader remakes a GroupNorm input from staged values it
+    reads anyway): each recomputable value in program order, kept where the plan with it fits and is
+    faster (exact host-staged plans on one process; device staging moves nothing to save)."""
+    if settings.mode is not Mode.EXACT or plan.untiled or plan.staging is Place.DEVICE \
+            or settings.process_group is not None:
+        return plan
+    p = job.program
+    best = plan
+    for v in recomputable(cut(p, {}, settings.attention), p.input):
+        got = _plan_at(settings, job, shape, best.choices.replace(recompute=(*best.choices.recompute, v)))
+        if got is not None and got.peak <= settings.memory_budget and got.seconds < best.seconds:
+            best = got
+    return best
 
 
 def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:

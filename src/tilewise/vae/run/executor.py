@@ -28,7 +28,15 @@ from ...distributed import rank_world
 from ...geometry import Box, TileGrid
 from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
 from ...locality.ops import Op, OpKind
-from ...locality.program import Program, Segment, SegmentKind, back_propagate, last_use, split_segments
+from ...locality.program import (
+    Program,
+    Segment,
+    SegmentKind,
+    back_propagate,
+    last_use,
+    recompute,
+    split_segments,
+)
 from ..settings import Attention
 from .attention import keys_values, query_grid
 from .bands import band_rows, row_local, run_bands, tile_bands
@@ -46,9 +54,10 @@ __all__ = ["ExecContext", "Executor", "FiniteChecks", "NonFiniteError", "RunResu
            "check_output", "cut", "last_readers", "tile_grid"]
 
 
-def cut(program: Program, fixed, attention: Attention) -> list[Segment]:
+def cut(program: Program, fixed, attention: Attention, recomputed=()) -> list[Segment]:
     """The program cut at its barriers: GroupNorms without fixed statistics (ids in `fixed` have them),
-    and attention when global."""
+    and attention when global; the staged values in `recomputed` recomputed by their readers
+    (`program.recompute`)."""
 
     def is_global(op: Op) -> bool:
         if op.kind is OpKind.GROUP_NORM:
@@ -57,7 +66,8 @@ def cut(program: Program, fixed, attention: Attention) -> list[Segment]:
             return attention is Attention.GLOBAL
         return op.sync
 
-    return split_segments(program, is_global)
+    segs = split_segments(program, is_global)
+    return recompute(segs, recomputed, program.input) if recomputed else segs
 
 
 def last_readers(segs: list[Segment], given: str) -> dict[str, int]:
@@ -93,7 +103,7 @@ class Executor:
 
     def segments(self) -> list[Segment]:
         """The program cut at its barriers (`cut`)."""
-        return cut(self.program, self.fixed_stats, self.options.attention)
+        return cut(self.program, self.fixed_stats, self.options.attention, self.options.recompute)
 
     def run(self, x, emit: Callable | None = None) -> RunResult:
         """Run on x (B, C, H, W): the output, or its tile cores streamed to emit(box, value)."""
@@ -151,6 +161,8 @@ class _TileRun:
         statistics merged and its values checked."""
         for v in seg.outputs:
             full = (self.batch, self.chans[v], *self.shapes[v])
+            if v in seg.measured:
+                continue  # (its statistics only: its readers recompute it)
             if v == self.ex.program.output:
                 if self.emit is None or self.bands is not None:
                     self.out = self._alloc_output(full)
@@ -178,6 +190,9 @@ class _TileRun:
         """Row bands of this run when a process group is set (else None: every tile is ours)."""
         if self.ex.group is None:
             return None
+        if self.o.recompute:
+            raise ValueError(f"recomputed values {self.o.recompute} run on one process, not with a process "
+                             "group")
         if self.probes:
             raise ValueError("probes (fast-mode low pass) run on one process, not with a process group")
         rank, world = rank_world(self.ex.group)
@@ -378,6 +393,8 @@ class _TileRun:
             acc.add(c)
         if v in self.trackers:
             self._probe(v, core, t, have)
+        if v in seg.measured:
+            return  # (measured, not stored: its readers recompute it)
         if v != out_v:
             stage.write(v, core, c)
         elif self.emit is not None and (self.bands is None or self.bands.rank == 0):

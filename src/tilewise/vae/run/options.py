@@ -33,6 +33,7 @@ class Choices:
     fast_most: int = 0  # fast mode: at most this many rows and columns of sampled tiles (0: no cap)
     head_tile: int = 0  # fast mode: decode's exact latent-resolution head's tile (0: the run's tile)
     tile_batch: int = 1  # same-shape tiles of a local segment run this many at a time (`batches`)
+    recompute: tuple[str, ...] = ()  # staged values their readers recompute instead (`program.recompute`)
 
     def __post_init__(self):
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
@@ -67,6 +68,8 @@ class RunOptions:
     # the reverse program's checkpoints (`reverse`); the caller closes it
     tile_batch: int = 1  # same-shape tiles of a local segment stacked and run this many at a time
     # (`batches`; 1: tile by tile)
+    recompute: tuple[str, ...] = ()  # staged values recomputed by their readers, not stored (`locality.
+    # program.recompute`: exact runs on one process)
 
     def __post_init__(self):
         object.__setattr__(self, "attention", Attention.parse(self.attention, "attention"))
@@ -88,7 +91,8 @@ def pass_options(settings: Settings, profile: DeviceProfile, choices: Choices, *
                       band_bytes=choices.band_bytes, kv_chunk=choices.kv_chunk, query_rows=choices.query_rows,
                       read_ahead=choices.read_ahead, query_chunk=settings.query_chunk,
                       conv_workspace=profile.conv_workspace, stats_chunk=profile.stats_chunk,
-                      stage_dir=settings.stage_dir, progress=settings.progress, tile_batch=choices.tile_batch)
+                      stage_dir=settings.stage_dir, progress=settings.progress, tile_batch=choices.tile_batch,
+                      recompute=choices.recompute)
     return base.replace(**changes) if changes else base
 
 

@@ -80,6 +80,8 @@ class _Reverse:
 
     def __init__(self, ex: Executor, stage: Staging, stats, x, params: tuple, want_x: bool):
         p = ex.program
+        if ex.options.recompute:  # (a measured value's gradient would flow only through its statistics)
+            raise ValueError(f"recomputed values {ex.options.recompute} are for forward runs, not gradients")
         self.ex, self.stage, self.stats, self.params, self.want_x = ex, stage, stats, params, want_x
         self.shapes, self.chans = p.shapes(tuple(x.shape[-2:])), p.channels()
         self.segs = ex.segments()
