@@ -59,3 +59,11 @@ REFUSED_IMAGE: dict[str, str] = {
         "not images or videos"),
 }
 REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
+
+# tiled exactly from Python (tw.TiledVAE) but not taken by the CLI's decode / encode yet, with what is missing
+PYTHON_ONLY: dict[str, str] = {
+    "AutoencoderKLCosmos": "its pipelines normalise the latents per channel and frame with the scheduler's "
+                           "sigma_data, which the CLI's latents files do not record",
+    "AutoencoderKLTemporalDecoder": "its decode takes the frames of one call in the batch with num_frames, "
+                                    "which the CLI's video decode does not pass",
+}
