@@ -208,5 +208,9 @@ class StepReverse(TileReverse):
 
 
 def _sum_into(grads: dict, key, g) -> None:
-    """Add g into grads[key] (set where absent)."""
-    grads[key] = g if key not in grads else grads[key] + g
+    """Add g into grads[key] (set where absent; a view of a larger gradient, as a cache's is of its
+    convolution's padded input's, copied: the view would hold all of it)."""
+    if key in grads:
+        grads[key] = grads[key] + g
+    else:
+        grads[key] = g.clone() if g.untyped_storage().nbytes() > g.numel() * g.element_size() else g
