@@ -2,14 +2,18 @@
 holds, before anything runs.
 
 Walked from the frame-order run's layout (the one the differentiable call runs): the forward keeps the
-causal caches entering every step (every tile's, `kept`); the backward recomputes one step at a time with
-autograd, and that step's graph holds every value the step computes on every tile (each unit's boxes
-over the step's frames; an op of several kernels, a traced chain, one full-size intermediate more), about
-as much again in their gradients (`step_graph`); beside it the gradients of the caches carried to the
-step before (`carried`), the input's gradient, the output's gradient and the parameters' gradients
-(`io_bytes`). Within a memory budget the differentiable call takes the largest tile whose forward and
-backward peaks both fit it. Tiles bound the forward, not this backward: the step's graph is every tile's
-(smaller tiles only add halo), so a budget below one step's graph is refused with the figure.
+causal caches entering every step (every tile's, `kept`); the backward reverses one step at a time,
+segment by segment last to first, tile by tile (`video.reverse`). Where that holds most (the largest
+over the steps and the segments reversed), it holds the step's staged values not yet freed and the
+gradients of the values staged across the segment (`step_values`) and one tile's recomputed graph: the
+values of the tile's boxes (an op of several kernels, a traced chain, one full-size intermediate more)
+and as much again in their gradients, or an attention segment's keys and values of the step and their
+gradients, or a GroupNorm's float64 band of its input (`tile_graph`); beside them the gradients of the
+caches the step enters and leaves with (`carried`), the input's gradient, the output (held by the
+caller) and its gradient, and the parameters' gradients (`io_bytes`). Within a memory budget the
+differentiable call takes the largest tile whose forward and backward peaks both fit it: a smaller tile
+shrinks the tile's graph, while the kept caches of every tile grow with its halos, so a budget under the
+smallest tile's peak is refused with the figure.
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ def _saves(op) -> int:
 
 def choose_backward(settings: Settings, job: Job, shape, param_bytes: int) -> tuple[int, Place]:
     """(tile, staging) of a differentiable call: as the settings give them, else within the memory budget
-    the largest tile (and "device" before "host") whose forward peak and backward peak both fit it."""
+    the largest tile (and "device" before "host") whose forward peak and backward peak both fit it (the
+    smallest need of all is in the refusal)."""
     budget = settings.memory_budget
     stagings = (tuple(Place(s) for s in VIDEO_STAGINGS) if settings.staging is None else (settings.staging,))
     if budget is None:

@@ -6,23 +6,23 @@ frames of every temporal op, as the run holds them (on the device, or the host w
 the run replaces a cache with a new tensor each step, so the kept ones are references, not copies).
 A step's input frames are a slice of the input, which the graph holds anyway.
 
-The backward walks the steps last to first. Step s is run again with autograd, tiled as the forward ran
-it (every segment on every tile, the same boxes and halos, attention keys of the whole frame), from its
-input frames and its entering caches as leaves; the gradients of its output frames and of the caches it
-leaves (the leaves' gradients of step s + 1) are backed through it in one `autograd.grad`, which gives
-the step's input frames', the parameters' and its entering caches' gradients (carried to step s - 1).
-A GroupNorm of a video value (HunyuanVideo's) takes its statistics, in the recomputed step, from its
-whole staged input with autograd (nn.GroupNorm's gradient through the mean and variance); its programs
-have one step, so that step's graph is the whole video's (tiled as the forward ran it). A
+The backward walks the steps last to first (`video.reverse`): step s is run again without autograd from
+its entering caches, every staged value of the step kept, then its segments are reversed last to first,
+each tile by tile from crops of the staged values and the tile's entering caches as leaves, with the
+gradients of its output frames and of the caches it leaves (the cache leaves' gradients of step s + 1);
+that gives the step's input frames', the parameters' and its entering caches' gradients (carried to step
+s - 1). GroupNorm statistics (HunyuanVideo's of the step, Mochi's and Cosmos' of each frame) are leaves
+of every tile, their gradients applied to their inputs' after the segment's last tile; a global attention
+segment's keys and values of the step are recomputed, their gradients summed over the tiles. A
 timestep-conditioned LTX decode's per-call values (`trace.percall`, bound with autograd) are inputs of
 the node too: the recomputed steps read them as leaves, their gradients go on through their graph to temb
 and the embedders' parameters.
 
 Held by the backward (planned by `video.backward`, which also picks the tile within a memory budget): the
-kept caches of every step (`stored_bytes`, freed step by step as the reverse
-passes them), one step's recomputed graph (all of its tiles: the graph of one causal step, not of the
-whole video), and the gradients of one step's caches. Process groups are refused (the reverse runs in
-one process).
+kept caches of every step (`stored_bytes`, freed step by step as the reverse passes them), one step's
+staged values and the gradients of those staged across the segment being reversed, one tile's
+recomputed graph, and the gradients of one step's entering and left caches. Process groups are refused
+(the reverse runs in one process).
 """
 
 from __future__ import annotations
