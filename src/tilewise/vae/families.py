@@ -218,14 +218,18 @@ FAMILIES: dict[str, Family] = {
                                  note=_mochi_note, state=_mochi_state, channels=_mochi_channels,
                                  check=_mochi_check),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX: caches of a chunked loop; HunyuanVideo 1.5: its upsampler's frames not measured, ...)
+    # (CogVideoX: caches of a chunked loop; Magvit: ...)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
     # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
     # IdentityDistribution of the latents
     "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
-    **{name: VIDEO for name in ("AutoencoderKLCogVideoX",
-                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
+    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
+    # the whole video in one pass, as decode / encode compute it: RMS norms over the channels, its samplers'
+    # channel <-> frame and space rearrangements (the first frame apart) with their channel-repeat / -mean
+    # shortcuts (measured ops, their frames measured: 2 t - 1, (t + 1) / 2), the mid-block's attention
+    # over every token with its causal mask (run whole at the latent's resolution)
+    "AutoencoderKLHunyuanVideo15": VIDEO,
     # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
     # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
     "AutoencoderKLQwenImage21": Family(decode=lambda vae, z: _kl_decode(vae, z.unsqueeze(2)).squeeze(2),
