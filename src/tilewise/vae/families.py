@@ -67,6 +67,8 @@ class Family:
     state: Callable | None = None  # state(vae) -> the settings (not parameters) its programs follow: a
     # program is lowered again when they change
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
+    frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
+    # it is not: the frame counts the wrapped VAE's own decode / encode take)
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -190,6 +192,78 @@ def _svd_inputs(vae) -> dict:
     return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
 
 
+def _magvit_upsamplers(vae) -> list:
+    """Magvit's decoder's temporal upsamplers (their `prev_features`: set once a chunk has run)."""
+    return [m for m in vae.decoder.modules() if type(m).__name__ == "EasyAnimateUpsampler3D"
+            and m.temporal_upsample]
+
+
+def _magvit_decode(vae, z):
+    """Magvit's decode in one pass. Its own `_decode` runs the decoder on the first latent frame, then on
+    each next chunk of `num_latent_frames_batch_size`, every causal convolution carrying its last input
+    frames over (its cache: one convolution over every frame, chunk by chunk) and each temporal upsampler
+    doubling the frames of every chunk but the first. That is the decoder on every frame at once with its
+    upsamplers as after the first chunk (every frame doubled), less the frames its first frame makes in
+    excess (causal, replicate-padded convolutions: a first frame repeated stays repeated), its GroupNorms
+    of each frame (`_magvit_check`). The caches are cleared before and after, as `decode` clears them."""
+    vae._clear_conv_cache()
+    try:
+        for m in _magvit_upsamplers(vae):
+            m.prev_features = True  # (as after the first chunk: what its forward reads of the cache)
+        dec = vae.decoder(vae.post_quant_conv(z))
+    finally:
+        vae._clear_conv_cache()
+    return dec[:, :, int(vae.temporal_compression_ratio) - 1 :]
+
+
+def _magvit_encode(vae, x):
+    """Magvit's encode in one pass: its own `_encode` runs the encoder on the first frame, then on each
+    next chunk of `num_sample_frames_batch_size` frames, every causal convolution carrying its last input
+    frames over: one convolution over every frame, chunk by chunk (`_magvit_frames`: the counts where
+    its chunks are whole at every temporal downsampling)."""
+    vae._clear_conv_cache()
+    try:
+        return vae.quant_conv(vae.encoder(x))
+    finally:
+        vae._clear_conv_cache()
+
+
+def _magvit_check(vae) -> str:
+    """Magvit with spatial_group_norm=False: its GroupNorms over each chunk's frames (the first frame, then
+    each chunk of its decode / encode loop), and its temporal upsamplers trilinear."""
+    if not vae.config.spatial_group_norm:
+        return ("its GroupNorms (spatial_group_norm=False) reduce over the frames of each chunk its decode / "
+                "encode loop runs (the first frame, then chunks of num_latent_frames_batch_size / "
+                "num_sample_frames_batch_size) and its temporal upsamplers are trilinear: TiledVAE tiles "
+                "Magvit with GroupNorms of each frame (spatial_group_norm=True, its default)")
+    return ""
+
+
+def _magvit_frames(vae, kind: Kind, t: int) -> str:
+    """Why the wrapped VAE's encode fails on t frames ("" where it takes them): after the first frame, its
+    chunks of num_sample_frames_batch_size frames (and the last) must each halve to whole frames at every
+    temporal downsampling (1 + r k frames, r its temporal compression)."""
+    r, n = int(vae.temporal_compression_ratio), int(vae.num_sample_frames_batch_size)
+    if kind is Kind.DECODE or (t - 1) % r == 0 and (n % r == 0 or t - 1 <= n):
+        return ""
+    return (f"AutoencoderKLMagvit encodes 1 + {r} k frames in chunks of num_sample_frames_batch_size = {n} "
+            f"after the first (its own encode fails on {t} frames: a chunk that does not halve to whole "
+            f"frames at each temporal downsampling); give 1 + {r} k frames")
+
+
+def _magvit_note(vae, kind: Kind, shape) -> str:
+    """Where Magvit's own decode / encode would tile in space and time (use_tiling, enable_tiling), what
+    the tiled path computes instead."""
+    f = int(vae.spatial_compression_ratio) if kind is Kind.DECODE else 1
+    h, w = int(shape[3]), int(shape[4])
+    if vae.use_tiling and (h > vae.tile_sample_min_height // f or w > vae.tile_sample_min_width // f):
+        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if f > 1 else ''}pixels with "
+                f"its own tiling (use_tiling: tiles of {vae.tile_sample_min_height} x "
+                f"{vae.tile_sample_min_width} px blended, approximate); TiledVAE {kind.value}s them in one "
+                "pass, exactly (as the wrapped VAE with use_tiling = False)")
+    return ""
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 FAMILIES: dict[str, Family] = {
@@ -218,13 +292,18 @@ FAMILIES: dict[str, Family] = {
                                  note=_mochi_note, state=_mochi_state, channels=_mochi_channels,
                                  check=_mochi_check),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX: caches of a chunked loop; Magvit: ...)
+    # (CogVideoX: caches of a chunked loop)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
     # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
     # IdentityDistribution of the latents
     "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
-    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLMagvit",
-                                "AutoencoderKLHunyuanImageRefiner")},
+    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLHunyuanImageRefiner")},
+    # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
+    # (each convolution's loop over its windows of frames, `trace.video_windows`), its GroupNorms of each
+    # frame (spatial_group_norm=False, per chunk, refused by name); encode takes the frame counts its own
+    # chunks take (`frames`)
+    "AutoencoderKLMagvit": Family(decode=_magvit_decode, encode=_magvit_encode, video=True,
+                                  check=_magvit_check, frames=_magvit_frames, note=_magvit_note),
     # the whole video in one pass, as decode / encode compute it: RMS norms over the channels, its samplers'
     # channel <-> frame and space rearrangements (the first frame apart) with their channel-repeat / -mean
     # shortcuts (measured ops, their frames measured: 2 t - 1, (t + 1) / 2), the mid-block's attention
