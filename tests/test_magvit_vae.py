@@ -144,3 +144,43 @@ def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
             assert (ex.run(z).output - ref).abs().max() <= TOL
         fast = tw.TiledVAE(vae, tile_size=2, mode="fast", progress=False)
         assert (fast.decode(z).sample - ref).abs().max() <= TOL
+
+
+class _Windows(torch.nn.Conv3d):
+    """A causal convolution looping over its windows of frames as Magvit's does: from frame `first`, every
+    `step` frames, `short` windows before the last that fits (Magvit's: from 0, its stride, none short)."""
+
+    def __init__(self, first=0, step=1, short=0):
+        super().__init__(2, 2, 3, padding=(0, 1, 1))
+        self.first, self.step, self.short = first, step, short
+
+    def forward(self, x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 2, 0), mode="replicate")
+        outs = [super(_Windows, self).forward(x[:, :, i : i + 3])
+                for i in range(self.first, x.size(2) - 2 - self.short, self.step)]
+        return torch.concat(outs, 2)
+
+
+@pytest.mark.parametrize("first,step,short,said", [
+    (0, 1, 0, None), (0, 2, 0, None), (0, 3, 0, None), (1, 1, 0, r"windows from frames \[1, 2, .*\] of 11"),
+    (0, 2, 2, r"windows from frames \[0, 2, 4, 6\] of 11")])
+def test_a_loop_over_windows_is_one_convolution_only_where_it_is_every_window(first, step, short, said):
+    """Every window in order, one stride apart (1, 2, 3): one convolution, equal to the loop on other frame
+    counts; from frame 1, or stopping short of the last window, refused by call and module path."""
+    from tilewise.locality.trace import lower_traced
+
+    torch.manual_seed(0)
+    m = _Windows(first, step, short).eval()
+    example = torch.empty(1, 2, 9, 13, 11, device="meta")
+    if said is not None:
+        with pytest.raises(LoweringError, match=r"the call 'concat' at '\(its forward\)'.*" + said):
+            lower_traced(m, m, example)
+        return
+    p = lower_traced(m, m, example)
+    convs = [op for op in p.ops if isinstance(op, CausalConv3d)]
+    assert len(convs) == 1 and convs[0].stride_t == step and convs[0].fill == "first"
+    for frames in (1, 4, 6):
+        x = torch.randn(1, 2, frames, 5, 6, generator=torch.Generator().manual_seed(frames))
+        ex = VideoExecutor(p, 2, p.input, progress=False)
+        with torch.no_grad():
+            assert (ex.run(x).output - m(x)).abs().max() <= TOL

@@ -95,9 +95,10 @@ def windows_cat(low: Lowering, call: Call, tensors) -> Call | str | None:
     frames = int(low.cap.values[src].shape[2])
     spans = [(range(frames)[f[2] : f[3]]) for f in found]
     k, starts = len(spans[0]), [s.start if len(s) else -1 for s in spans]
-    if k == 0 or any(len(s) != k for s in spans) or starts[0] != 0 or len(starts) < 2:
-        return (f"a convolution's windows of frames {[(s.start, s.stop) for s in spans]} (every window of "
-                "one size from frame 0, at least two, is placed: one does not show the stride)")
+    if k == 0 or any(len(s) != k for s in spans):
+        return f"a convolution's windows of frames {[(s.start, s.stop) for s in spans]} (not of one size)"
+    if len(starts) < 2:
+        return "a convolution's loop over one window of frames (it does not show its stride)"
     stride_t = starts[1] - starts[0]
     if stride_t < 1 or starts != list(range(0, frames - k + 1, stride_t)):
         return (f"a convolution's windows from frames {starts} of {frames} (every window of its input in "
