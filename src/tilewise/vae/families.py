@@ -15,8 +15,10 @@ layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C
 temporal decoder on a (B, C, T, H, W) one (`Family.batched`: its decode takes (B T, C, H, W) and
 num_frames, `vae.video.batch`). A family
 may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
-drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
-count its Fourier features).
+drop_last_temporal_frames), the channels its encode takes (`Family.channels`: Mochi's in_channels
+count its Fourier features) and the frame counts refused at the call where its own decode / encode fails
+on them (`Family.frames`: HunyuanVideo 1.5's and Magvit's encode take 1 + 4 k frames). The video
+families' own computations are in `video_calls` (Magvit's chunked loop as the one pass it equals).
 """
 
 from __future__ import annotations
