@@ -17,7 +17,9 @@ A global attention segment recomputes the keys and values of every token from th
 input, attends each tile's queries with them as leaves (their gradients summed over the tiles), then
 backs them through the key and value projections once (`_attention`). Each segment's outputs' gradients
 die when it is done; what the reverse holds is the staged values, the gradients of the values staged
-across the segment, and one tile's recomputed graph.
+across the segment, and one tile's recomputed graph. The 3-D causal VAEs' reverse (`video.reverse`) runs
+each causal step this way on the same pieces: `TileReverse` (the gradients' crops, the parameters', a
+global attention segment) and `norm_input_grad` (the statistics' gradients as their input's).
 """
 
 from __future__ import annotations
