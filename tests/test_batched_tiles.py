@@ -155,7 +155,7 @@ def test_gpu_settle_batches_tiles_within_the_budget_and_cpu_plans_do_not():
 
 
 def test_groups_are_one_class_in_run_order_and_rows_when_asked():
-    from tilewise.vae.run.executor import tile_grid
+    from tilewise.vae.run.segments import tile_grid
 
     grid = tile_grid((9, 12), 3)  # 3 x 4 tiles, serpentine
     items = [(t, "edge" if t.col in (0, 3) else "inner") for t in grid]

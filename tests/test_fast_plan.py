@@ -16,7 +16,7 @@ from tilewise.vae.fast.estimators import sample_tiles  # noqa: E402
 from tilewise.vae.plan.fast import FEWEST  # noqa: E402
 from tilewise.vae.plan.make import make_plan, request  # noqa: E402
 from tilewise.vae.plan.records import PassKind  # noqa: E402
-from tilewise.vae.run.executor import tile_grid  # noqa: E402
+from tilewise.vae.run.segments import tile_grid  # noqa: E402
 
 NARROW = dict(blocks=(16, 32, 32, 32), groups=8)
 BUDGET = 12_000_000  # (the default half of the tiles do not fit at once: staged, across the link on host)

@@ -18,8 +18,9 @@ from tilewise.locality import lower  # noqa: E402
 from tilewise.locality.program import recomputable, recompute  # noqa: E402
 from tilewise.vae.plan.make import make_plan, request  # noqa: E402
 from tilewise.vae.plan.settle import _recomputed  # noqa: E402
-from tilewise.vae.run.executor import Executor, cut  # noqa: E402
+from tilewise.vae.run.executor import Executor  # noqa: E402
 from tilewise.vae.run.options import RunOptions  # noqa: E402
+from tilewise.vae.run.segments import cut  # noqa: E402
 from tilewise.vae.runner import run_once  # noqa: E402
 
 NARROW = dict(blocks=(16, 32, 32, 32), groups=8)

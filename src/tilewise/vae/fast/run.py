@@ -17,8 +17,9 @@ from ...distributed import broadcast, rank_world
 from ...locality.boxes import map_box
 from ...locality.ops import OpKind
 from ...locality.program import Program
-from ..run.executor import Executor, tile_grid
+from ..run.executor import Executor
 from ..run.options import Choices, RunOptions
+from ..run.segments import tile_grid
 from ..run.staging import trim_heap
 from ..settings import Estimator, FastSettings, Job, Kind, Place
 from .estimators import estimate_stats, sample_tiles, sampled_tile_stats, staged_tile_stats

@@ -23,9 +23,9 @@ from ...locality.ops import OpKind
 from ...locality.program import SegmentKind, back_propagate
 from ...memory import format_bytes
 from ..fast.split import fixed_ops
-from ..run.executor import cut, tile_grid
 from ..run.options import Choices
 from ..run.reverse import NORM_ROWS_BYTES
+from ..run.segments import cut, tile_grid
 from ..settings import Job, Mode, Place, Settings
 
 

@@ -14,8 +14,8 @@ from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
 from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
-from ..run.executor import tile_grid
 from ..run.options import Choices
+from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import sample_stats_cost
 from .live import Sizes, together_peak

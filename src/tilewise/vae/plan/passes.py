@@ -11,7 +11,7 @@ from ...locality.ops import OpKind
 from ...locality.program import Program, SegmentKind
 from ..devices import DeviceProfile
 from ..run.attention import query_grid
-from ..run.executor import cut, last_readers, tile_grid
+from ..run.segments import cut, last_readers, tile_grid
 from ..settings import Place
 from .counts import Scope, segment_cost
 from .op_costs import Cost, Setting, untiled_cost

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...memory import format_bytes
-from ..run.executor import cut, last_readers, tile_grid
+from ..run.segments import cut, last_readers, tile_grid
 from ..run.sharding import RowBands, Rows
 from ..settings import Attention
 

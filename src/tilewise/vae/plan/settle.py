@@ -13,8 +13,8 @@ from ...locality.ops import OpKind
 from ...locality.program import recomputable
 from ...memory import format_bytes
 from ..devices import BAND_BYTES
-from ..run.executor import cut
 from ..run.options import Choices
+from ..run.segments import cut
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
 from .counts import remembered

@@ -25,25 +25,23 @@ import torch
 from tqdm.auto import tqdm
 
 from ...distributed import rank_world
-from ...geometry import Box, TileGrid
+from ...geometry import Box
 from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
-from ...locality.ops import Op, OpKind
+from ...locality.ops import OpKind
 from ...locality.program import (
     Program,
     Segment,
     SegmentKind,
     back_propagate,
     last_use,
-    recompute,
-    split_segments,
 )
-from ..settings import Attention
 from .attention import keys_values, query_grid
 from .bands import band_rows, row_local, run_bands, tile_bands
 from .batches import batch_groups, batchable, period_and_reach, run_group, tile_class
 from .context import ExecContext, RunResult
 from .finite import FiniteChecks, NonFiniteError, all_finite, check_output
 from .options import RunOptions
+from .segments import cut, last_readers, tile_grid
 from .sharding import RowBands, exchange_rows, gather_rows, merge_group_stats, stream_rows
 from .staging import Staging
 from .stats import GroupStats
@@ -51,39 +49,7 @@ from .stats import GroupStats
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExecContext", "Executor", "FiniteChecks", "NonFiniteError", "RunResult", "all_finite",
-           "check_output", "cut", "last_readers", "tile_grid"]
-
-
-def cut(program: Program, fixed, attention: Attention, recomputed=()) -> list[Segment]:
-    """The program cut at its barriers: GroupNorms without fixed statistics (ids in `fixed` have them),
-    and attention when global; the staged values in `recomputed` recomputed by their readers
-    (`program.recompute`)."""
-
-    def is_global(op: Op) -> bool:
-        if op.kind is OpKind.GROUP_NORM:
-            return id(op) not in fixed
-        if op.kind is OpKind.ATTENTION:
-            return attention is Attention.GLOBAL
-        return op.sync
-
-    segs = split_segments(program, is_global)
-    return recompute(segs, recomputed, program.input) if recomputed else segs
-
-
-def last_readers(segs: list[Segment], given: str) -> dict[str, int]:
-    """Index of the last segment reading each staged value (`given`, the program input, is not staged)."""
-    last: dict[str, int] = {}
-    for i, seg in enumerate(segs):
-        for v in seg.inputs:
-            last[v] = i
-    last.pop(given, None)
-    return last
-
-
-def tile_grid(hw: tuple[int, int], tile: int) -> TileGrid:
-    """The tile grid every pass runs over a reference value of spatial shape hw: tiles of `tile` pixels
-    (clipped to the value), serpentine order. Plans follow the same grid."""
-    return TileGrid(*hw, (min(tile, hw[0]), min(tile, hw[1])), order="serpentine")
+           "check_output"]
 
 
 @dataclass(frozen=True, eq=False)

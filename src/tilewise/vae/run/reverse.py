@@ -32,7 +32,8 @@ import torch
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind, RunContext
 from ...locality.program import SegmentKind, back_propagate
-from .executor import Executor, tile_grid
+from .executor import Executor
+from .segments import tile_grid
 from .staging import Staging
 
 __all__ = ["TileReverse", "backward", "norm_affine", "norm_input_grad"]

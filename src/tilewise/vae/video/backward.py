@@ -24,8 +24,8 @@ from ...locality.boxes import box_area
 from ...locality.ops import OpKind
 from ...locality.program import SegmentKind
 from ...memory import format_bytes
-from ..run.executor import tile_grid
 from ..run.reverse import NORM_ROWS_BYTES
+from ..run.segments import tile_grid
 from ..settings import Job, Place, Settings
 from .executor import VIDEO_STAGINGS, Order, layout, video_segments
 from .plan import VideoPlan, _plan, make_video_plan

@@ -52,7 +52,7 @@ from ...locality.ops3d_sync import ColumnAttention, ColumnSDPA, StepAttention, V
 from ...locality.program import Segment, SegmentKind, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
 from ...vocabulary import Vocabulary
-from ..run.executor import tile_grid
+from ..run.segments import tile_grid
 from ..run.sharding import RowBands, merge_group_stats
 from ..run.stats import GroupStats
 from ..settings import Attention, Place

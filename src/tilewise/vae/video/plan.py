@@ -16,7 +16,7 @@ from ...locality.ops import OpKind
 from ...locality.ops3d_sync import StepAttention
 from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
-from ..run.executor import tile_grid
+from ..run.segments import tile_grid
 from ..settings import Job, Mode, Place, Settings
 from .executor import VIDEO_STAGINGS, Order, layout, video_segments
 from .live import FrameSizes, unit_peak
