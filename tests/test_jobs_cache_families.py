@@ -16,7 +16,7 @@ from video_vae_support import qwen21, wan  # noqa: E402
 from tilewise.cli import main  # noqa: E402
 from tilewise.errors import BadRequest  # noqa: E402
 from tilewise.jobs import EncodeSettings, LatentDataset, bucket_dataset, encode_dataset  # noqa: E402
-from tilewise.jobs.cache import to_tensor  # noqa: E402
+from tilewise.jobs.cache import ShardRunner, to_tensor  # noqa: E402
 from tilewise.jobs.readers import open_dataset  # noqa: E402
 
 TOL = 1e-4
@@ -117,9 +117,14 @@ def test_the_cli_buckets_at_the_vaes_factor_and_encodes_a_vq_folder_into_the_cac
 
 def test_a_manifest_of_another_latent_factor_is_refused_naming_the_familys(photos, tmp_path):
     manifest = _manifest(photos, 2, tmp_path)  # (Flux.2's VAE downsamples by 2 here, its latents by 4)
-    with pytest.raises(BadRequest, match=r"latent_factor=2 but the AutoencoderKLFlux2's latents are 1/4 "
-                                         r"of the image \(its VAE's factor times its latents' 2x2 patches\)"):
+    why = r"latent_factor=2 but the AutoencoderKLFlux2's latents are 1/4 of the image \(its VAE's factor " \
+          r"times its latents' 2x2 patches\)"
+    with pytest.raises(BadRequest, match=why):
         encode_dataset(manifest, tmp_path / "cache", vae=_vae("flux2"), settings=SETTINGS, progress=False)
+    _vae("flux2").save_pretrained(tmp_path / "flux2")
+    with pytest.raises(BadRequest, match=why):  # a Ray worker's runner checks it too
+        ShardRunner.from_config({"manifest": str(manifest), "dataset": str(photos),
+                                 "model": str(tmp_path / "flux2"), "device": "cpu"})
 
 
 def test_a_video_vae_is_refused_by_name(photos, tmp_path, capsys):

@@ -326,7 +326,9 @@ class ShardRunner:
         vae = _load_vae(None, config.get("model"), config.get("config"), worker_device(config.get("device")))
         m = read_manifest(config["manifest"])
         data = open_dataset(config["dataset"], config.get("kind"))
-        return cls(LatentEncoder(vae, EncodeSettings(**config.get("settings", {}))), m, data)
+        encoder = LatentEncoder(vae, EncodeSettings(**config.get("settings", {})))
+        _check_factor(m, encoder)  # (each worker: the driver loads no VAE on Ray)
+        return cls(encoder, m, data)
 
     def __call__(self, item: Any, target: str) -> None:
         spec = ShardSpec(item.name, tuple(item.spec["bucket"]), tuple(item.spec["indices"]))
