@@ -287,3 +287,59 @@ def test_decode_and_encode_on_two_ranks_equal_the_stock_vae(folders, tmp_path, n
     want = (want[:, :, 0] if name == "qwen21" else want)[0].permute(1, 2, 0).numpy()
     assert np.abs(np.load(tmp_path / "x.npy") - want).max() <= TOL
     assert (load_file(str(tmp_path / "e.safetensors"))["latents"] - enc).abs().max() <= TOL
+
+
+def _pipeline_folder(root, index: dict, parts: dict):
+    """A pipeline folder: model_index.json listing `index` ({component: class}) and each part saved."""
+    root.mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps(
+        {"_class_name": index.pop("_class_name"), **{k: ["diffusers", v] for k, v in index.items()}}))
+    for name, vae in parts.items():
+        vae.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("pipeline, part, name", [("KandinskyV22Pipeline", "movq", "vq"),
+                                                  ("LDMTextToImagePipeline", "vqvae", "kl")])
+def test_a_pipeline_folder_whose_vae_is_another_component_round_trips_equal_to_stock(
+        folders, tmp_path, pipeline, part, name):
+    """Kandinsky keeps its VQModel as movq/, LDM its VAE as vqvae/ (an AutoencoderKL for the text-to-image
+    pipeline): decode / encode --model <pipeline folder> find it by its class and load it alone."""
+    from vae_support import kl_vae
+
+    vae = folders["vq"][1] if name == "vq" else kl_vae("sdxl")
+    f = 2 if name == "vq" else 4
+    cls = type(vae).__name__
+    pipe = _pipeline_folder(tmp_path / "pipe", {"_class_name": pipeline, part: cls, "scheduler": None},
+                            {part: vae})
+    pixels = np.random.default_rng(7).integers(0, 256, (6 * f, 8 * f, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "in.png")
+    _run("encode", tmp_path / "in.png", "--model", pipe, "--out", tmp_path / "z.safetensors", "--tile", 2,
+         "--quiet")
+    _run("decode", tmp_path / "z.safetensors", "--model", pipe, "--out", tmp_path / "x.npy", "--bits", 32,
+         "--tile", 2, "--quiet")
+    x = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        want_z = _file(name, vae, _stock_encode(vae, x))
+        got_z = load_file(str(tmp_path / "z.safetensors"))["latents"]
+        want_x = vae.decode(_raw(name, vae, got_z)).sample[0].permute(1, 2, 0).numpy()
+    got_x = np.load(tmp_path / "x.npy")
+    assert got_z.shape == want_z.shape and got_x.shape == want_x.shape
+    print(f"{part}/ {cls}: encode max abs {float((got_z - want_z).abs().max()):.2e}, decode "
+          f"{float(np.abs(got_x - want_x).max()):.2e}")
+    assert (got_z - want_z).abs().max() <= TOL and np.abs(got_x - want_x).max() <= TOL
+
+
+def test_a_pipeline_folder_with_two_vae_components_and_no_vae_is_refused_naming_them(folders, tmp_path,
+                                                                                     capsys):
+    vq = folders["vq"][1]
+    pipe = _pipeline_folder(tmp_path / "pipe", {"_class_name": "Odd", "movq": "VQModel", "vqvae": "VQModel"},
+                            {"movq": vq, "vqvae": vq})
+    save_file({"latents": torch.randn(1, 4, 6, 8)}, str(tmp_path / "z.safetensors"))
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "in.png")
+    for args in (("decode", tmp_path / "z.safetensors"), ("encode", tmp_path / "in.png")):
+        out = tmp_path / ("out.png" if args[0] == "decode" else "out.safetensors")
+        err = _fails(capsys, *args, "--model", pipe, "--out", out, code=ModelProblem.exit_code)
+        assert "has no 'vae' component but 2 VAE components ('movq' (VQModel), 'vqvae' (VQModel))" in err
+        assert str(pipe / "movq") in err
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())

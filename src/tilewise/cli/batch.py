@@ -43,7 +43,7 @@ def out_folder(out: Path, what: str = "--out") -> None:
 
 
 def bucket_dataset(dataset: Path, out: Path | None, area: int, step: int, max_aspect: float, policy: str,
-                   plot: Path | None, quiet: bool, no_clobber: bool) -> Any:
+                   plot: Path | None, quiet: bool, no_clobber: bool, latent_factor: int = 8) -> Any:
     """`tilewise buckets DATASET --out MANIFEST`: the manifest and its summary; the BucketResult."""
     from ..jobs import bucket_dataset
     from ..jobs.readers import dataset_kind
@@ -55,7 +55,7 @@ def bucket_dataset(dataset: Path, out: Path | None, area: int, step: int, max_as
     checks.picture(plot, "--plot", no_clobber)
     dataset_kind(dataset)
     result = bucket_dataset(dataset, out, area=area, step=step, max_aspect=max_aspect, policy=policy,
-                            replace=not no_clobber, progress=not quiet)
+                            latent_factor=latent_factor, replace=not no_clobber, progress=not quiet)
     typer.echo(result.summary())
     typer.echo(f"wrote {out}")
     return result
@@ -72,6 +72,8 @@ def encode_dataset(dataset: Path, manifest: Path, out: Path, shard_size: int, ba
     out_folder(out)
     dataset_kind(dataset)
     checks.budget(budget)
+    checks.model_paths(model, None, vae_folder=True)
+    image_vae(model)
     read_manifest(manifest)  # a manifest, checked before the model loads
     runner = ray_runner(ray, workers)
     settings = EncodeSettings(batch_size=batch_size, tile_above=tile_above, tile_size=tile,
@@ -85,6 +87,20 @@ def encode_dataset(dataset: Path, manifest: Path, out: Path, shard_size: int, ba
     result = encode_dataset(manifest, out, vae=vae, model=model, dataset=dataset, shard_size=shard_size,
                             settings=settings, progress=not quiet, ray=runner, device=device)
     typer.echo(result.summary())
+
+
+def image_vae(model: Path | None) -> None:
+    """The latent cache's --model holds a 2-D image VAE: a video VAE is refused from its JSON, before it
+    loads (`jobs.cache` refuses it again on a VAE given in Python)."""
+    from ..locality.classes import BATCHED_VAES, IMAGE_VAES
+    from ..locality.lowering3d import VIDEO_VAES
+    from ..pipelines.loading import vae_class
+
+    name = vae_class(model)
+    if name in (*VIDEO_VAES, *BATCHED_VAES):
+        raise BadRequest(f"encode --buckets writes a latent cache of images with a 2-D image VAE "
+                         f"({', '.join(IMAGE_VAES)}), but --model {str(model)!r} holds a {name}, a video "
+                         "VAE; encode videos one by one with `tilewise encode VIDEO --model ...`")
 
 
 def _finish(result: Any, out: Path) -> None:

@@ -30,6 +30,11 @@ def buckets(
     step: Annotated[int, typer.Option(min=8, help="bucket sides are multiples of this")] = 32,
     max_aspect: Annotated[float, typer.Option(min=1.0)] = 4.0,
     policy: Annotated[Policy, typer.Option()] = Policy.pad,
+    latent_factor: Annotated[
+        int, typer.Option(min=1, help="with DATASET: image pixels per latent pixel of the VAE the cache will "
+                          "encode with (8: SD, Flux; 32: DC-AE f32; 16: Flux.2, its 2x2 patches); the masks "
+                          "are at it, and `encode --buckets` checks it against the VAE's")
+    ] = 8,
     k: Annotated[int, typer.Option(min=1, help="buckets to choose by measured cost")] = 4,
     profile: Annotated[bool, typer.Option(help="time the embedded UNet at each bucket")] = True,
     repeats: Annotated[int, typer.Option(min=1)] = 3,
@@ -50,9 +55,15 @@ def buckets(
     if dataset is not None:
         if request:
             raise BadRequest("give DATASET or --request sizes, not both")
-        return _dataset(dataset, out, area, step, max_aspect, policy.value, plot, repeats, quiet, no_clobber)
+        if step % latent_factor:
+            raise BadRequest(f"--step {step} must be a multiple of --latent-factor {latent_factor} (bucket "
+                             "sides are whole latent pixels)")
+        return _dataset(dataset, out, area, step, max_aspect, policy.value, plot, repeats, quiet, no_clobber,
+                        latent_factor)
     if out is not None:
         raise BadRequest("--out applies to buckets DATASET (the manifest); without DATASET, use --report")
+    if latent_factor != 8:
+        raise BadRequest("--latent-factor applies to buckets DATASET (the manifest's masks)")
 
     defaults = ["800x1200", "1200x800", "2048x512", "512x512"]
     requests = [parse_size(r, "--request") for r in (request or defaults)]
@@ -83,12 +94,13 @@ def buckets(
 
 
 def _dataset(dataset: Path, out: Path | None, area: int, step: int, max_aspect: float, policy: str,
-             plot: Path | None, repeats: int, quiet: bool, no_clobber: bool) -> None:
+             plot: Path | None, repeats: int, quiet: bool, no_clobber: bool, latent_factor: int = 8) -> None:
     """`buckets DATASET --out MANIFEST`: the manifest (`cli.batch`), then the cost plot of the buckets the
     dataset uses."""
     from .batch import bucket_dataset
 
-    result = bucket_dataset(dataset, out, area, step, max_aspect, policy, plot, quiet, no_clobber)
+    result = bucket_dataset(dataset, out, area, step, max_aspect, policy, plot, quiet, no_clobber,
+                            latent_factor)
     if plot is not None and result.manifest.rows:
         prof = _profile_embedded_unet(sorted({r.bucket for r in result.manifest.rows}), repeats)
         typer.echo(prof.table())

@@ -52,7 +52,8 @@ def decode(
 ) -> None:
     """Decode latents tile by tile, streamed to the output file.
 
-    --model: a pipeline folder, a checkpoint, or a VAE folder (AutoencoderKL, Tiny, Flux.2, DC-AE, VQ,
+    --model: a pipeline folder (its vae/, or the component holding its VAE: Kandinsky's movq/, LDM's
+    vqvae/), a checkpoint, or a VAE folder (AutoencoderKL, Tiny, Flux.2, DC-AE, VQ,
     KVAE, HunyuanImage, AsymmetricKL, Qwen-Image 2.1, the 3-D VAEs, SVD's temporal decoder); a video VAE
     (Qwen-Image, Wan, LTX-Video, Cosmos, SVD, ...) decodes (B, C, T, H, W) latents, one frame to an
     image, several to a video. Cosmos' latents are scaled by its scheduler's sigma_data (the file's

@@ -1,10 +1,14 @@
 """The latent cache: a bucket manifest's images encoded once, in safetensors shards grouped by bucket.
 
 Layout of DIR: `WxH/NNNNN.safetensors` per shard (one bucket's rows, `shard_size` at most, in manifest
-order), each holding `latents` (N, C, H/f, W/f) float32, scaled as a pipeline's latents ((mean - shift) *
-scaling_factor), and `masks` (N, H/f, W/f) (padding fraction per latent cell); its metadata names the
-keys, each latent's sha256 and the items that could not be decoded. `DIR/manifest.jsonl` is the bucket
-manifest with each row's shard, offset and sha256 added, written when the run ends.
+order), each holding `latents` (N, C, H/f, W/f) float32 in the layout of the VAE family's latents files,
+as its pipeline hands them to its denoiser (`pipelines.image_latents`: (raw - shift) * scaling_factor for
+AutoencoderKL, Tiny, DC-AE, VQModel, KVAE, HunyuanImage, AsymmetricKL; Flux.2's patchified 2x2 and
+batch-norm normalised, f twice the VAE's; Qwen-Image 2.1's (N, C, 1, H/f, W/f)), and `masks` (N, H/f,
+W/f) (padding fraction per latent cell); its metadata names the keys, each latent's sha256, the items
+that could not be decoded and how the latents are normalised. Video VAEs are refused.
+`DIR/manifest.jsonl` is the bucket manifest with each row's shard, offset and sha256 added, written when
+the run ends.
 
 Why safetensors rather than webdataset tars: the trainers that cache latents keep them as safetensors or
 torch tensor files, read by index, not as a stream; safetensors maps the file (a row is read without the
@@ -73,15 +77,25 @@ class EncodeSettings:
 
 
 class LatentEncoder:
-    """A VAE that encodes (N, 3, H, W) images in [-1, 1] to pipeline-scaled latent means."""
+    """A 2-D image VAE that encodes (N, 3, H, W) images in [-1, 1] to latents in its family's layout, as
+    its pipeline hands them to its denoiser (`pipelines.image_latents`: the raw latent of the VAE's output,
+    the posterior's mean, DC-AE's `latent`, VQModel's and AutoencoderTiny's `latents`, scaled; Flux.2's
+    patchified and batch-norm normalised; Qwen-Image 2.1's (N, C, 1, h, w) normalised by mean and std).
+    A video VAE is refused: its latents are a video's, not one image's."""
 
     def __init__(self, vae: Any, settings: EncodeSettings = EncodeSettings()):
-        from ..pipelines import latent_scale, vae_factor
+        from ..pipelines.image_latents import FRAMED, file_channels, file_metadata, patch
 
+        _check_image_vae(vae)
         self.vae, self.settings = vae, settings
-        self.factor = vae_factor(vae)
-        self.scaling, self.shift = latent_scale(vae)
         self._tiled = None
+        # latents-file pixels per image pixel: the tile program's encode factor (the trace's, for every
+        # family) times Flux.2's 2x2 patches; the manifest's latent factor must be this one
+        self.vae_factor = self._tiled_vae().factor("encode")
+        self.factor = self.vae_factor * patch(vae)
+        self.channels = file_channels(vae)
+        self.frame = (1,) if type(vae).__name__ in FRAMED else ()  # Qwen-Image 2.1: (N, C, 1, h, w)
+        self.metadata = file_metadata(vae)  # how the shards' latents are normalised
 
     def tiled(self, pixels: int) -> bool:
         """Whether a bucket of this many pixels goes through the tiled VAE: every bucket within a
@@ -90,16 +104,18 @@ class LatentEncoder:
         return self.settings.memory_budget is not None or pixels > self.settings.tile_above
 
     def encode(self, x: Any) -> Any:
-        """Latent means of a batch, scaled; exact tiled encode when the bucket is past `tile_above`."""
+        """A batch's latents in the family's layout (float32, CPU); the exact tiled encode when the bucket
+        is past `tile_above` (or within a memory budget)."""
         import torch
 
+        from ..pipelines.image_latents import as_input, encoded, to_file
+
+        if int(self.vae.config.in_channels) == 4:  # an RGBA VAE (Qwen-Image 2.1): opaque alpha
+            x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         with torch.no_grad():
-            x = x.to(self.vae.device, self.vae.dtype)
-            vae = self.vae
-            if self.tiled(x.shape[-1] * x.shape[-2]):
-                vae = self._tiled_vae()
-            mean = vae.encode(x).latent_dist.mean
-        return ((mean.float() - self.shift) * self.scaling).cpu().contiguous()
+            vae = self._tiled_vae() if self.tiled(x.shape[-1] * x.shape[-2]) else self.vae
+            raw = encoded(vae.encode(as_input(self.vae, x).to(self.vae.device, self.vae.dtype)))
+        return to_file(self.vae, raw)[0]
 
     def _tiled_vae(self):
         from ..vae import TiledVAE
@@ -109,6 +125,19 @@ class LatentEncoder:
             self._tiled = TiledVAE(self.vae, tile_size=s.tile_size, memory_budget=s.memory_budget,
                                    progress=False)
         return self._tiled
+
+
+def _check_image_vae(vae: Any) -> None:
+    """The latent cache holds image latents: a video VAE (3-D, or SVD's temporal decoder) is refused by
+    name; the families the tile programs refuse are refused by TiledVAE, with the reason."""
+    from ..locality.classes import BATCHED_VAES, IMAGE_VAES
+    from ..locality.lowering3d import is_video_vae
+
+    name = type(vae).__name__
+    if is_video_vae(vae) or name in BATCHED_VAES:
+        raise BadRequest(f"the latent cache encodes images with a 2-D image VAE ({', '.join(IMAGE_VAES)}), "
+                         f"but the VAE is a {name}, a video VAE: its latents are a video's (B, C, T, h, w); "
+                         "encode videos one by one with `tilewise encode VIDEO --model ...`")
 
 
 def to_tensor(pixels: Any) -> Any:
@@ -143,7 +172,8 @@ def encode_shard(data: ImageDataset, rows: list[ManifestRow], spec: ShardSpec, e
         masks.append(torch.from_numpy(r.assignment.mask))
     bs = encoder.settings.batch_size
     latents = [encoder.encode(torch.stack(images[k:k + bs])) for k in range(0, len(images), bs)]
-    z = torch.cat(latents) if latents else torch.zeros(0, 4, spec.bucket[1] // encoder.factor,
+    z = torch.cat(latents) if latents else torch.zeros(0, encoder.channels or 4, *encoder.frame,
+                                                       spec.bucket[1] // encoder.factor,
                                                        spec.bucket[0] // encoder.factor)
     m = torch.stack(masks) if masks else torch.zeros(0, *z.shape[-2:])
     record = {"name": spec.name, "keys": keys, "sha256": [sha256(t) for t in z], "failed": failed}
@@ -156,8 +186,7 @@ def _save(path: Path, z: Any, m: Any, record: dict[str, Any], encoder: LatentEnc
 
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"keys": json.dumps(record["keys"]), "sha256": json.dumps(record["sha256"]),
-            "failed": json.dumps(record["failed"]), "scaling_factor": str(encoder.scaling),
-            "shift_factor": str(encoder.shift)}
+            "failed": json.dumps(record["failed"]), **encoder.metadata}
     with atomic_path(path) as tmp:
         save_file({"latents": z, "masks": m.float().contiguous()}, tmp, metadata=meta)
 
@@ -230,7 +259,8 @@ def encode_dataset(
 ) -> CacheResult:
     """Encode a bucket manifest's images into the latent cache `out_dir` (see the module docstring).
 
-    `vae`: an AutoencoderKL, or `model` (a --model path; default: the embedded VAE); `dataset`: the
+    `vae`: a 2-D image VAE (`locality.classes.IMAGE_VAES`), or `model` (a --model path; default: the
+    embedded VAE); `dataset`: the
     images (default: the manifest's own). `ray` (a `jobs.ray_runner.RayRunner`) writes the pending shards
     on a Ray cluster instead, each worker loading `model` once (then `manifest` and `dataset` must be
     paths the workers can read; `device` 'auto' is each worker's GPU where it has one). A rerun continues
@@ -252,7 +282,7 @@ def encode_dataset(
         ray.encode_shards(config, todo, out_dir)
     elif todo:
         encoder = LatentEncoder(_load_vae(vae, model), settings)
-        _check_factor(m, encoder.factor)
+        _check_factor(m, encoder)
         _write_shards(data, m, todo, encoder, out_dir, progress)
     rows, failed = write_cache_manifest(m, out_dir, shard_size)
     return CacheResult(os.fspath(out_dir), len(todo), len(done), rows, failed, time.perf_counter() - t0)
@@ -296,19 +326,24 @@ class ShardRunner:
         vae = _load_vae(None, config.get("model"), config.get("config"), worker_device(config.get("device")))
         m = read_manifest(config["manifest"])
         data = open_dataset(config["dataset"], config.get("kind"))
-        return cls(LatentEncoder(vae, EncodeSettings(**config.get("settings", {}))), m, data)
+        encoder = LatentEncoder(vae, EncodeSettings(**config.get("settings", {})))
+        _check_factor(m, encoder)  # (each worker: the driver loads no VAE on Ray)
+        return cls(encoder, m, data)
 
     def __call__(self, item: Any, target: str) -> None:
         spec = ShardSpec(item.name, tuple(item.spec["bucket"]), tuple(item.spec["indices"]))
         encode_shard(self.data, self.manifest.rows, spec, self.encoder, Path(target).parents[1])
 
 
-def _check_factor(m: Manifest, factor: int) -> None:
-    """The manifest's latent factor must be the VAE's (masks and latents line up)."""
-    f = m.header["planner"]["latent_factor"]
+def _check_factor(m: Manifest, encoder: LatentEncoder) -> None:
+    """The manifest's latent factor must be the VAE's latents' (masks and latents line up; Flux.2's
+    latents are its 2x2 patches: twice its VAE's factor)."""
+    f, factor = m.header["planner"]["latent_factor"], encoder.factor
     if f != factor:
-        raise BadRequest(f"the manifest's buckets are for latent_factor={f} but the VAE downsamples by "
-                         f"{factor}; bucket the dataset again with that factor")
+        how = " (its VAE's factor times its latents' 2x2 patches)" if factor != encoder.vae_factor else ""
+        name = type(encoder.vae).__name__
+        raise BadRequest(f"the manifest's buckets are for latent_factor={f} but the {name}'s latents are "
+                         f"1/{factor} of the image{how}; bucket the dataset again with that factor")
 
 
 def write_cache_manifest(m: Manifest, out_dir: str | os.PathLike, shard_size: int) -> tuple[int, dict]:

@@ -65,6 +65,24 @@ def components(index: dict) -> dict[str, str]:
             if isinstance(v, list) and len(v) == 2 and v[0] is not None and isinstance(v[1], str)}
 
 
+def vae_component(index: dict, folder: str | os.PathLike) -> str | None:
+    """The component of a pipeline's model_index.json that holds its VAE: "vae" where it lists one, else
+    the one component whose class is a VAE class decode / encode take (`VAE_CLASSES`: Kandinsky's `movq`,
+    LDM's `vqvae`), else the one whose class the family table refuses (refused then with the reason);
+    None where there is none; ModelProblem naming them where there are two."""
+    parts = components(index)
+    if "vae" in parts:
+        return "vae"
+    found = [n for n, c in parts.items() if c in VAE_CLASSES] or [n for n, c in parts.items() if c in REFUSED]
+    if len(found) > 1:
+        named = ", ".join(f"{n!r} ({parts[n]})" for n in found)
+        raise ModelProblem(f"pipeline folder {os.fspath(folder)!r} has no 'vae' component but {len(found)} "
+                           f"VAE components ({named}): tilewise cannot tell which to use; give that "
+                           f"component's folder as --model (a VAE folder, e.g. "
+                           f"{str(Path(folder) / found[0])!r})")
+    return found[0] if found else None
+
+
 def check_component(folder: Path, what: str, weights: bool) -> None:
     """A model's folder: there, every JSON file in it parses, a config.json (or a scheduler's, a
     tokenizer's) and, with `weights`, a weights file beside a model's config.json."""
@@ -120,9 +138,9 @@ def check_model_folder(model: str | os.PathLike | None, config: str | os.PathLik
             check_component(path, f"VAE folder {str(path)!r}", weights=True)
         else:
             index = check_pipeline_folder(path, "--model")
-            vae = components(index).get("vae")
-            if vae_folder and vae is not None:
-                check_vae_class(vae, f"the vae of {str(path)!r}")
+            part = vae_component(index, path) if vae_folder else None
+            if part is not None:
+                check_vae_class(components(index)[part], f"the {part} of {str(path)!r}")
     if config is not None:
         path = Path(config)
         if not path.is_dir():
@@ -272,7 +290,8 @@ def part_config(model: str | os.PathLike | None, part: str, config: str | os.Pat
                 ) -> dict | None:
     """The JSON config of one part ("vae", "unet", "transformer") of --model, read without loading
     anything: the embedded model's, a pipeline folder's `part/config.json` (of --config for a single
-    file), a VAE folder's own; None where there is none (or it does not parse: the checks say so)."""
+    file; "vae": its VAE component, `vae_component`), a VAE folder's own; None where there is none (or
+    it does not parse: the checks say so)."""
     from ..models import load_config  # (json only)
 
     if model is None:
@@ -282,9 +301,13 @@ def part_config(model: str | os.PathLike | None, part: str, config: str | os.Pat
         path = Path(config) if config is not None else None
     if path is None or not path.is_dir():
         return None
-    own = path / "config.json"
-    file = own if (own.is_file() and not (path / "model_index.json").is_file() and part == "vae") \
-        else path / part / "config.json"
+    own, index = path / "config.json", path / "model_index.json"
+    if part == "vae" and index.is_file():  # (the pipeline's VAE component: vae/, Kandinsky's movq/, ...)
+        try:
+            part = vae_component(read_json(index, ""), path) or part
+        except ModelProblem:
+            pass  # (the folder checks say what is wrong with it)
+    file = own if (own.is_file() and not index.is_file() and part == "vae") else path / part / "config.json"
     try:
         return read_json(file, "") if file.is_file() else None
     except ModelProblem:

@@ -85,22 +85,33 @@ def from_file(vae, z) -> Any:
 
 def to_file(vae, raw) -> tuple[Any, dict[str, str]]:
     """An encode's raw latent as its latents file holds it (on the CPU, float32), and the file's metadata
-    (how it is normalised)."""
+    (how it is normalised: `file_metadata`)."""
     raw = raw.detach().float().cpu()
     name = _name(vae)
     if name in PATCHED:
         mean, std = _bn(vae)
         z = (_patchify(raw) - mean) / std
-        how = "(patchify_2x2(z) - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)"
     elif name in FRAMED:
         mean, std = _norm(vae)
-        z, how = (raw - mean) / std, "(z - latents_mean) / latents_std"
+        z = (raw - mean) / std
     else:
         sf, shift = latent_scale(vae)
-        z, how = (raw - shift) * sf, "(z - shift_factor) * scaling_factor"
-        return z.contiguous(), {"normalised": how, "scaling_factor": str(sf), "shift_factor": str(shift),
-                                "vae": name}
-    return z.contiguous(), {"normalised": how, "vae": name}
+        z = (raw - shift) * sf
+    return z.contiguous(), file_metadata(vae)
+
+
+def file_metadata(vae) -> dict[str, str]:
+    """How a latents file of `vae` is normalised (its metadata; the same for every file of the VAE)."""
+    name = _name(vae)
+    if name in PATCHED:
+        how = "(patchify_2x2(z) - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)"
+    elif name in FRAMED:
+        how = "(z - latents_mean) / latents_std"
+    else:
+        sf, shift = latent_scale(vae)
+        return {"normalised": "(z - shift_factor) * scaling_factor", "scaling_factor": str(sf),
+                "shift_factor": str(shift), "vae": name}
+    return {"normalised": how, "vae": name}
 
 
 def as_input(vae, x) -> Any:

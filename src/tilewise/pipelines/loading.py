@@ -19,9 +19,11 @@ from .folders import (
     ALONE_VAES,
     check_controlnet_folder,
     check_vae_class,
+    components,
     model_errors,
     read_json,
     read_model_index,
+    vae_component,
 )
 from .prompts import embeds_for_regions, encode
 from .single_file import load_single_file
@@ -197,9 +199,10 @@ def _set_scheduler(pipe: Any, scheduler: str) -> None:
 
 
 def vae_class(model: str | os.PathLike | None) -> str | None:
-    """The VAE class a --model folder names (a VAE folder's config.json, or a pipeline's model_index.json),
-    read from its JSON without loading anything; None for the embedded model, a file, no VAE entry, or
-    JSON that does not parse (loading then says what is wrong with it)."""
+    """The VAE class a --model folder names (a VAE folder's config.json, or a pipeline's model_index.json:
+    its VAE component, `folders.vae_component`), read from its JSON without loading anything; None for
+    the embedded model, a file, no VAE entry, or JSON that does not parse (loading then says what is
+    wrong with it). A pipeline folder with two VAE components and no "vae" is a ModelProblem."""
     if model is None or not Path(model).is_dir():
         return None
     path = Path(model)
@@ -208,11 +211,23 @@ def vae_class(model: str | os.PathLike | None) -> str | None:
             name = json.loads((path / "config.json").read_text()).get("_class_name")
             return name if isinstance(name, str) else None
         if (path / "model_index.json").is_file():
-            entry = json.loads((path / "model_index.json").read_text()).get("vae")
-            return entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+            index = json.loads((path / "model_index.json").read_text())
+            part = vae_component(index, path) if isinstance(index, dict) else None
+            return None if part is None else components(index)[part]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None
     return None
+
+
+def _vae_part(path: Path | None) -> str:
+    """The subfolder of a pipeline folder's VAE ("vae", or Kandinsky's movq, LDM's vqvae, ...)."""
+    if path is None or not (path / "model_index.json").is_file():
+        return "vae"
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "vae"
+    return (vae_component(index, path) if isinstance(index, dict) else None) or "vae"
 
 
 def load_vae(
@@ -225,13 +240,15 @@ def load_vae(
 ):
     """The VAE of --model for decode / encode: a VAE folder (config.json of a diffusers VAE class) loaded
     alone; a pipeline folder whose VAE is a 3-D VAE (Qwen-Image, Wan, LTX-Video) or an image VAE other
-    than AutoencoderKL / AutoencoderTiny (Flux.2, Sana's DC-AE, Qwen-Image 2.1, ...): its vae/ folder
-    alone (no transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
+    than AutoencoderKL / AutoencoderTiny (Flux.2, Sana's DC-AE, Qwen-Image 2.1, ...), or sits in another
+    component than vae/ (Kandinsky's movq, LDM's vqvae: `folders.vae_component`): that folder alone (no
+    transformer or text encoder); anything else as `load_pipeline` loads it (its .vae)."""
     import diffusers
 
     torch_dtype = _torch_dtype(dtype)
     name = vae_class(model)
     path = None if model is None else Path(model)
+    part = _vae_part(path)  # (a VAE in another component than vae/ loads alone: the pipeline has no .vae)
     if path is not None and path.is_dir() and not (path / "model_index.json").is_file() and name is not None:
         check_vae_class(name, f"{str(path)!r}")
         if config is not None:
@@ -239,9 +256,10 @@ def load_vae(
                              f"{str(path)!r} is a VAE folder (it carries its own config)")
         with model_errors(f"VAE folder {str(path)!r}"):
             vae = getattr(diffusers, name).from_pretrained(path, local_files_only=local_files_only)
-    elif name in ALONE_VAES and config is None:
+    elif name is not None and config is None and (name in ALONE_VAES or part != "vae"):
+        check_vae_class(name, f"the {part} of {str(path)!r}")
         with model_errors(f"the VAE of {str(path)!r}", folder=path):
-            vae = getattr(diffusers, name).from_pretrained(path, subfolder="vae",
+            vae = getattr(diffusers, name).from_pretrained(path, subfolder=part,
                                                            local_files_only=local_files_only)
     else:
         return load_pipeline(model, config=config, device=device, dtype=dtype,
