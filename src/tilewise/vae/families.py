@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
@@ -67,6 +67,9 @@ class Family:
     state: Callable | None = None  # state(vae) -> the settings (not parameters) its programs follow: a
     # program is lowered again when they change
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
+    chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
+    # takes (CogVideoX's frame_batch_size; the first call also the remainder): decode / encode are one
+    # call, traced on the call's first chunk, its causal convolutions' caches carried from step to step
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -190,6 +193,22 @@ def _svd_inputs(vae) -> dict:
     return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
 
 
+def _cog_decode(vae, z):
+    """One call of CogVideoX's `_decode` loop: post_quant_conv (if any), the decoder."""
+    return vae.decoder(z if vae.post_quant_conv is None else vae.post_quant_conv(z))[0]
+
+
+def _cog_encode(vae, x):
+    """One call of CogVideoX's `_encode` loop: the encoder, quant_conv (if any): the posterior's moments."""
+    h = vae.encoder(x)[0]
+    return h if vae.quant_conv is None else vae.quant_conv(h)
+
+
+def _cog_chunk(vae, kind: Kind) -> int:
+    """The frames a call of CogVideoX's loop takes (its frame_batch_size; the first call also the rest)."""
+    return vae.num_latent_frames_batch_size if kind is Kind.DECODE else vae.num_sample_frames_batch_size
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 FAMILIES: dict[str, Family] = {
@@ -217,14 +236,18 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLMochi": Family(decode=_mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
                                  note=_mochi_note, state=_mochi_state, channels=_mochi_channels,
                                  check=_mochi_check),
+    # CogVideoX (and ConsisID's): its chunked loop as it runs it (`Family.chunk`): the steps are its decode's
+    # calls of 2 latent frames and encode's of 8 frames (the first with the remainder), its GroupNorms
+    # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
+    # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
+    "AutoencoderKLCogVideoX": Family(decode=_cog_decode, encode=_cog_encode, video=True, chunk=_cog_chunk),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX: caches of a chunked loop; HunyuanVideo 1.5: its upsampler's frames not measured, ...)
+    # (HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
     # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
     # IdentityDistribution of the latents
     "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
-    **{name: VIDEO for name in ("AutoencoderKLCogVideoX",
-                                "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
+    **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
                                 "AutoencoderKLHunyuanImageRefiner")},
     # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
     # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
@@ -267,31 +290,52 @@ def family_of(vae) -> Family:
     return FAMILIES.get(type(vae).__name__, KL)
 
 
-def lower_family(vae, family: Family, kind: Kind) -> Program:
+def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> Program:
     """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`,
     with decode's per-call inputs, `Family.inputs`; Wan's and Qwen-Image's causal VAEs by their known
-    structure). LoweringError naming the VAE, the call and its module path, for one the lowering cannot
-    place."""
+    structure); a chunked family's (`Family.chunk`) for an input of `frames` frames: its first call traced,
+    the calls its steps (default: the steady calls' frame count, as every call after the first). Lowered
+    once per VAE state and first call. LoweringError naming the VAE, the call and its module path, for one
+    the lowering cannot place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
     state = _state(vae), family.state(vae) if family.state is not None else ()
-    cached = _CACHE.get(vae, {}).get(kind)
+    every = int(family.chunk(vae, kind)) if family.chunk is not None else 0
+    first = first_call(every, every if frames is None else frames) if every else None
+    cached = _CACHE.get(vae, {}).get((kind, first))
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
-    what = f"TiledVAE cannot tile {name} ({kind.value})"
+    what = f"TiledVAE cannot tile {name} ({kind.value}{f' of a first call of {first} frames' if every else ''})"
     try:
         if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
             inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
-            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family),
+            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family, first),
                                    name=f"{name}.{kind.value}", inputs=inputs)
+            if every:
+                program = replace(program, first=first, every=every, chunked=True)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
-    _CACHE.setdefault(vae, {})[kind] = (state, program)
+    _CACHE.setdefault(vae, {})[kind, first] = (state, program)
     return program
+
+
+def first_call(every: int, frames: int) -> int:
+    """The frames the first call of a chunked loop of `every` frames a call takes of `frames` (the others'
+    and the remainder; all of them for fewer than 2 every)."""
+    return frames - every * (max(frames // every, 1) - 1)
+
+
+def lower_calls(vae, family: Family, kind: Kind) -> None:
+    """Lower what a TiledVAE of `vae` runs, refused here, not at a call: the program, and a chunked
+    family's for each kind of first call (of the steady calls' frames, one more, fewer: its branches on
+    the frame count)."""
+    every = int(family.chunk(vae, kind)) if family.chunk is not None and not family.refuses(vae) else 0
+    for frames in sorted({every, every + 1, 1}) if every else (None,):
+        lower_family(vae, family, kind, frames)
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vae -> kind -> (state, program)
@@ -310,7 +354,7 @@ def _same_state(a, b) -> bool:
     return fa == fb and ma == mb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb, strict=True))
 
 
-def _example(vae, kind: Kind, family: Family):
+def _example(vae, kind: Kind, family: Family, frames: int | None = None):
     """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
     EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it) of
     in_channels (or the family's `channels`); a video family's of EXAMPLE_FRAMES."""
@@ -318,7 +362,7 @@ def _example(vae, kind: Kind, family: Family):
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
     video = family.video or family.batched and kind is Kind.DECODE
-    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
+    frames = ((frames or EXAMPLE_FRAMES[kind is Kind.ENCODE]),) if video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:
