@@ -209,6 +209,34 @@ def _cog_chunk(vae, kind: Kind) -> int:
     return vae.num_latent_frames_batch_size if kind is Kind.DECODE else vae.num_sample_frames_batch_size
 
 
+def _cog_note(vae, kind: Kind, shape) -> str:
+    """Where CogVideoX's own decode / encode would tile in space (use_tiling: tiles blended), what the
+    tiled path computes instead."""
+    h, w, latent = int(shape[3]), int(shape[4]), kind is Kind.DECODE
+    side = "latent" if latent else "sample"
+    th, tw = getattr(vae, f"tile_{side}_min_height"), getattr(vae, f"tile_{side}_min_width")
+    if vae.use_tiling and (h > th or w > tw):
+        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if latent else ''}pixels "
+                "with "
+                f"its own spatial tiling (use_tiling: tiles blended, approximate); TiledVAE {kind.value}s "
+                "them exactly (as the wrapped VAE with use_tiling = False)")
+    return ""
+
+
+def _cog_check(vae) -> str:
+    """CogVideoX's calls after the first must keep even frames through every temporal resampling: an odd
+    call resamples its first frame apart, which the program (traced on the first call, its first frame
+    apart the first step's) does only in the first step."""
+    up = int(vae.config.temporal_compression_ratio)
+    n, m = int(vae.num_latent_frames_batch_size), int(vae.num_sample_frames_batch_size)
+    if n % 2 or m % up:
+        return (f"its chunked loop's later calls take {n} latent frames (decode) and {m} video frames "
+                f"(encode): the tiled path follows calls of even latent frames and of video frames a "
+                f"multiple of the temporal compression {up} (an odd call resamples its first frame apart); "
+                "use the defaults (2 and 8) or the wrapped VAE")
+    return ""
+
+
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 FAMILIES: dict[str, Family] = {
@@ -240,7 +268,8 @@ FAMILIES: dict[str, Family] = {
     # calls of 2 latent frames and encode's of 8 frames (the first with the remainder), its GroupNorms
     # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
     # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
-    "AutoencoderKLCogVideoX": Family(decode=_cog_decode, encode=_cog_encode, video=True, chunk=_cog_chunk),
+    "AutoencoderKLCogVideoX": Family(decode=_cog_decode, encode=_cog_encode, video=True, chunk=_cog_chunk,
+                                     check=_cog_check, note=_cog_note),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
@@ -306,7 +335,8 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
     cached = _CACHE.get(vae, {}).get((kind, first))
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
-    what = f"TiledVAE cannot tile {name} ({kind.value}{f' of a first call of {first} frames' if every else ''})"
+    call = f" of a first call of {first} frames" if every else ""
+    what = f"TiledVAE cannot tile {name} ({kind.value}{call})"
     try:
         if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
