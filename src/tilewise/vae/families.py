@@ -16,7 +16,10 @@ temporal decoder on a (B, C, T, H, W) one (`Family.batched`: its decode takes (B
 num_frames, `vae.video.batch`). A family
 may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
 drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
-count its Fourier features).
+count its Fourier features). A chunked family (`Family.chunk`: CogVideoX's `_decode` / `_encode` loop of
+calls of 2 latent / 8 video frames, the first with the remainder) is lowered per kind of first call: that
+call traced, the calls the program's causal steps (`VideoProgram.chunked`), their GroupNorms over each
+call's frames, their causal convolutions' conv_cache the steps' caches (`lower_family(..., frames)`).
 """
 
 from __future__ import annotations

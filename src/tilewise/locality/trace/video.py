@@ -5,7 +5,9 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
   (zeros; replicate: the border repeated in space, the first frame in time; reflect in space), and a
   concatenation of
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
-- a slice of frames (`x[:, :, a:b]`), frames repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
+- a slice of frames (`x[:, :, a:b]`; the first frame `x[:, :, 0]`, squeezed; a value's first frame and
+  the others are the first step's in a chunked program, `program3d.VideoProgram.chunked`), frames
+  repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
 - `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
   frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
