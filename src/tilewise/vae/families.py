@@ -45,6 +45,24 @@ from ..locality.lowering import EXAMPLE_FRAMES, EXAMPLE_HW
 from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
 from ..locality.trace import lower_traced
+from .family_calls import (
+    cog_check,
+    cog_chunk,
+    cog_decode,
+    cog_encode,
+    cog_note,
+    hunyuan_note,
+    ltx_check,
+    ltx_decode,
+    ltx_inputs,
+    mochi_channels,
+    mochi_check,
+    mochi_decode,
+    mochi_note,
+    mochi_state,
+    svd_decode,
+    svd_inputs,
+)
 from .settings import Kind
 
 
@@ -87,159 +105,6 @@ def _kl_encode(vae, x):
     return vae.encode(x).latent_dist.parameters  # (the moments; the posterior's own are dead code)
 
 
-def _ltx_decode(vae, z, temb=None):
-    return vae.decode(z, temb, return_dict=False)[0]
-
-
-def _ltx_inputs(vae) -> dict:
-    """LTX-Video 0.9.5+ / LTX-2 decoders conditioned on the decode's timestep (decode(z, temb)): its
-    embedding gives per-channel scales and shifts of the norms, computed once per call (`trace.percall`)."""
-    if not vae.config.get("timestep_conditioning"):
-        return {}
-    p = next(vae.parameters())
-    return {"temb": torch.full((1,), 0.05, dtype=p.dtype, device=p.device)}
-
-
-def _ltx_check(vae) -> str:
-    """LTX-Video 0.9.1's (and any LTX-2 config's) noise injection: fresh noise drawn per call."""
-    noise = vae.config.get("decoder_inject_noise")
-    if noise is True or isinstance(noise, list | tuple) and any(noise):
-        given = tuple(noise) if noise is not True else True
-        return (f"its decoder injects noise (decoder_inject_noise={given}: torch.randn of a layer's whole "
-                "frame per call, from the global generator), which the tiled path does not draw yet; use the "
-                "wrapped VAE")
-    return ""
-
-
-def _hunyuan_note(vae, kind: Kind, shape) -> str:
-    """Where HunyuanVideo's own decode / encode would run framewise (its temporal tiling with blending,
-    on by default past 16 video frames), what the tiled path computes instead."""
-    t, frames = int(shape[2]), int(vae.tile_sample_min_num_frames)
-    if kind is Kind.DECODE:
-        flag, past, what = "use_framewise_decoding", frames // int(vae.temporal_compression_ratio), "latent"
-    else:
-        flag, past, what = "use_framewise_encoding", frames, "video"
-    if not getattr(vae, flag) or t <= past:
-        return ""
-    return (f"the wrapped VAE would {kind.value} these {t} {what} frames framewise ({flag} past {past}: a "
-            f"temporal tiling with blending, approximate); TiledVAE {kind.value}s them in one pass, exactly "
-            f"(as the wrapped VAE with {flag} = False)")
-
-
-def _mochi_decode(vae, z):
-    """Mochi's decode without its own tiling and framewise branches (one pass: its decoder's frames are
-    causal, its GroupNorms of each frame and its framewise decoding's caches exact), the first frames
-    dropped as `_decode` drops them."""
-    dec = vae.decoder(z)[0]
-    r = int(vae.temporal_compression_ratio)
-    return dec[:, :, r - 1 :] if vae.drop_last_temporal_frames and dec.size(2) >= r else dec
-
-
-def _mochi_state(vae) -> tuple:
-    """What Mochi's programs follow besides its parameters: the first frames dropped or not."""
-    return (bool(vae.drop_last_temporal_frames),)
-
-
-def _mochi_check(vae) -> str:
-    """Mochi's causal convolutions padding with pad_mode "constant" (`_enable_framewise_decoding` /
-    `_enable_framewise_encoding` set it): built for replicate padding, they then pad no pixel in space."""
-    modes = sorted({m.pad_mode for m in vae.modules() if hasattr(m, "pad_mode") and hasattr(m, "time_pad")})
-    if modes != ["replicate"]:
-        return (f"its causal convolutions pad with pad_mode {modes} (the framewise modes set 'constant': "
-                "built for 'replicate', the convolutions then pad no pixel in space, and the wrapped VAE's "
-                "framewise decode fails on them); TiledVAE tiles Mochi with its default replicate padding")
-    return ""
-
-
-def _mochi_channels(vae) -> int:
-    """The video channels Mochi's encoder takes: its in_channels count its Fourier features too (3 -> 15
-    with the default two frequencies)."""
-    ff = vae.encoder.fourier_features
-    return int(vae.config.in_channels) // (1 + 2 * ((ff.stop - ff.start) // ff.step))
-
-
-def _mochi_note(vae, kind: Kind, shape) -> str:
-    """Where Mochi's own decode / encode would tile in space (use_tiling, past its minimum tile), decode
-    framewise (chunks of latent frames each padded on its own) or refuse (framewise encoding), what the
-    tiled path computes instead."""
-    f = int(vae.spatial_compression_ratio) if kind is Kind.DECODE else 1
-    t, h, w, chunk = int(shape[2]), int(shape[3]), int(shape[4]), int(vae.num_latent_frames_batch_size)
-    if kind is Kind.DECODE and vae.use_framewise_decoding and t > chunk:
-        return (f"the wrapped VAE would decode these {t} latent frames framewise (use_framewise_decoding: "
-                f"chunks of {chunk}, each padded on its own, approximate); TiledVAE decodes them in one "
-                "pass, exactly (as the wrapped VAE with use_framewise_decoding = False)")
-    if vae.use_tiling and (h > vae.tile_sample_min_height // f or w > vae.tile_sample_min_width // f):
-        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if f > 1 else ''}pixels with "
-                f"its own spatial tiling (use_tiling: tiles of {vae.tile_sample_min_height} x "
-                f"{vae.tile_sample_min_width} px blended, approximate); TiledVAE {kind.value}s them in one "
-                "pass, exactly (as the wrapped VAE with use_tiling = False)")
-    if kind is Kind.ENCODE and vae.use_framewise_encoding:
-        return ("the wrapped VAE refuses framewise encoding (use_framewise_encoding: its attention mixes "
-                "frames); TiledVAE encodes in one pass, exactly (as the wrapped VAE with "
-                "use_framewise_encoding = False)")
-    return ""
-
-
-def _svd_decode(vae, z, image_only_indicator):
-    """SVD's temporal decoder on a (B, C, T, H, W) latent: its frames folded into the batch as
-    decode(z, num_frames=T) takes them, the decoder called as decode calls it, the frames unfolded."""
-    b, t = z.shape[0], z.shape[2]
-    x = vae.decoder(z.permute(0, 2, 1, 3, 4).flatten(0, 1), image_only_indicator=image_only_indicator,
-                    num_frames=t)
-    return x.unflatten(0, (b, t)).permute(0, 2, 1, 3, 4)
-
-
-def _svd_inputs(vae) -> dict:
-    """SVD's decode makes image_only_indicator, zeros of (B, T) (its AlphaBlenders' weights, per frame):
-    a per-call input, so that the weights follow each call's frames (`trace.percall`)."""
-    p = next(vae.parameters())
-    return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
-
-
-def _cog_decode(vae, z):
-    """One call of CogVideoX's `_decode` loop: post_quant_conv (if any), the decoder."""
-    return vae.decoder(z if vae.post_quant_conv is None else vae.post_quant_conv(z))[0]
-
-
-def _cog_encode(vae, x):
-    """One call of CogVideoX's `_encode` loop: the encoder, quant_conv (if any): the posterior's moments."""
-    h = vae.encoder(x)[0]
-    return h if vae.quant_conv is None else vae.quant_conv(h)
-
-
-def _cog_chunk(vae, kind: Kind) -> int:
-    """The frames a call of CogVideoX's loop takes (its frame_batch_size; the first call also the rest)."""
-    return vae.num_latent_frames_batch_size if kind is Kind.DECODE else vae.num_sample_frames_batch_size
-
-
-def _cog_note(vae, kind: Kind, shape) -> str:
-    """Where CogVideoX's own decode / encode would tile in space (use_tiling: tiles blended), what the
-    tiled path computes instead."""
-    h, w, latent = int(shape[3]), int(shape[4]), kind is Kind.DECODE
-    side = "latent" if latent else "sample"
-    th, tw = getattr(vae, f"tile_{side}_min_height"), getattr(vae, f"tile_{side}_min_width")
-    if vae.use_tiling and (h > th or w > tw):
-        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if latent else ''}pixels "
-                "with "
-                f"its own spatial tiling (use_tiling: tiles blended, approximate); TiledVAE {kind.value}s "
-                "them exactly (as the wrapped VAE with use_tiling = False)")
-    return ""
-
-
-def _cog_check(vae) -> str:
-    """CogVideoX's calls after the first must keep even frames through every temporal resampling: an odd
-    call resamples its first frame apart, which the program (traced on the first call, its first frame
-    apart the first step's) does only in the first step."""
-    up = int(vae.config.temporal_compression_ratio)
-    n, m = int(vae.num_latent_frames_batch_size), int(vae.num_sample_frames_batch_size)
-    if n % 2 or m % up:
-        return (f"its chunked loop's later calls take {n} latent frames (decode) and {m} video frames "
-                f"(encode): the tiled path follows calls of even latent frames and of video frames a "
-                f"multiple of the temporal compression {up} (an odd call resamples its first frame apart); "
-                "use the defaults (2 and 8) or the wrapped VAE")
-    return ""
-
-
 KL = Family(decode=_kl_decode, encode=_kl_encode)
 VIDEO = Family(decode=_kl_decode, encode=_kl_encode, video=True)  # (a 3-D VAE traced as it computes)
 FAMILIES: dict[str, Family] = {
@@ -251,28 +116,28 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
     "AutoencoderKLWan": Family(video=True),
     "AutoencoderKLQwenImage": Family(video=True),
-    "AutoencoderKLLTXVideo": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
-                                    inputs=_ltx_inputs),
-    "AutoencoderKLLTX2Video": Family(decode=_ltx_decode, encode=_kl_encode, video=True, check=_ltx_check,
-                                     inputs=_ltx_inputs),
+    "AutoencoderKLLTXVideo": Family(decode=ltx_decode, encode=_kl_encode, video=True, check=ltx_check,
+                                    inputs=ltx_inputs),
+    "AutoencoderKLLTX2Video": Family(decode=ltx_decode, encode=_kl_encode, video=True, check=ltx_check,
+                                     inputs=ltx_inputs),
     # the whole video in one pass (its GroupNorms and mid-block attention over every frame: sync ops of a
     # one-step program); its own framewise decoding / encoding of long videos (on by default past 16
     # frames) is a temporal tiling with blending, which the exact path does not reproduce
     "AutoencoderKLHunyuanVideo": Family(decode=lambda vae, z: vae.decoder(vae.post_quant_conv(z)),
                                         encode=lambda vae, x: vae.quant_conv(vae.encoder(x)), video=True,
-                                        note=_hunyuan_note),
+                                        note=hunyuan_note),
     # the whole video in one pass: GroupNorms of each frame (frames folded into the batch, sync ops) and the
     # encoder's attention over each position's frames; its own framewise decoding and spatial tiling
     # (use_tiling) are approximations the exact path does not reproduce (noted per call)
-    "AutoencoderKLMochi": Family(decode=_mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
-                                 note=_mochi_note, state=_mochi_state, channels=_mochi_channels,
-                                 check=_mochi_check),
+    "AutoencoderKLMochi": Family(decode=mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
+                                 note=mochi_note, state=mochi_state, channels=mochi_channels,
+                                 check=mochi_check),
     # CogVideoX (and ConsisID's): its chunked loop as it runs it (`Family.chunk`): the steps are its decode's
     # calls of 2 latent frames and encode's of 8 frames (the first with the remainder), its GroupNorms
     # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
     # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
-    "AutoencoderKLCogVideoX": Family(decode=_cog_decode, encode=_cog_encode, video=True, chunk=_cog_chunk,
-                                     check=_cog_check, note=_cog_note),
+    "AutoencoderKLCogVideoX": Family(decode=cog_decode, encode=cog_encode, video=True, chunk=cog_chunk,
+                                     check=cog_check, note=cog_note),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
@@ -294,8 +159,8 @@ FAMILIES: dict[str, Family] = {
     # Stable Video Diffusion: decode(z, num_frames) of the frames in the batch, traced on the video they
     # are (its temporal convolutions and GroupNorms over frames x space in one step of every frame of the
     # call); its encoder is the 2-D one, each frame an image
-    "AutoencoderKLTemporalDecoder": Family(decode=_svd_decode, encode=_kl_encode, batched=True,
-                                           inputs=_svd_inputs),
+    "AutoencoderKLTemporalDecoder": Family(decode=svd_decode, encode=_kl_encode, batched=True,
+                                           inputs=svd_inputs),
 }
 
 
