@@ -65,3 +65,19 @@ class VideoProgram(Program):
             ctx.step, ctx.last = k, k == len(chunks) - 1
             outs.append(self.run(x[:, :, a:b], ctx))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    def call_ops(self, step: int) -> list[tuple[str, str, int]]:
+        """What a chunked program computes in its call `step` (0: its first, 1: one after it): (kind,
+        description, frames made) of every op making frames there, less those that pass their one input's
+        frames on whole (a first call's other frames after it, their concatenation with its empty first
+        frame), in order of description. A program traced on its first call runs a later call as that
+        call's own trace does where `call_ops(1)` is the latter's `call_ops(0)` (`vae.families` checks)."""
+        frames = self.frames([(0, self.first), (self.first, self.first + self.every)])
+        out = []
+        for op in self.ops:
+            made, ins = frames[op.dst][step], [frames[v][step] for v in op.src]
+            passes = getattr(op, "label", None) == "frames 1:" and step > 0 or op.kind.value == "cat" and \
+                len(ins) > 1 and sorted(ins)[:-1] == [0] * (len(ins) - 1)
+            if made and not passes:
+                out.append((op.kind.value, op.describe(), made))
+        return sorted(out)

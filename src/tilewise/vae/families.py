@@ -46,7 +46,6 @@ from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
 from ..locality.trace import lower_traced
 from .family_calls import (
-    cog_check,
     cog_chunk,
     cog_decode,
     cog_encode,
@@ -137,7 +136,7 @@ FAMILIES: dict[str, Family] = {
     # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
     # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
     "AutoencoderKLCogVideoX": Family(decode=cog_decode, encode=cog_encode, video=True, chunk=cog_chunk,
-                                     check=cog_check, note=cog_note),
+                                     note=cog_note),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     # (HunyuanVideo 1.5: its upsampler's frames not measured, ...)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
@@ -205,6 +204,7 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
         return cached[1]
     call = f" of a first call of {first} frames" if every else ""
     what = f"TiledVAE cannot tile {name} ({kind.value}{call})"
+    steady = lower_family(vae, family, kind, every) if every and first > every else None  # (its own errors)
     try:
         if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
@@ -215,10 +215,22 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
                                    name=f"{name}.{kind.value}", inputs=inputs)
             if every:
                 program = replace(program, first=first, every=every, chunked=True)
+                if first >= every:  # (a program of several calls: its later steps are the steady calls')
+                    _check_later(program, program if first == every else steady)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
     _CACHE.setdefault(vae, {})[kind, first] = (state, program)
     return program
+
+
+def _check_later(program, steady) -> None:
+    """LoweringError where a chunked program, traced on its first call, computes in the calls after it
+    other ops or frames than a steady call's own trace does (`VideoProgram.call_ops`)."""
+    if program.call_ops(1) != steady.call_ops(0):
+        raise LoweringError(f"the program traced on its first call of {program.first} frames computes, in "
+                            f"the calls of {program.every} frames after it, other ops or frames than their "
+                            "own trace does (a branch on the call's frame count it does not follow: an odd "
+                            "call resamples its first frame apart)")
 
 
 def first_call(every: int, frames: int) -> int:

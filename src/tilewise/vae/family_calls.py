@@ -148,17 +148,3 @@ def cog_note(vae, kind: Kind, shape) -> str:
                 f"its own spatial tiling (use_tiling: tiles blended, approximate); TiledVAE {kind.value}s "
                 "them exactly (as the wrapped VAE with use_tiling = False)")
     return ""
-
-
-def cog_check(vae) -> str:
-    """CogVideoX's calls after the first must keep even frames through every temporal resampling: an odd
-    call resamples its first frame apart, which the program (traced on the first call, its first frame
-    apart the first step's) does only in the first step."""
-    up = int(vae.config.temporal_compression_ratio)
-    n, m = int(vae.num_latent_frames_batch_size), int(vae.num_sample_frames_batch_size)
-    if n % 2 or m % up:
-        return (f"its chunked loop's later calls take {n} latent frames (decode) and {m} video frames "
-                f"(encode): the tiled path follows calls of even latent frames and of video frames a "
-                f"multiple of the temporal compression {up} (an odd call resamples its first frame apart); "
-                "use the defaults (2 and 8) or the wrapped VAE")
-    return ""
