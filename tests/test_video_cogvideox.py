@@ -98,3 +98,21 @@ def test_decode_gradients_equal_the_stock_decodes(vae, tv):
     (vae.decode(z1).sample * w).sum().backward()
     (tv.decode(z2).sample * w).sum().backward()
     assert ((z1.grad - z2.grad).abs().max() / z1.grad.abs().max()).item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_drops_into_a_stock_cogvideox_pipeline():
+    """pipe.vae = TiledVAE(pipe.vae) in CogVideoXPipeline (prompt embeddings given: no text encoder): the
+    decoded video (9 frames from 3 latent frames, one call of the stock loop, a 2 x 4 grid of tiles)
+    equals the stock VAE's."""
+    from tiny_denoisers import cogvideox
+
+    pipe, call = cogvideox()
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(call, num_inference_steps=2, output_type="pt")
+    ref = pipe(generator=torch.Generator().manual_seed(1), **call).frames
+    pipe.vae = tw.TiledVAE(pipe.vae, tile_size=3, progress=False)
+    out = pipe(generator=torch.Generator().manual_seed(1), **call).frames
+    assert pipe.vae.plan((1, 4, 3, 6, 10)).grid == (2, 4)
+    assert out.shape == ref.shape == (1, 9, 3, 48, 80) and (out - ref).abs().max() <= 1e-4
+    assert ((ref > 0) & (ref < 1)).float().mean() > 0.5  # (most pixels not clamped: the test sees them)
