@@ -14,7 +14,14 @@
   temporal, GroupNorms of 32 groups, mid-block attention over every frame) at --base-dim / 128 of its
   widths (128, 256, 512, 512) and one layer per block; its untiled variant decodes / encodes in one pass
   (use_framewise_decoding / _encoding = False: its stock default goes framewise, a blended temporal
-  tiling, past 4 latent / 16 video frames), which is what tilewise computes.
+  tiling, past 4 latent / 16 video frames), which is what tilewise computes;
+- mochi: AutoencoderKLMochi (latent 12 channels, 8x spatial, 6x temporal, GroupNorms of 32 groups of
+  each frame, the encoder's attention over each position's frames) at --base-dim / 128 of its widths
+  (128, 256, 512, 768, multiples of 32) and one layer per block;
+- cosmos: AutoencoderKLCosmos (latent 16 channels, 8x spatial, 8x temporal with its haar wavelet
+  patcher, attention over each frame's tokens and causal attention over each position's frames) at
+  --base-dim / 128 of its widths (128, 256, 512, 512) and one layer per block; it has no spatial tiling
+  of its own (enable_tiling sets a flag its decode never reads), so no 'diffusers' variant.
 Every variant runs in its own subprocess (fresh peak RSS); errors are against the untiled output.
 Variants:
 
@@ -60,7 +67,11 @@ VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewis
 # family -> (class name, latent channels, temporal compression, spatial compression)
 FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenImage", 16, 4, 8),
             "ltx": ("AutoencoderKLLTXVideo", 128, 8, 32), "ltx2": ("AutoencoderKLLTX2Video", 128, 8, 32),
-            "hunyuan": ("AutoencoderKLHunyuanVideo", 16, 4, 8)}
+            "hunyuan": ("AutoencoderKLHunyuanVideo", 16, 4, 8), "mochi": ("AutoencoderKLMochi", 12, 6, 8),
+            "cosmos": ("AutoencoderKLCosmos", 16, 8, 8)}
+# families whose stock VAE has no spatial tiling of its own to compare with (Cosmos' enable_tiling sets
+# use_tiling, which its _decode never reads)
+NO_OWN_TILING = ("cosmos",)
 
 
 def build_vae(family: str, base_dim: int):
@@ -82,6 +93,13 @@ def build_vae(family: str, base_dim: int):
     if family == "hunyuan":
         widths = tuple(max(32, c * base_dim // 128) for c in (128, 256, 512, 512))
         return cls(block_out_channels=widths, layers_per_block=1).eval()
+    if family == "mochi":  # (its GroupNorms have 32 groups: widths a multiple of 32)
+        widths = tuple(max(32, c * base_dim // 128 // 32 * 32) for c in (128, 256, 512, 768))
+        return cls(encoder_block_out_channels=widths, decoder_block_out_channels=widths,
+                   layers_per_block=(1,) * 5).eval()
+    if family == "cosmos":  # (attention at latent resolution: its mid blocks and the last level)
+        widths = tuple(max(16, c * base_dim // 128) for c in (128, 256, 512, 512))
+        return cls(encoder_block_out_channels=widths, decode_block_out_channels=widths, num_layers=1).eval()
     return cls(base_dim=base_dim, z_dim=16).eval()
 
 
@@ -142,7 +160,7 @@ def worker(args) -> None:
                 return None
             if args.task == "decode":
                 return model.decode(x).sample
-            return model.encode(x).latent_dist.mean
+            return model.encode(x).latent_dist.mode()
 
     if v.startswith("tilewise-sink"):
         _, c, t, h, w = plan.output_shape
@@ -240,6 +258,9 @@ def main() -> None:
     import numpy as np
 
     variants = [v for v in args.variants.split(",") if v]
+    if args.family in NO_OWN_TILING and "diffusers" in variants:
+        variants.remove("diffusers")
+        print(f"{FAMILIES[args.family][0]} has no spatial tiling of its own in diffusers: no 'diffusers' row")
     rows, big_rows, notes = [], [], []
     tasks = args.tasks.split(",")
     load0, t0 = os.getloadavg(), time.strftime("%H:%M", time.gmtime())

@@ -269,22 +269,3 @@ def test_decode_and_encode_on_two_ranks_equal_the_stock_vae(folders, tmp_path, n
     want = (want[:, :, 0] if name == "qwen21" else want)[0].permute(1, 2, 0).numpy()
     assert np.abs(np.load(tmp_path / "x.npy") - want).max() <= TOL
     assert (load_file(str(tmp_path / "e.safetensors"))["latents"] - enc).abs().max() <= TOL
-
-
-def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys):
-    import diffusers as d
-
-    from tilewise.locality.classes import PYTHON_ONLY
-    from tilewise.vae.families import FAMILIES
-
-    assert all(name in FAMILIES and not FAMILIES[name].refused for name in PYTHON_ONLY)
-    torch.manual_seed(0)
-    d.AutoencoderKLTemporalDecoder(block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2,
-                                   latent_channels=4, layers_per_block=1).save_pretrained(tmp_path / "svd")
-    save_file({"latents": torch.randn(1, 4, 6, 8)}, str(tmp_path / "z.safetensors"))
-    err = _fails(capsys, "decode", tmp_path / "z.safetensors", "--model", tmp_path / "svd", "--out",
-                 tmp_path / "out.png", code=ModelProblem.exit_code)
-    name = "AutoencoderKLTemporalDecoder"
-    assert (f"holds a {name}: tilewise tiles it from Python (tw.TiledVAE), but `decode` / `encode --model` "
-            "do not take it yet") in err and PYTHON_ONLY[name] in err
-    assert not (tmp_path / "out.png").exists()

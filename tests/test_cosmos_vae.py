@@ -80,12 +80,16 @@ def test_forward_encodes_and_decodes_on_the_tiled_paths():
 
 
 def _same_gradients(vae, tv, inp, params, loss):
+    """Every gradient within TOL of its scale: its max abs, floored at 1e-3 of the largest parameter
+    gradient's (as tests/test_vae_gradients.py: an attention key projection's gradient is near zero, softmax
+    being shift invariant, and the float noise of a sum over many tiles there has no scale of its own)."""
     grads = []
     for m in (vae, tv):
         t = inp.clone().requires_grad_(True)
         grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
+    floor = 1e-3 * max(float(w.abs().max()) for w in grads[0][1:])
     for a, b in zip(*grads, strict=True):
-        assert (a - b).abs().max() <= TOL * b.abs().max()
+        assert (a - b).abs().max() <= TOL * max(float(b.abs().max()), floor)
 
 
 def test_gradients_through_the_decode_equal_the_stock_vae():

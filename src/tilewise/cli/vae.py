@@ -38,6 +38,10 @@ def decode(
     ] = None,
     staging: Annotated[Staging, typer.Option()] = Staging.auto,
     bits: Annotated[int, typer.Option(help="8 or 16 bits per channel (32: float, .npy / .tif)")] = 8,
+    decode_chunk_size: Annotated[
+        int | None, typer.Option(min=1, help="SVD's temporal decoder: frames per decode call, as its "
+                                 "pipeline's decode_chunk_size (the frames of one call mix); default: all")
+    ] = None,
     model: Model = None,
     config: Config = None,
     device: Device = "auto",
@@ -49,19 +53,29 @@ def decode(
     """Decode latents tile by tile, streamed to the output file.
 
     --model: a pipeline folder, a checkpoint, or a VAE folder (AutoencoderKL, Tiny, Flux.2, DC-AE, VQ,
-    KVAE, HunyuanImage, AsymmetricKL, Qwen-Image 2.1, the 3-D VAEs); a 3-D VAE (Qwen-Image, Wan,
-    LTX-Video) decodes (B, C, T, H, W) latents, one frame to an image, several to a video.
+    KVAE, HunyuanImage, AsymmetricKL, Qwen-Image 2.1, the 3-D VAEs, SVD's temporal decoder); a video VAE
+    (Qwen-Image, Wan, LTX-Video, Cosmos, SVD, ...) decodes (B, C, T, H, W) latents, one frame to an
+    image, several to a video. Cosmos' latents are scaled by its scheduler's sigma_data (the file's
+    metadata, the pipeline folder's scheduler, else 0.5); SVD's are decoded in calls of
+    --decode-chunk-size frames.
 
     Example: tilewise decode latents.safetensors --out image.tif --mode exact --budget 2GiB
 
     Example: tilewise decode video.safetensors --model wan-folder --out "frames/f{:04d}.png"
+
+    Example: tilewise decode video.safetensors --model svd-folder --decode-chunk-size 8 --out video.npy
     """
     from ..pipelines import VaeFileOptions, load_vae, run_decode_file
-    from ..pipelines.folders import part_config, vae_factor_of
+    from ..pipelines.folders import part_config, scheduler_sigma_data, vae_factor_of
     from ..pipelines.image_latents import FRAMED
+    from ..pipelines.video_latents import SVD
 
     checks.model_paths(model, config, vae_folder=True)
     video = _video_vae(model)
+    name = _vae_class(model)
+    if decode_chunk_size is not None and name is not None and name != SVD:
+        raise BadRequest(f"--decode-chunk-size applies to SVD's temporal decoder ({SVD}, whose decode takes "
+                         f"its frames in calls), not to the {name} of --model {str(model)!r}")
     if not video:
         checks.output(out, no_clobber=no_clobber, bits=bits)
     checks.report_folder(report)
@@ -69,7 +83,6 @@ def decode(
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
     cfg = part_config(model, "vae", config)
-    name = _vae_class(model)
     shape = checks.latents_input(latents, video=video or name in FRAMED,  # (Qwen-Image 2.1: (1, C, 1, h, w))
                                  channels=None if video else _latent_channels(cfg, name))
     if video:
@@ -80,7 +93,8 @@ def decode(
     group, rank = join_ranks(nproc)
     job = VaeFileOptions(str(latents), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, bits=bits, progress=not (quiet or rank != 0),
-                         process_group=group, replace=not no_clobber)
+                         process_group=group, replace=not no_clobber, sigma_data=scheduler_sigma_data(model),
+                         frames_per_call=decode_chunk_size)
     vae = load_vae(model, config=config, device=device)
     plan = run_decode_file(vae, job)
     if rank != 0:
@@ -132,7 +146,8 @@ def encode(
 
     8- and 16-bit, grey or colour images are read at their depth; an alpha channel is used by RGBA VAEs
     (Qwen-Image 2.1) only. --model as for decode; sides must be multiples of the VAE's factor (8, 16 for
-    Wan 2.2; Flux.2: twice it, its latents' 2x2 patches).
+    Wan 2.2; Flux.2: twice it, its latents' 2x2 patches). SVD's temporal decoder encodes each frame as an
+    image; Cosmos records its scheduler's sigma_data in the latents file.
 
     Example: tilewise encode photo.png --out latents.safetensors
 
@@ -160,9 +175,11 @@ def encode(
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
     group, rank = join_ranks(nproc)
+    from ..pipelines.folders import scheduler_sigma_data
+
     job = VaeFileOptions(str(image), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, progress=not (quiet or rank != 0), process_group=group,
-                         replace=not no_clobber)
+                         replace=not no_clobber, sigma_data=scheduler_sigma_data(model))
     vae = load_vae(model, config=config, device=device)
     plan = run_encode_file(vae, job)
     if rank != 0:
@@ -202,10 +219,12 @@ def _vae_class(model) -> str | None:
 
 
 def _video_vae(model) -> bool:
-    """Whether --model holds a 3-D VAE (read from its JSON, nothing loaded)."""
+    """Whether --model holds a video VAE: a 3-D VAE or SVD's temporal decoder (read from its JSON, nothing
+    loaded)."""
+    from ..locality.classes import BATCHED_VAES
     from ..locality.lowering3d import VIDEO_VAES
 
-    return _vae_class(model) in VIDEO_VAES
+    return _vae_class(model) in (*VIDEO_VAES, *BATCHED_VAES)
 
 
 def plan(

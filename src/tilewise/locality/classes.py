@@ -61,13 +61,6 @@ REFUSED_IMAGE: dict[str, str] = {
 }
 REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
 
-# tiled exactly from Python (tw.TiledVAE) but not taken by the CLI's decode / encode yet, with what is missing
-PYTHON_ONLY: dict[str, str] = {
-    "AutoencoderKLCosmos": "its pipelines normalise the latents per channel and frame with the scheduler's "
-                           "sigma_data, which the CLI's latents files do not record",
-    "AutoencoderKLTemporalDecoder": "its decode takes the frames of one call in the batch with num_frames, "
-                                    "which the CLI's video decode does not pass",
-    "AutoencoderKLCogVideoX": "its programs depend on the call's frame count (the first call of its chunked "
-                              "loop traced apart), which the CLI's video decode and encode are not tested "
-                              "with yet",
-}
+# SVD's temporal decoder: a video decode that takes its frames in the batch (decode(z, num_frames)), a 2-D
+# encode; the CLI decodes its latents files as videos (`pipelines.video_latents`)
+BATCHED_VAES = ("AutoencoderKLTemporalDecoder",)

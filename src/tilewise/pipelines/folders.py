@@ -21,12 +21,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
-from ..locality.classes import IMAGE_VAES, PYTHON_ONLY, REFUSED
+from ..locality.classes import BATCHED_VAES, IMAGE_VAES, REFUSED
 from ..locality.lowering3d import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
 
-VAE_CLASSES = (*IMAGE_VAES, *VIDEO_VAES)  # what a VAE folder (or a pipeline's vae/) may hold
+VAE_CLASSES = (*IMAGE_VAES, *VIDEO_VAES, *BATCHED_VAES)  # what a VAE folder (or a pipeline's vae/) may hold
 # VAEs decode / encode load from a pipeline folder's vae/ alone (AutoencoderKL's and AutoencoderTiny's
 # pipelines load whole, as `generate` loads them)
 ALONE_VAES = tuple(name for name in VAE_CLASSES if name not in ("AutoencoderKL", "AutoencoderTiny"))
@@ -138,10 +138,6 @@ def check_vae_class(name, what: str) -> None:
         return
     if name in REFUSED:
         raise ModelProblem(f"{what} holds a {name}, which tilewise does not tile: {REFUSED[name]}")
-    if name in PYTHON_ONLY:
-        raise ModelProblem(f"{what} holds a {name}: tilewise tiles it from Python (tw.TiledVAE), but "
-                           f"`decode` / `encode --model` do not take it yet ({PYTHON_ONLY[name]}); the CLI "
-                           f"takes {', '.join(VAE_CLASSES)}")
     raise ModelProblem(f"{what} holds a {name or 'model without _class_name'}, not a VAE tilewise tiles: one "
                        f"of {', '.join(VAE_CLASSES)}")
 
@@ -289,6 +285,21 @@ def part_config(model: str | os.PathLike | None, part: str, config: str | os.Pat
         return read_json(file, "") if file.is_file() else None
     except ModelProblem:
         return None
+
+
+def scheduler_sigma_data(model: str | os.PathLike | None) -> float | None:
+    """The sigma_data of a --model pipeline folder's scheduler config (scheduler/scheduler_config.json:
+    the EDMEulerScheduler of Cosmos' pipelines), read without loading anything; None where there is none
+    (a VAE folder, a file, no scheduler, no positive number there)."""
+    if model is None or not Path(model).is_dir():
+        return None
+    file = Path(model) / "scheduler" / "scheduler_config.json"
+    try:
+        value = read_json(file, "").get("sigma_data") if file.is_file() else None
+    except ModelProblem:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
+    return float(value) if ok else None
 
 
 def vae_factor_of(cfg: dict | None) -> int | None:

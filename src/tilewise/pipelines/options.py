@@ -73,7 +73,8 @@ class VaeFileOptions:
 
     `source` is the latents .safetensors to decode or the image (a 3-D VAE: or video) to encode; `bits` is
     the decoded image's depth (decode only); `budget` (e.g. "2GiB") picks tile and staging; with
-    `process_group` every rank runs its tiles and rank 0 writes `out`."""
+    `process_group` every rank runs its tiles and rank 0 writes `out`. `sigma_data`: a Cosmos pipeline's
+    scheduler's (`pipelines.video_latents`); `frames_per_call`: SVD's decode_chunk_size (decode only)."""
 
     source: str
     out: str
@@ -85,3 +86,5 @@ class VaeFileOptions:
     progress: bool = True
     process_group: Any = None
     replace: bool = True
+    sigma_data: float | None = None
+    frames_per_call: int | None = None

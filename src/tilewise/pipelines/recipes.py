@@ -28,6 +28,7 @@ from .image_latents import read as read_file_latents
 from .loading import Loaded
 from .options import GenerateOptions, GenerateResult, VaeFileOptions
 from .video import decode_video_file, encode_video_file
+from .video_latents import SVD
 
 logger = logging.getLogger(__name__)
 
@@ -213,17 +214,20 @@ def decode_file(
     progress: bool = True,
     process_group: Any = None,
     replace: bool = True,
+    sigma_data: float | None = None,
+    frames_per_call: int | None = None,
 ):
     """Decode a latents .safetensors (key 'latents', in the layout the VAE family's pipeline hands its
-    denoiser: `pipelines.image_latents`) to an image file; `loaded` is a pipeline or a VAE. A 3-D VAE
-    (Qwen-Image, Wan, LTX-Video) decodes (B, C, T, H, W) latents to an image or a video sink
-    (`pipelines.video`).
+    denoiser: `pipelines.image_latents`) to an image file; `loaded` is a pipeline or a VAE. A video VAE
+    (Qwen-Image, Wan, LTX-Video, Cosmos, SVD, ...) decodes (B, C, T, H, W) latents to an image or a video
+    sink (`pipelines.video`; Cosmos' `sigma_data`, SVD's `frames_per_call`: `pipelines.video_latents`).
 
     The output and the latents file (header, shape, dtype, channels, values) are checked first. The
     options are those of `VaeFileOptions`; `run_decode_file` takes them as that record."""
     return run_decode_file(loaded, VaeFileOptions(
         latents_path, out, tile_size=tile_size, mode=mode, budget=budget, staging=staging, bits=bits,
-        progress=progress, process_group=process_group, replace=replace,
+        progress=progress, process_group=process_group, replace=replace, sigma_data=sigma_data,
+        frames_per_call=frames_per_call,
     ))
 
 
@@ -231,11 +235,15 @@ def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
     """`decode_file` with its options as one record (the CLI's form); returns the VAE's plan."""
     o = options
     vae = _vae(loaded)
-    # 1. a 3-D VAE decodes to an image or a video (each rank its band of tile rows, rank 0 writes)
-    if is_video_vae(vae):
+    # 1. a video VAE decodes to an image or a video (each rank its band of tile rows, rank 0 writes)
+    if is_video_vae(vae) or type(vae).__name__ == SVD:
         return decode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
                                  staging=o.staging, bits=o.bits, progress=o.progress, replace=o.replace,
-                                 process_group=o.process_group)
+                                 process_group=o.process_group, sigma_data=o.sigma_data,
+                                 frames_per_call=o.frames_per_call)
+    if o.frames_per_call is not None:
+        raise BadRequest(f"--decode-chunk-size applies to SVD's temporal decoder ({SVD}), not to a "
+                         f"{type(vae).__name__}")
     # 2. check the output, read the latents in the family's layout (checked as they are read, `image_latents`)
     check_image_output(o.out, o.bits, o.replace)
     z = from_file(vae, read_file_latents(vae, o.source))
@@ -287,16 +295,18 @@ def encode_file(
     progress: bool = True,
     process_group: Any = None,
     replace: bool = True,
+    sigma_data: float | None = None,
 ):
     """Encode an image file to a latents .safetensors (the raw latent of the VAE's output, e.g. the mean
     of its latent distribution, in its family's layout: `pipelines.image_latents`).
 
     With `process_group` every rank encodes its band of tiles and rank 0 writes the file. `loaded` is a
-    pipeline or a VAE; a 3-D VAE encodes an image or a video (`pipelines.frames`). The options are those
-    of `VaeFileOptions` (its `bits` unused); `run_encode_file` takes them as that record."""
+    pipeline or a VAE; a video VAE encodes an image or a video (`pipelines.frames`; Cosmos' `sigma_data`:
+    `pipelines.video_latents`). The options are those of `VaeFileOptions` (its `bits` unused);
+    `run_encode_file` takes them as that record."""
     return run_encode_file(loaded, VaeFileOptions(
         image_path, out, tile_size=tile_size, mode=mode, budget=budget, staging=staging, progress=progress,
-        process_group=process_group, replace=replace,
+        process_group=process_group, replace=replace, sigma_data=sigma_data,
     ))
 
 
@@ -306,11 +316,11 @@ def run_encode_file(loaded: Loaded | Any, options: VaeFileOptions):
     # 1. check the output
     check_latents_output(o.out, o.replace)
     vae = _vae(loaded)
-    # 2. a 3-D VAE encodes an image or a video (each rank its band of tile rows, rank 0 writes)
-    if is_video_vae(vae):
+    # 2. a video VAE encodes an image or a video (each rank its band of tile rows, rank 0 writes)
+    if is_video_vae(vae) or type(vae).__name__ == SVD:
         return encode_video_file(vae, o.source, o.out, tile_size=o.tile_size, mode=o.mode, budget=o.budget,
                                  staging=o.staging, progress=o.progress, replace=o.replace,
-                                 process_group=o.process_group)
+                                 process_group=o.process_group, sigma_data=o.sigma_data)
     # 3. read the image (RGBA for a 4-channel VAE), plan and encode: the raw latent of the family's output
     # (the distribution's mean, DC-AE's latent, VQModel's latents), in its latents file's layout
     tv = _tiled_vae(vae, o)

@@ -1,10 +1,12 @@
-"""The decode / encode recipes of the 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video): latents
-files, images and videos in, images and video sinks out.
+"""The decode / encode recipes of the video VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video, HunyuanVideo,
+Mochi, Cosmos, SVD's temporal decoder): latents files, images and videos in, images and video sinks out.
 
 Latents files hold a `latents` tensor (B, C, T, H, W) (or one video's (C, T, H, W)), normalised as the
 pipeline's denoiser sees them: z = (raw - latents_mean) * scaling_factor / latents_std, per channel
 (Wan / Qwen-Image: their config's latents_mean / latents_std, scaling 1; LTX-Video: its latents_mean /
-latents_std buffers and config.scaling_factor). Videos are read by `frames` (a frame pattern, a .npy
+latents_std buffers and config.scaling_factor); Cosmos' (per channel and frame, with the scheduler's
+sigma_data) and SVD's (its scaling_factor; decoded in calls of decode_chunk_size frames, encoded frame
+by frame) are laid out by `video_latents`. Videos are read by `frames` (a frame pattern, a .npy
 or a multi-page TIFF stack, an image as one frame); a decode of one frame writes an image (PNG, TIFF,
 .npy), a decode of several frames a video sink (`tilewise.sinks.video`), frame blocks streamed.
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from ..atomic import atomic_path, check_target
 from ..errors import BadRequest
+from . import video_latents as vl
 from .frames import load_video
 
 logger = logging.getLogger(__name__)
@@ -88,13 +91,36 @@ def _check_output(out: str, bits: int, frames: int) -> None:
 
 def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
                       budget: str | None = None, staging: str = "auto", bits: int = 8, progress: bool = True,
-                      replace: bool = True, process_group=None):
-    """Decode a latents .safetensors with a 3-D VAE, streamed: one frame to an image file, several to a
-    frame sequence or a .npy / TIFF stack. Returns the plan it ran. With `process_group` every rank
-    runs its band of tile rows and rank 0 writes."""
+                      replace: bool = True, process_group=None, sigma_data: float | None = None,
+                      frames_per_call: int | None = None):
+    """Decode a latents .safetensors with a video VAE, streamed: one frame to an image file, several to a
+    frame sequence or a .npy / TIFF stack. Returns the plan it ran (SVD's: of its first call). With
+    `process_group` every rank runs its band of tile rows and rank 0 writes. `sigma_data`: the scheduler's
+    of a Cosmos pipeline (`video_latents.sigma_data`); `frames_per_call`: SVD's decode_chunk_size."""
+    _check_frames_per_call(vae, frames_per_call)
+    if not vl.has_own_layout(vae):
+        tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
+        z = _latents(latents_path, tv.program("decode").in_channels)
+        return decode_to_file(tv, denormalised(vae, z), out, bits=bits, replace=replace)
+    # (Cosmos' and SVD's files read and their layout checked before the VAE is lowered)
+    z = _latents(latents_path, int(vae.config.latent_channels))
+    sigma = None
+    if type(vae).__name__ == vl.COSMOS:
+        sigma = vl.sigma_data(vl.file_metadata(latents_path), sigma_data, latents_path)
+    raw = vl.raw_of(vae, z, sigma).to(vae.device, vae.dtype)
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
-    z = _latents(latents_path, tv.program("decode").in_channels)
-    return decode_to_file(tv, denormalised(vae, z), out, bits=bits, replace=replace)
+    return decode_to_file(tv, raw, out, bits=bits, replace=replace, frames_per_call=frames_per_call)
+
+
+def _check_frames_per_call(vae, frames_per_call: int | None) -> None:
+    """frames_per_call (decode_chunk_size) is SVD's, a positive int (BadRequest otherwise)."""
+    if frames_per_call is None:
+        return
+    if type(vae).__name__ != vl.SVD:
+        raise BadRequest(f"--decode-chunk-size applies to SVD's temporal decoder ({vl.SVD}, whose decode "
+                         f"takes its frames in calls), not to a {type(vae).__name__}")
+    if isinstance(frames_per_call, bool) or not isinstance(frames_per_call, int) or frames_per_call < 1:
+        raise BadRequest(f"--decode-chunk-size must be a positive number of frames, got {frames_per_call!r}")
 
 
 def denormalised(vae, z):
@@ -103,21 +129,40 @@ def denormalised(vae, z):
     return (z.float() * std.to(z.device) / sf + mean.to(z.device)).to(vae.device, vae.dtype)
 
 
-def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True):
-    """Decode raw (1, C, T, H, W) latents with a TiledVAE of a 3-D VAE, streamed: one frame to an image
-    file, several to a frame sequence or a .npy / TIFF stack (checked first). Returns the plan it ran."""
+def _calls(tv, frames: int, frames_per_call: int | None) -> list[tuple[int, int]]:
+    """The latent frames of each decode call: SVD's in calls of frames_per_call (all by default, as its
+    pipeline's call), another VAE's in one."""
+    if type(tv.vae).__name__ != vl.SVD:
+        return [(0, frames)]
+    k = frames if frames_per_call is None else frames_per_call
+    return [(a, min(a + k, frames)) for a in range(0, frames, k)]
+
+
+def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True,
+                   frames_per_call: int | None = None):
+    """Decode raw (1, C, T, H, W) latents with a TiledVAE of a video VAE, streamed: one frame to an image
+    file, several to a frame sequence or a .npy / TIFF stack (checked first); SVD's in calls of
+    `frames_per_call` frames (`video_latents`), each into its frames of the sink. Returns the plan it ran
+    (of the first call)."""
     import torch
 
     from ..sinks import open_sink
     from ..sinks.video import open_video_sink
 
-    shape = tuple(z.shape)
-    _, c, t, h, w = tv.plan(shape, streamed=True).output_shape
+    calls = _calls(tv, z.shape[2], frames_per_call)
+    shapes = [(*z.shape[:2], b - a, *z.shape[3:]) for a, b in calls]
+    outs = {s: tv.plan(s, streamed=True).output_shape for s in set(shapes)}
+    _, c, _, h, w = outs[shapes[0]]
+    t = sum(outs[s][2] for s in shapes)
+    if len(calls) > 1:
+        logger.info("%s: %d decode calls of at most %d frames", type(tv.vae).__name__, len(calls),
+                    calls[0][1])
     check_video_output(out, bits, t, replace)
     if not _writes(tv):  # another rank: it runs its tiles, rank 0 writes
         with torch.no_grad():
-            tv.decode_to(z, None)
-        return tv.plan(shape, streamed=True, sequential=True)
+            for a, b in calls:
+                tv.decode_to(z[:, :, a:b], None)
+        return tv.plan(shapes[0], streamed=True, sequential=True)
     image = t == 1 and "{" not in out
     sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
             else open_video_sink(out, t, h, w, c, bits=bits, replace=replace))
@@ -127,9 +172,13 @@ def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True):
         logger.warning("%d of the %d frames of %r exist (%s): they are replaced once every new frame is "
                        "complete (--no-clobber keeps them)", len(existing), t, out, shown)
     sequential = image or not getattr(sink, "random_access", False)
-    plan = tv.plan(shape, streamed=True, sequential=sequential)
+    plan = tv.plan(shapes[0], streamed=True, sequential=sequential)
     with sink, torch.no_grad():
-        tv.decode_to(z, sink)
+        if len(calls) == 1:
+            tv.decode_to(z, sink)
+        else:  # (SVD's calls: each into its frames, an output frame for each latent frame)
+            for a, b in calls:
+                tv.decode_to(z[:, :, a:b], vl.FrameWindow(sink, a, b - a))
     logger.info("wrote %s", out)
     return plan
 
@@ -142,24 +191,33 @@ def check_video_output(out: str, bits: int, frames: int, replace: bool) -> None:
 
 def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: str = "exact",
                       budget: str | None = None, staging: str = "auto", progress: bool = True,
-                      replace: bool = True, process_group=None):
-    """Encode an image or a video (frame pattern, .npy / TIFF stack) with a 3-D VAE into a latents
-    .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it). With
-    `process_group` every rank encodes its band of tile rows and rank 0 writes."""
+                      replace: bool = True, process_group=None, sigma_data: float | None = None):
+    """Encode an image or a video (frame pattern, .npy / TIFF stack) with a video VAE into a latents
+    .safetensors (the distribution's mean, normalised as the pipeline's denoiser sees it; SVD's frame by
+    frame). With `process_group` every rank encodes its band of tile rows and rank 0 writes.
+    `sigma_data`: the scheduler's of a Cosmos pipeline (recorded in the file)."""
     import torch
     from safetensors.torch import save_file
 
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
     x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)
-    plan = tv.plan(tuple(x.shape), kind="encode")
-    with torch.no_grad():
-        raw = tv.encode(x).latent_dist.mean
-    mean, std, sf = latent_norm(vae)
-    latents = ((raw.float().cpu() - mean) * sf / std).contiguous()
+    name = type(vae).__name__
+    if name == vl.SVD:  # (its 2-D encoder: frame by frame)
+        plan = tv.plan((1, *x.shape[1:2], *x.shape[3:]), kind="encode")
+        latents, metadata = vl.file_of(vae, vl.encode_frames(tv, x))
+    else:
+        plan = tv.plan(tuple(x.shape), kind="encode")
+        with torch.no_grad():
+            raw = tv.encode(x).latent_dist.mode()
+        if name == vl.COSMOS:
+            latents, metadata = vl.file_of(vae, raw, vl.sigma_data({}, sigma_data))
+        else:
+            mean, std, sf = latent_norm(vae)
+            latents = ((raw.float().cpu() - mean) * sf / std).contiguous()
+            metadata = {"normalised": "(z - latents_mean) * scaling_factor / latents_std",
+                        "scaling_factor": str(sf), "vae": name}
     if not _writes(tv):
         return plan
     with atomic_path(out, replace=replace) as tmp:
-        save_file({"latents": latents}, str(tmp),
-                  metadata={"normalised": "(z - latents_mean) * scaling_factor / latents_std",
-                            "scaling_factor": str(sf), "vae": type(vae).__name__})
+        save_file({"latents": latents}, str(tmp), metadata=metadata)
     return plan

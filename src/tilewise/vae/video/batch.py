@@ -35,12 +35,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 
 def bound(job: Job, z, gradients: bool = False):
     """A context in which the decode's program reads this call's AlphaBlender weights (its
-    image_only_indicator: zeros of (B, T) for z of (B, C, T, H, W), as the wrapped decode makes it).
-    RuntimeError for a call that asks for gradients (no backward)."""
-    if gradients:
-        raise RuntimeError(f"TiledVAE decode of a {job.model} has no backward yet: its AlphaBlenders' "
-                           "weights (sigmoid(mix_factor), per frame) are per-call values computed apart from "
-                           "the tiles (they live for the call only, and mix_factor would get no gradient); "
-                           "use the wrapped VAE to train (its encode is differentiable through TiledVAE)")
+    image_only_indicator: zeros of (B, T) for z of (B, C, T, H, W), as the wrapped decode makes it;
+    `gradients`: computed with autograd, their graph reaching each blender's mix_factor, which
+    `video.gradient` backs as it does LTX's timestep embedding)."""
     b, t = int(z.shape[0]), int(z.shape[2])
-    return job.program.call.bound(torch.zeros(b, t, dtype=z.dtype, device=z.device), batch=b)
+    return job.program.call.bound(torch.zeros(b, t, dtype=z.dtype, device=z.device), batch=b, grad=gradients)

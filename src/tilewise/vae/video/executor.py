@@ -272,12 +272,13 @@ class _VideoRun:
 
     def _stats_graph(self, op, k: int):
         """(mean, var) of step k of the GroupNorm's input over its whole staged tensor, with autograd (the
-        gradient through the statistics, as nn.GroupNorm's): float64 (B, groups), of each frame (B t,
-        groups)."""
+        gradient through the statistics, as nn.GroupNorm's), in float32 or the input's wider dtype:
+        float64 (B, groups), of each frame (B t, groups)."""
         v, groups = op.src[0], op.groups
         h, w = self.shapes[v]
         t = folded(self._read(v, k, (0, h, 0, w)), op.per_frame)
-        g = t.unflatten(1, (groups, t.shape[1] // groups)).float()
+        g = t.unflatten(1, (groups, t.shape[1] // groups))
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
         var, mean = torch.var_mean(g, dim=(2, 3, 4), correction=0)
         return mean.double(), var.double()
 

@@ -16,7 +16,7 @@ whole staged input with autograd (nn.GroupNorm's gradient through the mean and v
 have one step, so that step's graph is the whole video's (tiled as the forward ran it). A
 timestep-conditioned LTX decode's per-call values (`trace.percall`, bound with autograd) are inputs of
 the node too: the recomputed steps read them as leaves, their gradients go on through their graph to temb
-and the embedders' parameters.
+and the embedders' parameters; so are SVD's AlphaBlender weights (their graph reaching mix_factor).
 
 Held by the backward (planned by `video.backward`, which also picks the tile within a memory budget): the
 kept caches of every step (`stored_bytes`, freed step by step as the reverse

@@ -1,0 +1,181 @@
+"""`tilewise decode` / `encode --model` with the two video VAEs whose pipelines lay their latents out their
+own way (`pipelines.video_latents`): a tiny SVD temporal decoder and a tiny Cosmos VAE saved with
+save_pretrained; decode and encode equal the stock VAE's decode / encode of the same latents (fp32, <= 1e-4),
+SVD's in calls of --decode-chunk-size frames as its pipeline's decode_latents, Cosmos' scaled per channel and
+frame and by its scheduler's sigma_data; bad input refused naming the value, with its exit code."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+from video_vae_support import video_vae  # noqa: E402
+
+from tilewise.cli import app, main  # noqa: E402
+from tilewise.errors import BadInputFile, BadRequest  # noqa: E402
+
+runner = CliRunner()
+TOL = 1e-4
+SF = 0.5  # the SVD folder's scaling_factor
+# the Cosmos folder's latents_mean / latents_std: 4 channels x 3 latent frames, viewed (1, 4, 3, 1, 1)
+MEAN = [0.1 * i - 0.5 for i in range(12)]
+STD = [0.5 + 0.1 * i for i in range(12)]
+
+
+def _run(*args):
+    result = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _fails(capsys, *args, code: int) -> str:
+    """The one error line of a command that fails (through the CLI's entry point), with its exit code."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == code and len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The SVD VAE of tests/test_svd_vae.py (scaling_factor 0.5) and the Cosmos VAE of the video tests (its
+    latents normalised per channel and frame), each saved as a VAE folder."""
+    from test_svd_vae import VAE
+
+    root = tmp_path_factory.mktemp("models")
+    svd = copy.deepcopy(VAE)
+    svd.register_to_config(scaling_factor=SF)
+    svd.save_pretrained(root / "svd")
+    cosmos = copy.deepcopy(video_vae("cosmos"))
+    cosmos.register_to_config(latents_mean=MEAN, latents_std=STD)
+    cosmos.save_pretrained(root / "cosmos")
+    return {"svd": root / "svd", "cosmos": root / "cosmos", "svd_vae": svd, "cosmos_vae": cosmos}
+
+
+def _svd_decode(vae, raw, chunk: int):
+    """StableVideoDiffusionPipeline.decode_latents of raw (1, C, T, h, w) latents, unscaled: calls of
+    `chunk` frames, each decode(rows, num_frames=its frames); (T, H, W, C) as the .npy holds it."""
+    rows = raw.permute(0, 2, 1, 3, 4).flatten(0, 1)
+    with torch.no_grad():
+        frames = [vae.decode(rows[a : a + chunk], num_frames=len(rows[a : a + chunk])).sample
+                  for a in range(0, len(rows), chunk)]
+    return torch.cat(frames).permute(0, 2, 3, 1).numpy()
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_svd_folder_decodes_in_calls_of_decode_chunk_size(folders, tmp_path, chunk):
+    """3 latent frames, 2x3 tiles: in one call (the pipeline's default) or in calls of 2 and 1 frames."""
+    vae = folders["svd_vae"]
+    raw = torch.randn(1, 4, 3, 5, 7, generator=torch.Generator().manual_seed(1))
+    save_file({"latents": raw * SF}, str(tmp_path / "z.safetensors"))
+    args = ["--decode-chunk-size", chunk] if chunk else []
+    text = _run("decode", tmp_path / "z.safetensors", "--model", folders["svd"], "--out", tmp_path / "v.npy",
+                "--bits", 32, "--tile", 3, "--quiet", *args)
+    assert "tiles: 2x3" in text
+    got, want = np.load(tmp_path / "v.npy"), _svd_decode(vae, raw, chunk or 3)
+    assert got.shape == want.shape == (3, 10, 14, 3) and np.abs(got - want).max() <= TOL
+    other = _svd_decode(vae, raw, 3 if chunk else 2)  # (the chunking is part of the result: frames mix)
+    assert np.abs(other - want).max() > 1e-3
+
+
+def test_svd_folder_encodes_each_frame_and_decodes_the_file_back(folders, tmp_path):
+    vae = folders["svd_vae"]
+    video = np.random.default_rng(2).uniform(-1, 1, (3, 10, 14, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", folders["svd"], "--out", tmp_path / "z.safetensors",
+         "--tile", 3, "--quiet")
+    with torch.no_grad():
+        mean = vae.encode(torch.from_numpy(video).permute(0, 3, 1, 2)).latent_dist.mean  # (each frame)
+    want = mean.permute(1, 0, 2, 3)[None] * SF  # (1, C, T, h, w)
+    got = load_file(str(tmp_path / "z.safetensors"))["latents"]
+    assert got.shape == want.shape == (1, 4, 3, 5, 7) and (got - want).abs().max() <= TOL
+    with safe_open(str(tmp_path / "z.safetensors"), "pt") as f:
+        assert f.metadata()["normalised"] == "z * scaling_factor"
+    _run("decode", tmp_path / "z.safetensors", "--model", folders["svd"], "--out", tmp_path / "back.npy",
+         "--bits", 32, "--tile", 3, "--quiet")
+    back = np.load(tmp_path / "back.npy")
+    assert np.abs(back - _svd_decode(vae, got / SF, 3)).max() <= TOL
+
+
+def _cosmos_norm(frames: int):
+    shape = (1, 4, -1, 1, 1)
+    return torch.tensor(MEAN).view(shape)[:, :, :frames], torch.tensor(STD).view(shape)[:, :, :frames]
+
+
+def test_cosmos_folder_encodes_and_decodes_with_latents_mean_std_and_sigma_data(folders, tmp_path):
+    """9 frames of 24x16 (2 latent frames, 3x2 latent px; tiles of 1 latent px): the file holds
+    (raw - mean) * sigma_data / std per channel and frame (sigma_data 0.5, recorded), as
+    CosmosVideoToWorldPipeline's encode; its decode is the pipeline's z * std / sigma_data + mean."""
+    vae = folders["cosmos_vae"]
+    video = np.random.default_rng(3).uniform(-1, 1, (9, 24, 16, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", folders["cosmos"], "--out", tmp_path / "z.safetensors",
+         "--tile", 1, "--quiet")
+    with torch.no_grad():
+        raw = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mode()
+    mean, std = _cosmos_norm(2)
+    got = load_file(str(tmp_path / "z.safetensors"))["latents"]
+    assert got.shape == raw.shape == (1, 4, 2, 3, 2)
+    assert (got - (raw - mean) * 0.5 / std).abs().max() <= TOL
+    with safe_open(str(tmp_path / "z.safetensors"), "pt") as f:
+        assert f.metadata()["sigma_data"] == "0.5"
+    _run("decode", tmp_path / "z.safetensors", "--model", folders["cosmos"], "--out", tmp_path / "back.npy",
+         "--bits", 32, "--tile", 1, "--quiet")
+    with torch.no_grad():
+        ref = vae.decode(got * std / 0.5 + mean).sample[0].permute(1, 2, 3, 0).numpy()
+    back = np.load(tmp_path / "back.npy")
+    assert back.shape == ref.shape == (9, 24, 16, 3) and np.abs(back - ref).max() <= TOL
+
+
+def test_a_cosmos_pipeline_folder_gives_its_schedulers_sigma_data(folders, tmp_path):
+    """A pipeline folder (its vae/ loaded alone): sigma_data from scheduler/scheduler_config.json, for
+    latents without metadata (a pipeline's own); a file's recorded sigma_data comes first."""
+    from diffusers import EDMEulerScheduler
+
+    vae = folders["cosmos_vae"]
+    pipe = tmp_path / "pipe"
+    vae.save_pretrained(pipe / "vae")
+    EDMEulerScheduler(sigma_data=0.25).save_pretrained(pipe / "scheduler")
+    (pipe / "model_index.json").write_text(json.dumps({
+        "_class_name": "CosmosTextToWorldPipeline", "vae": ["diffusers", "AutoencoderKLCosmos"],
+        "scheduler": ["diffusers", "EDMEulerScheduler"]}))
+    z = torch.randn(1, 4, 3, 2, 3, generator=torch.Generator().manual_seed(4))
+    mean, std = _cosmos_norm(3)
+    with torch.no_grad():
+        ref = {s: vae.decode(z * std / s + mean).sample[0].permute(1, 2, 3, 0).numpy() for s in (0.25, 2.0)}
+    save_file({"latents": z}, str(tmp_path / "plain.safetensors"))
+    save_file({"latents": z}, str(tmp_path / "meta.safetensors"), metadata={"sigma_data": "2.0"})
+    for name, s in (("plain", 0.25), ("meta", 2.0)):
+        _run("decode", tmp_path / f"{name}.safetensors", "--model", pipe, "--out", tmp_path / f"{name}.npy",
+             "--bits", 32, "--tile", 2, "--quiet")
+        assert np.abs(np.load(tmp_path / f"{name}.npy") - ref[s]).max() <= TOL, name
+
+
+def test_bad_input_is_refused_naming_the_value(folders, tmp_path, capsys):
+    cosmos, svd = folders["cosmos"], folders["svd"]
+    save_file({"latents": torch.randn(1, 4, 4, 2, 3)}, str(tmp_path / "long.safetensors"))
+    save_file({"latents": torch.randn(1, 4, 2, 2, 3)}, str(tmp_path / "bad.safetensors"),
+              metadata={"sigma_data": "-1"})
+    save_file({"latents": torch.randn(1, 3, 2, 5, 7)}, str(tmp_path / "c3.safetensors"))
+    out = tmp_path / "v.npy"
+    err = _fails(capsys, "decode", tmp_path / "long.safetensors", "--model", cosmos, "--out", out,
+                 code=BadInputFile.exit_code)
+    assert "the latents have 4 frames" in err and "cover 3 (4 channels x 3 frames)" in err
+    err = _fails(capsys, "decode", tmp_path / "bad.safetensors", "--model", cosmos, "--out", out,
+                 code=BadInputFile.exit_code)
+    assert "records sigma_data='-1': a positive number is valid" in err
+    err = _fails(capsys, "decode", tmp_path / "long.safetensors", "--model", cosmos, "--out", out,
+                 "--decode-chunk-size", 2, code=BadRequest.exit_code)
+    assert "--decode-chunk-size applies to SVD's temporal decoder" in err and "AutoencoderKLCosmos" in err
+    err = _fails(capsys, "decode", tmp_path / "c3.safetensors", "--model", svd, "--out", out,
+                 code=BadInputFile.exit_code)
+    assert "has 3 channels" in err and "4-channel latents" in err
+    assert not out.exists()
