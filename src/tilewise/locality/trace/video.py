@@ -144,8 +144,9 @@ def _frames(a, b):
     chunked`: its later calls take the branch without the first frame apart; a one-step program has
     step 0 only)."""
     if (a, b) in ((None, 1), (0, 1), (1, None)):
-        def fn(t, ctx, a=a, b=b):
-            return t[:, :, a:b] if ctx.step == 0 else t[:, :, t.shape[2] if a is None or a == 0 else 0:]
+        def fn(t, ctx, a=a, b=b):  # (ctx None: run outside a run, as the plan measures it: a first step)
+            first = ctx is None or getattr(ctx, "step", 0) == 0
+            return t[:, :, a:b] if first else t[:, :, t.shape[2] if a is None or a == 0 else 0:]
 
         def frames_fn(t, step, a=a, b=b):
             return len(range(t)[a:b]) if step == 0 else 0 if b == 1 else t
