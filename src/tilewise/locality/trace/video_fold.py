@@ -71,8 +71,6 @@ def fold_rule(low: Lowering, i: int, call: Call, dims: tuple) -> bool:
     if pad is not None and fold is FRAMES and len(pad[1]) == 4:  # (an F.pad in space rides to the conv2d)
         src = pad[0]
         low.pads[call.outs[0]] = low.pads.pop(x.node)
-    if low.spatial(src) is None:
-        return False
     low.folds[call.outs[0]] = ("first", low.spatial(src), 0, 0, tuple(low.cap.values[call.outs[0]].shape),
                                fold)
     return True
