@@ -36,7 +36,7 @@ def one(variant: str, args, grads_path: str) -> dict:
     import tilewise as tw
     from tilewise.memory import MemoryMeter, measure_live_peak
 
-    vae = build_vae(args.base_dim).to(args.device).train()
+    vae = build_vae("wan", args.base_dim).to(args.device).train()  # (Wan 2.1's layout)
     vae.encoder.requires_grad_(False)
     vae.quant_conv.requires_grad_(False)
     g = torch.Generator().manual_seed(0)
@@ -51,7 +51,9 @@ def one(variant: str, args, grads_path: str) -> dict:
     extra = {}
     if tiled:
         plan = model.plan(tuple(z.shape))
-        extra = dict(tiles=f"{plan.grid[0]}x{plan.grid[1]}", steps=len(plan.steps))
+        back = model.plan(tuple(z.shape), backward=True).backward
+        extra = dict(tiles=f"{plan.grid[0]}x{plan.grid[1]}", steps=len(plan.steps),
+                     planned_mib=back.peak / 2**20)
     with MemoryMeter(args.device if args.device != "cpu" else None) as meter:
         t0 = time.perf_counter()
         y = model.decode(z).sample
@@ -74,16 +76,18 @@ def table(rows: list[dict], args) -> str:
     side, t = 8 * args.latent, 1 + 4 * (args.frames - 1)
     lines = [f"Wan 2.1-layout decode backward (base_dim {args.base_dim}), {t} frames of {side}x{side} px "
              f"(latent {args.frames}x{args.latent}x{args.latent}), {args.device}, tile {args.tile}:", "",
-             "| variant | time s | peak MiB | live MiB | dz error | worst param error |",
-             "|---|---|---|---|---|---|"]
+             "| variant | time s | peak MiB | live MiB | planned MiB | dz error | worst param error |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['variant']} | failed: {r['failed']} | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['failed']} | | | | | |")
             continue
         ez, ep = errors(r["grads"], ref) if ref else (float("nan"), float("nan"))
         name = r["variant"] + (f" ({r['tiles']} tiles, {r['steps']} steps)" if "tiles" in r else "")
         live = f"{r['live_mib']:.0f}" if "live_mib" in r else ""
-        lines.append(f"| {name} | {r['seconds']:.1f} | {r['peak_mib']:.0f} | {live} | {ez:.2e} | {ep:.2e} |")
+        planned = f"{r['planned_mib']:.0f}" if "planned_mib" in r else ""
+        lines.append(f"| {name} | {r['seconds']:.1f} | {r['peak_mib']:.0f} | {live} | {planned} | {ez:.2e} | "
+                     f"{ep:.2e} |")
     return "\n".join(lines)
 
 

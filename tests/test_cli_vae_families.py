@@ -214,6 +214,24 @@ def test_a_class_no_tile_program_reproduces_is_refused_by_name_with_the_reason(t
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
 
+def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys):
+    from video_vae_support import hunyuan15, magvit
+
+    from tilewise.locality.classes import PYTHON_ONLY
+    from tilewise.vae.families import FAMILIES
+
+    assert all(name in FAMILIES and not FAMILIES[name].refused for name in PYTHON_ONLY)
+    hunyuan15().save_pretrained(tmp_path / "AutoencoderKLHunyuanVideo15")
+    magvit().save_pretrained(tmp_path / "AutoencoderKLMagvit")
+    save_file({"latents": torch.randn(1, 4, 2, 6, 8)}, str(tmp_path / "z.safetensors"))
+    for name in PYTHON_ONLY:
+        err = _fails(capsys, "decode", tmp_path / "z.safetensors", "--model", tmp_path / name, "--out",
+                     tmp_path / "out.mp4", code=ModelProblem.exit_code)
+        assert (f"holds a {name}: tilewise tiles it from Python (tw.TiledVAE), but `decode` / "
+                "`encode --model` do not take it yet") in err and PYTHON_ONLY[name] in err
+    assert not (tmp_path / "out.mp4").exists()
+
+
 def test_qwen_image_21_decodes_to_an_rgba_png_within_one_level(folders, tmp_path):
     folder, vae = folders["qwen21"]
     z = torch.randn(1, 4, 1, 5, 7, generator=torch.Generator().manual_seed(6))

@@ -122,7 +122,7 @@ def test_a_mask_other_than_the_causal_one_is_refused_at_construction():
     old = vae.decoder.mid_block
     vae.decoder.mid_block = Block(16, 1, 0.0)
     vae.decoder.mid_block.load_state_dict(old.state_dict())
-    said = (r"AutoencoderKLCosmos \(decode\).*scaled_dot_product_attention at "
+    said = (r"AutoencoderKLCosmos \(decode\).*'scaled_dot_product_attention' at "
             r"'decoder\.mid_block\.temp_attentions\.0'.*not the causal one")
     with pytest.raises(LoweringError, match=said):
         tw.TiledVAE(vae, progress=False)

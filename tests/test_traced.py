@@ -135,7 +135,7 @@ def test_families_no_tile_program_reproduces_are_refused_by_name_with_the_reason
 def test_dropout_in_training_mode_is_refused_and_the_programs_follow_mode_and_layer_changes():
     x = torch.randn(1, 3, 9, 7)
     m = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.Dropout(0.1)).train()
-    with pytest.raises(LoweringError, match=r"dropout at '1'.*training mode draws random masks"):
+    with pytest.raises(LoweringError, match=r"'dropout' at '1'.*training mode draws random masks"):
         lower(m, x)
     m[1].p = 0.0  # (no draw: an alias, in training mode too)
     with torch.no_grad():

@@ -1,6 +1,5 @@
 """Small seeded 3-D causal VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video 0.9.0 / 0.9.5, LTX-2, the HunyuanImage
-refiner, HunyuanVideo) for the video
-tests.
+refiner, HunyuanVideo, HunyuanVideo 1.5, Mochi, Cosmos, Magvit) for the video tests.
 
 Real diffusers classes from tiny configs (few channels, one layer per block) with seeded random weights;
 the RMS norms' gains are randomised so a wrong normalisation cannot hide. No tests here.
@@ -161,7 +160,33 @@ def cosmos(seed: int = 0):
     return _group_norms(vae, seed + 1)
 
 
-VAES = {"qwen": qwen, "mochi": mochi, "cosmos": cosmos,
+def hunyuan15():
+    """AutoencoderKLHunyuanVideo15 (`tiny_denoisers.hunyuan15_vae`: 8x spatial, 4x temporal): RMS norms over
+    the channels, its samplers' channel / frame / space rearrangements with the first frame apart and
+    channel-repeat (or channel-mean) shortcuts, the mid-block's attention over every token with a causal
+    mask between frames; its RMS norms' gains randomised."""
+    from tiny_denoisers import hunyuan15_vae
+
+    return _gains(hunyuan15_vae())
+
+
+def magvit(seed: int = 0, spatial_group_norm: bool = True):
+    """AutoencoderKLMagvit (EasyAnimate; 8x spatial, 4x temporal): causal convolutions looping over their
+    windows of frames, GroupNorms of each frame, its decode / encode a chunked loop with the convolutions'
+    caches; its GroupNorms' weights and biases randomised."""
+    import torch
+    from diffusers import AutoencoderKLMagvit
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLMagvit(
+        latent_channels=4, block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("SpatialDownBlock3D",) + ("SpatialTemporalDownBlock3D",) * 3,
+        up_block_types=("SpatialUpBlock3D",) + ("SpatialTemporalUpBlock3D",) * 3,
+        spatial_group_norm=spatial_group_norm)
+    return _group_norms(vae, seed + 1)
+
+
+VAES = {"qwen": qwen, "magvit": magvit, "mochi": mochi, "cosmos": cosmos, "hunyuan15": hunyuan15,
         "hunyuan": hunyuan, "wan2.1": lambda: wan("2.1"), "wan2.2": lambda: wan("2.2"),
         "ltx0.9.0": lambda: ltx("0.9.0"), "ltx0.9.5": lambda: ltx("0.9.5"), "ltx2": ltx2, "refiner": refiner,
         "ltx0.9.5-t": lambda: ltx("0.9.5", timestep=True), "ltx2-t": lambda: ltx2(timestep=True)}

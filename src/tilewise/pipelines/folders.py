@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
-from ..locality.classes import BATCHED_VAES, IMAGE_VAES, REFUSED
+from ..locality.classes import BATCHED_VAES, IMAGE_VAES, PYTHON_ONLY, REFUSED
 from ..locality.lowering3d import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,10 @@ def check_vae_class(name, what: str) -> None:
         return
     if name in REFUSED:
         raise ModelProblem(f"{what} holds a {name}, which tilewise does not tile: {REFUSED[name]}")
+    if name in PYTHON_ONLY:
+        raise ModelProblem(f"{what} holds a {name}: tilewise tiles it from Python (tw.TiledVAE), but "
+                           f"`decode` / `encode --model` do not take it yet ({PYTHON_ONLY[name]}); the CLI "
+                           f"takes {', '.join(VAE_CLASSES)}")
     raise ModelProblem(f"{what} holds a {name or 'model without _class_name'}, not a VAE tilewise tiles: one "
                        f"of {', '.join(VAE_CLASSES)}")
 

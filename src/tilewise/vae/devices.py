@@ -15,12 +15,14 @@ Estimated time (`seconds`, less `hidden` per segment), a stated model, not a mea
     time      = compute + transfers - hidden
     hidden    = per segment, min(its side-stream copies' time, its compute)
 Host staging's device -> host copies and its reads of the next tile's inputs run on a side stream
-(`copies.CudaLane`) and overlap the compute of their segment; the other host -> device reads (the
-first tile's, later row bands', keys and values) run on the compute stream (asynchronous to the host,
-serial on the device) and are summed. The model leaves out
-memory-bound kernel time (GroupNorm, activations, copies read and write every byte once: at ~3 TB/s
-small beside the convolutions) and cuDNN's choice of algorithm; `benchmarks/gpu.sh` measures the real
-times beside it.
+(`copies.CudaLane`, contiguous copies through pinned blocks: one DMA each, holding neither the compute
+stream nor the host) and overlap the compute of their segment; the other host -> device reads (the
+first tile's, later row bands', keys and values) run on the compute stream (strided views: through
+PyTorch's pageable temporaries) and are summed. The model leaves out the host's gathers and writes of
+those pinned blocks (memory copies on the thread that launches the kernels), memory-bound kernel time
+(GroupNorm, activations, copies read and write every byte once: at ~3 TB/s small beside the
+convolutions) and cuDNN's choice of algorithm; `benchmarks/gpu.sh` measures the real times beside it
+(not run on a GPU yet: the overlap is the model's, unmeasured).
 """
 
 from __future__ import annotations

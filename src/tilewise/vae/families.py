@@ -15,11 +15,14 @@ layout is traced on a (B, C, H, W) example (`Family.frame`: its face takes (B, C
 temporal decoder on a (B, C, T, H, W) one (`Family.batched`: its decode takes (B T, C, H, W) and
 num_frames, `vae.video.batch`). A family
 may name the settings its programs follow besides the parameters (`Family.state`: Mochi's
-drop_last_temporal_frames) and the channels its encode takes (`Family.channels`: Mochi's in_channels
-count its Fourier features). A chunked family (`Family.chunk`: CogVideoX's `_decode` / `_encode` loop of
-calls of 2 latent / 8 video frames, the first with the remainder) is lowered per kind of first call: that
-call traced, the calls the program's causal steps (`VideoProgram.chunked`), their GroupNorms over each
-call's frames, their causal convolutions' conv_cache the steps' caches (`lower_family(..., frames)`).
+drop_last_temporal_frames), the channels its encode takes (`Family.channels`: Mochi's in_channels
+count its Fourier features) and the frame counts refused at the call where its own decode / encode fails
+on them (`Family.frames`: HunyuanVideo 1.5's and Magvit's encode take 1 + 4 k frames). The video
+families' own computations are in `video_calls` (Magvit's chunked loop as the one pass it equals). A
+chunked family (`Family.chunk`: CogVideoX's `_decode` / `_encode` loop of calls of 2 latent / 8 video
+frames, the first with the remainder) is lowered per kind of first call: that call traced, the calls the
+program's causal steps (`VideoProgram.chunked`), their GroupNorms over each call's frames, their causal
+convolutions' conv_cache the steps' caches (`lower_family(..., frames)`).
 """
 
 from __future__ import annotations
@@ -45,15 +48,22 @@ from ..locality.lowering import EXAMPLE_FRAMES, EXAMPLE_HW
 from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
 from ..locality.trace import lower_traced
-from .family_calls import (
+from .settings import Kind
+from .video_calls import (
     cog_chunk,
     cog_decode,
     cog_encode,
     cog_note,
+    hunyuan15_frames,
     hunyuan_note,
     ltx_check,
     ltx_decode,
     ltx_inputs,
+    magvit_check,
+    magvit_decode,
+    magvit_encode,
+    magvit_frames,
+    magvit_note,
     mochi_channels,
     mochi_check,
     mochi_decode,
@@ -62,7 +72,6 @@ from .family_calls import (
     svd_decode,
     svd_inputs,
 )
-from .settings import Kind
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,8 @@ class Family:
     state: Callable | None = None  # state(vae) -> the settings (not parameters) its programs follow: a
     # program is lowered again when they change
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
+    frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
+    # it is not: the frame counts the wrapped VAE's own decode / encode take)
     chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
     # takes (CogVideoX's frame_batch_size; the first call also the remainder): decode / encode are one
     # call, traced on the call's first chunk, its causal convolutions' caches carried from step to step
@@ -131,6 +142,10 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLMochi": Family(decode=mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
                                  note=mochi_note, state=mochi_state, channels=mochi_channels,
                                  check=mochi_check),
+    # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
+    # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
+    # IdentityDistribution of the latents
+    "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
     # CogVideoX (and ConsisID's): its chunked loop as it runs it (`Family.chunk`): the steps are its decode's
     # calls of 2 latent frames and encode's of 8 frames (the first with the remainder), its GroupNorms
     # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
@@ -138,13 +153,19 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLCogVideoX": Family(decode=cog_decode, encode=cog_encode, video=True, chunk=cog_chunk,
                                      note=cog_note),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (HunyuanVideo 1.5: its upsampler's frames not measured, ...)
-    # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
-    # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
-    # IdentityDistribution of the latents
-    "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
-    **{name: VIDEO for name in ("AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
-                                "AutoencoderKLHunyuanImageRefiner")},
+    "AutoencoderKLHunyuanImageRefiner": VIDEO,
+    # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
+    # (each convolution's loop over its windows of frames, `trace.video_windows`), its GroupNorms of each
+    # frame (spatial_group_norm=False, per chunk, refused by name); encode takes the frame counts its own
+    # chunks take (`frames`)
+    "AutoencoderKLMagvit": Family(decode=magvit_decode, encode=magvit_encode, video=True,
+                                  check=magvit_check, frames=magvit_frames, note=magvit_note),
+    # the whole video in one pass, as decode / encode compute it: RMS norms over the channels, its samplers'
+    # channel <-> frame and space rearrangements (the first frame apart) with their channel-repeat / -mean
+    # shortcuts (measured ops, their frames measured: 2 t - 1, (t + 1) / 2), the mid-block's attention
+    # over every token with its causal mask (run whole at the latent's resolution)
+    "AutoencoderKLHunyuanVideo15": Family(decode=_kl_decode, encode=_kl_encode, video=True,
+                                          frames=hunyuan15_frames),
     # an image VAE in a video's layout: (B, C, 1, H, W) calls whose convolutions (QwenImage21CausalConv3d)
     # are 2-D ones on the one frame: traced on a (B, C, H, W) example into 2-D programs (`trace.frames`)
     "AutoencoderKLQwenImage21": Family(decode=lambda vae, z: _kl_decode(vae, z.unsqueeze(2)).squeeze(2),

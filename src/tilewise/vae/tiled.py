@@ -239,6 +239,9 @@ class TiledVAE(ModelWrapper):
         first as its backward) when the call asks for gradients (`graph`; by default `gradient.wants`:
         a timestep-conditioned decode's temb may ask too), else the plain tiled run."""
         family = family_of(self.vae)
+        why = family.frames(self.vae, job.kind, int(t.shape[2])) if family.frames is not None else ""
+        if why:
+            raise ValueError(f"TiledVAE.{job.kind.value}(): {why}")
         note = family.note(self.vae, job.kind, tuple(t.shape)) if family.note is not None else ""
         if note:
             logger.info("TiledVAE %s: %s", job.model, note)

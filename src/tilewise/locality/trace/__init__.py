@@ -32,7 +32,8 @@ frames; `video_tokens`: HunyuanVideo's attention over every frame's tokens; `vid
 each frame and an attention over each position's frames, their axes folded into the batch (Mochi's,
 Cosmos' GroupNorms); `video_batch`: a video value's frames in the batch for 2-D layers of each frame, SVD's
 temporal decoder; `video_sdpa`: a scaled_dot_product_attention of a video value's tokens over each
-frame or each position's frames (Cosmos' attention blocks); measured ops keep or change
+frame or each position's frames (Cosmos' attention blocks); `video_windows`: a causal convolution's loop
+over its input's windows of frames, concatenated, one convolution (Magvit's); measured ops keep or change
 the frames as measured); a video example gives a one-step video program (`program3d.VideoProgram`: every
 frame in one step, as the computation ran them), which the video executor runs.
 
@@ -43,7 +44,8 @@ frame axis and the calls replayed on them get it back (`frames`), so it lowers i
 The package: `capture` records the calls; `rules` places each call by what it is (`layers`: the 2-D
 layers' rules); `video` the calls on video values (`video_tokens` their tokens through an Attention,
 `video_fold` their axes folded into the batch, `video_batch` their frames in the batch through 2-D
-layers, `video_sdpa` their tokens through scaled_dot_product_attention); `frames` a 2-D program's
+layers, `video_sdpa` their tokens through scaled_dot_product_attention, `video_windows` a convolution's
+loop over their windows of frames); `frames` a 2-D program's
 one-frame values; `measured` places what no rule does by measuring it (a run of calls back to the
 spatial layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives
 them (`lower_traced`); `state` is what they share.

@@ -48,20 +48,24 @@ def inline_region(low: Lowering, i: int) -> int | None:
     found = measure(module, fn, low.carried(x), scale)
     if not isinstance(found, int):
         return None
+    frames = frames_map(low, fn, low.carried(x), scale, int(out.shape[1])) if out.ndim == 5 else None
+    if isinstance(frames, str):  # (sizes of the value's frames the replay cannot follow: the module around)
+        return None
     label = ", ".join(c.name for c in region)
     name = _emit(low, (low.spatial(x),), op_name(first, "calls"), fn, found, scale, low.carried(x), out,
-                 label, len(region))
+                 label, len(region), frames)
     low.set(region[-1].outs[0], name)
     return i + len(region)
 
 
 def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale: Fraction, x, out,
-          label: str, calls: int) -> str:
+          label: str, calls: int, frames=False) -> str:
     """A measured run of calls or module as its op: position by position a `Pointwise`; else a `Local`
     with its halo; of a video value, one that changes its frames without a halo a `Rearrange` (their
-    frames as measured: `frames_map`)."""
+    frames as measured: `frames_map`, unless given)."""
     d, u, channels = scale.denominator, scale.numerator, int(out.shape[1])
-    frames = frames_map(low, fn, x, scale, channels) if x.ndim == 5 else None
+    if frames is False:
+        frames = frames_map(low, fn, x, scale, channels) if x.ndim == 5 else None
     if isinstance(frames, str):
         raise LoweringError(f"cannot lower {type(low.root).__name__}: {label} at {where!r}: {frames}")
     if halo == 0 and d == u == 1 and frames is None:  # (a norm over the channels through a view, ...)

@@ -50,7 +50,8 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
-    spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads]
+    spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads or n in low.windows
+               or n in low.window_convs]  # (paddings, windows of frames: `video_windows`)
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
     if low.cap.values[low.cap.input].ndim == 4:  # (a 2-D program: its one-frame values, `frames`)

@@ -46,6 +46,10 @@ class Lowering:
     # output of its op (a FrameGroupNorm, a ColumnAttention: `trace.video_fold`)
     folds: dict[int, tuple] = field(default_factory=dict)
     row_ops: dict[tuple, str] = field(default_factory=dict)
+    # node -> (padded node, start, stop): frames of a padded video value; node -> (conv3d call, source node,
+    # start, stop): a convolution of such a window, or of a slice of a video value (`trace.video_windows`)
+    windows: dict[int, tuple] = field(default_factory=dict)
+    window_convs: dict[int, tuple] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
     # node -> (B, T): a video value's frames folded into the batch ((B T, C, H, W) as captured, carried as
     # the (B, C, T, H, W) value) for a 2-D computation of each frame (`trace.video_batch`); an F.pad's
@@ -100,7 +104,7 @@ def refused(low: Lowering, call: Call, why: str, final: bool = False) -> Lowerin
     """The error refusing a call, naming it, its module path and why; `final`: no measurement of the
     module around it may place it either (a random draw), the driver raises it as it is."""
     where = call.where or "(its forward)"
-    e = LoweringError(f"cannot lower {type(low.root).__name__}: the call {call.name} at {where!r}: {why}. "
+    e = LoweringError(f"cannot lower {type(low.root).__name__}: the call {call.name!r} at {where!r}: {why}. "
                       "Use tilewise.probe_receptive_field(module, example) to measure its locality "
                       "empirically.")
     e.final = final

@@ -5,6 +5,8 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
   (zeros; replicate: the border repeated in space, the first frame in time; reflect in space), and a
   concatenation of
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
+- a causal convolution looping over its padded input's windows of frames, the outputs concatenated along
+  time (Magvit's): one `CausalConv3d` with the windows' stride in time (`video_windows`);
 - a slice of frames (`x[:, :, a:b]`; the first frame `x[:, :, 0]`, squeezed; a value's first frame and
   the others are the first step's in a chunked program, `program3d.VideoProgram.chunked`), frames
   repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
@@ -43,12 +45,16 @@ from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
+from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
 
 
 def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
     x, w = arg_of(call, 0, "input"), arg_of(call, 1, "weight")
     if not isinstance(x, Ref) or not isinstance(w, Ref) or low.spatial(w.node) is not None:
         return False
+    windowed = window_conv(low, i, call)  # (a window of its input's frames, `video_windows`)
+    if windowed is not False:
+        return windowed
     stride, dilation = _triple(arg_of(call, 3, "stride", 1)), _triple(arg_of(call, 5, "dilation", 1))
     padding = arg_of(call, 4, "padding", 0)
     if isinstance(padding, str):
@@ -113,13 +119,19 @@ class _Padding:
 
 
 def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
-    """x[:, :, a:b] (frames a to b of a video value): a Rearrange of its frames."""
+    """x[:, :, a:b] (frames a to b of a video value): a Rearrange of its frames (of a padded value: a window
+    a convolution reads, `video_windows`)."""
     x, idx = arg_of(call, 0, "input"), arg_of(call, 1, "indices")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None or not isinstance(idx, tuple) or len(idx) < 3:
+    padded = isinstance(x, Ref) and x.node in low.pads
+    if not isinstance(x, Ref) or low.spatial(x.node) is None and not padded or not isinstance(idx, tuple) \
+            or len(idx) < 3:
         return False
     if idx[:2] != (slice(None), slice(None)) or any(s not in (slice(None), Ellipsis) for s in idx[3:]):
         return False
-    sl, first = idx[2], idx[2] == 0 and not isinstance(idx[2], bool)
+    sl = idx[2]
+    if padded:
+        return window_item(low, call, x, sl)
+    first = sl == 0 and not isinstance(sl, bool)
     if first:  # (x[:, :, 0]: the first frame, squeezed to (B, C, H, W))
         sl = slice(None, 1)
     if not isinstance(sl, slice) or sl.step not in (None, 1):
@@ -183,6 +195,9 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     tensors, dim = arg_of(call, 0, "tensors"), arg_of(call, 1, "dim", 0)
     if dim not in (2, -3) or not all(isinstance(t, Ref) for t in tensors):
         return False
+    conv = windows_cat(low, call, tensors)  # (every window's convolution of one value, `video_windows`)
+    if conv is not None:
+        return conv if isinstance(conv, str) else _conv3d(low, i, conv)
     parts, src = [], None
     for t in tensors:
         ref = low.frame_refs.get(t.node, (t.node, None, None, 1) if low.spatial(t.node) else None)
@@ -367,7 +382,7 @@ def _triple(v) -> tuple[int, int, int]:
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
-               "new_ones": new_ones_rule}
+               "new_ones": new_ones_rule, "pad": pad_of_pad, **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,

@@ -93,7 +93,7 @@ def _assemble(settings: Settings, job: Job, shape, choices: Choices, passes: lis
     budgeted = settings.memory_budget is not None
     if job.gpu and budgeted and settings.mode is Mode.EXACT and not (untiled or fast):
         floor = staging_floor(settings.memory_budget, last.segment_bytes, last.lifetimes,
-                              {s.value: s.bytes for s in last.stages})
+                              {s.value: s.bytes for s in last.stages}, last.readers)
     return Plan(job.kind, shape, last.output_shape, settings.mode, settings.attention, choices, job.profile,
                 last.grid, sum(q.segments for q in passes), sum(q.work for q in passes) - 1.0,
                 stages=[s for q in passes for s in q.stages],

@@ -77,7 +77,8 @@ def pass_plan(spec: PassSpec, s: Setting, profile: DeviceProfile, full: int) -> 
                 walk.stages, walk.peak_staged, cost.working, walk.attn, cost.work / full if full else 1.0,
                 walk.out_b, 0, peak, flops=cost.flops, launches=cost.launches, syncs=cost.syncs, h2d=cost.h2d,
                 d2h=cost.d2h, hidden=walk.hidden, ahead=cost.ahead, segment_bytes=walk.held,
-                lifetimes=walk.lifetimes, piece=spec.piece)
+                lifetimes=walk.lifetimes, readers={v: frozenset(r) for v, r in walk.readers.items()},
+                piece=spec.piece)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Walk:
     stages: list[Stage] = field(default_factory=list)
     alive: dict[str, int] = field(default_factory=dict)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    readers: dict[str, set[int]] = field(default_factory=dict)  # staged value -> segments reading it
     held: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
     cost: Cost = field(default_factory=Cost)
     peak_staged: int = 0
@@ -128,6 +130,9 @@ class _Walk:
                 self.stages.append(Stage(v, self.producer[v], shape, self.nbytes(v), s.run.place(v)))
                 self.alive[v], self.lifetimes[v] = self.nbytes(v), (i, i)
         self.peak_staged = max(self.peak_staged, sum(self.alive.values()))
+        for v in seg.inputs:
+            if v in self.alive:
+                self.readers.setdefault(v, set()).add(i)
         kv, seg_grid = 0, self.grid
         if seg.kind is SegmentKind.ATTENTION:
             kv = keys_values_bytes(seg.ops[0], self.shapes, self.chans, s, len(self.grid))

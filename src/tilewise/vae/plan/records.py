@@ -68,6 +68,7 @@ class Pass:
     ahead: int = 0  # most device bytes of a tile's inputs read while the tile before runs
     segment_bytes: list[int] = field(default_factory=list)  # device bytes each segment holds, staging apart
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # staged value -> (made, last read)
+    readers: dict[str, frozenset[int]] = field(default_factory=dict)  # staged value -> segments reading it
     piece: tuple[int, int] | None = None  # fast mode in pieces: (j, n), the j-th of n
 
     @property
@@ -216,7 +217,8 @@ class Plan:
             ratio = f" ({moved / self.staging_floor:.2f}x)" if self.staging_floor else ""
             own = ", of the values it stages" if self.choices.recompute else ""
             rows.append(f"    staging floor at this budget{own} {fb(self.staging_floor)} host<->device "
-                        f"(what cannot stay on the device, out once and back once); this plan moves "
+                        f"(what cannot stay on the device: out once, back at each segment reading it); "
+                        f"this plan moves "
                         f"{fb(moved)}{ratio}")
         for s in self.stages[:6]:
             rows.append(f"    {s.producer:<40} {str(s.shape):<22} {fb(s.bytes):>10} on {s.where}")
@@ -259,25 +261,39 @@ class Plan:
 
 
 def staging_floor(budget: int, held: list[int], lifetimes: dict[str, tuple[int, int]],
-                  sizes: dict[str, int]) -> int:
+                  sizes: dict[str, int], readers: dict[str, frozenset[int]] | None = None) -> int:
     """The host<->device bytes no placement of a pass's staged values avoids within `budget`: at each
-    segment the values alive beyond the room beside what it holds (`held`) must be off the device, each
-    byte out once and back once. The least such bytes, any part of any value placed off the device: a
-    covering of the segments' excess by the values' lifetimes (intervals), which the greedy scan covering
-    each segment's shortfall with the values alive longest solves exactly. A lower bound for runs that
-    stage every value they are given (a plan's own staged set: one that recomputes some has a floor of
-    the others)."""
+    segment the values alive beyond the room beside what it holds (`held`) must be off the device.
+
+    A byte ever off the device goes out once and comes back at least once; one off the device at a
+    segment that reads it (`readers`: value -> segments) is read back there, so a byte off at k of its
+    readers costs at least 1 + max(1, k). Summed over bytes, any placement moves at least
+    out + max(out, reads), where out, the least bytes ever off, is a covering of the segments' excess by
+    the values' lifetimes (intervals), which the greedy scan covering each segment's shortfall with the
+    values alive longest solves exactly, and reads, the least bytes off at the segments reading them, is
+    each segment's excess beyond what the values it does not read can take (`tests/test_counting.py`
+    checks both against linear programs; out + reads where a value has no reader, whose bytes need not
+    come back). Without `readers`: 2 x out (one read a byte). Segment by segment, as the plan's working
+    sets are: a lower bound for runs that stage every value they are given (a plan's own staged set: one
+    that recomputes some has a floor of the others)."""
     off = dict.fromkeys(sizes, 0)
+    reads = 0
     for i, h in enumerate(held):
         alive = sorted((v for v, (a, z) in lifetimes.items() if a <= i <= z), key=lambda v: -lifetimes[v][1])
-        short = sum(sizes[v] for v in alive) - (budget - h) - sum(off[v] for v in alive)
+        excess = sum(sizes[v] for v in alive) - (budget - h)
+        if readers is not None:
+            reads += max(0, excess - sum(sizes[v] for v in alive if i not in readers.get(v, ())))
+        short = excess - sum(off[v] for v in alive)
         for v in alive:
             if short <= 0:
                 break
             more = min(sizes[v] - off[v], short)
             off[v] += more
             short -= more
-    return 2 * sum(off.values())
+    out = sum(off.values())
+    if readers is None:
+        return 2 * out
+    return out + (max(out, reads) if all(readers.get(v) for v in sizes) else reads)
 
 
 def _ms(seconds: float) -> str:

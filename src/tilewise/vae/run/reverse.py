@@ -17,7 +17,9 @@ A global attention segment recomputes the keys and values of every token from th
 input, attends each tile's queries with them as leaves (their gradients summed over the tiles), then
 backs them through the key and value projections once (`_attention`). Each segment's outputs' gradients
 die when it is done; what the reverse holds is the staged values, the gradients of the values staged
-across the segment, and one tile's recomputed graph.
+across the segment, and one tile's recomputed graph. The 3-D causal VAEs' reverse (`video.reverse`) runs
+each causal step this way on the same pieces: `TileReverse` (the gradients' crops, the parameters', a
+global attention segment) and `norm_input_grad` (the statistics' gradients as their input's).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ...locality.program import SegmentKind, back_propagate
 from .executor import Executor, tile_grid
 from .staging import Staging
 
-__all__ = ["backward", "norm_affine"]
+__all__ = ["TileReverse", "backward", "norm_affine", "norm_input_grad"]
 
 NORM_ROWS_BYTES = 1 << 20  # bytes of float64 rows one step of `_norms` holds
 
@@ -60,6 +62,19 @@ def norm_affine(op, stats, x):
     return a.view(-1, x.shape[1], 1, 1), s.view(-1, x.shape[1], 1, 1)
 
 
+def norm_input_grad(op, sums, mean, n: int, c: int):
+    """(a, b), float64 (rows, C): GroupNorm's statistics' gradients (dmean, dvar), summed over the tiles, as
+    its input's, dx = a x + b = dmean / N + dvar 2 (x - mean) / N (the biased variance over the N elements
+    of each row of the statistics: (batch, group), or (batch frame, group)); the transposed sync point of
+    the forward's merged moments."""
+    dm, dv = (torch.as_tensor(g, dtype=torch.float64, device=mean.device) + torch.zeros_like(mean)
+              for g in sums)
+    a = dv * (2 / n)
+    b = dm / n - a * mean
+    cg = c // op.groups
+    return a.repeat_interleave(cg, dim=1), b.repeat_interleave(cg, dim=1)
+
+
 @dataclass
 class _GradContext(RunContext):
     """RunContext of a recomputed tile: GroupNorms apply the forward's statistics (this tile's leaves of
@@ -74,7 +89,82 @@ class _GradContext(RunContext):
         return norm_affine(op, stats, x)
 
 
-class _Reverse:
+class TileReverse:
+    """What every reverse tile program does with gradients: crops of the staged values' whole gradients
+    (`grads`) added into, the parameters' gradients summed (`pgrads`), and a global attention segment
+    reversed (`_attention`). A subclass says where staged values are read (`_read`) and which tile cores
+    an attention's queries come in (`_cores`)."""
+
+    grads: dict[str, Any]
+    pgrads: list
+    params: tuple
+    shapes: dict
+    dtype: Any
+    query_chunk: int = 4096
+
+    def _read(self, v: str, box):
+        raise NotImplementedError
+
+    def _cores(self, v: str) -> list:
+        raise NotImplementedError
+
+    # -- global attention ---------------------------------------------------------------------------
+
+    def _attention(self, seg) -> None:
+        """Global attention: every token's keys and values recomputed, each tile's queries backwarded with
+        them as leaves, then the summed key and value gradients through their projections."""
+        op = seg.ops[0]
+        n_v = op.src[0]
+        h, w = self.shapes[n_v]
+        with torch.enable_grad():
+            n_all = self._read(n_v, (0, h, 0, w)).detach().requires_grad_(True)
+            k, v = op.keys_values(n_all)
+        kl, vl = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+        ctx = _GradContext(kv={id(op): (kl, vl)}, query_chunk=self.query_chunk)
+        out = op.dst
+        dk = dv = None
+        for core in self._cores(out):
+            ins = [self._read(s, core).detach().requires_grad_(s in self.grads) for s in op.src]
+            with torch.enable_grad():
+                y = op.run(ctx, ins, [core] * len(ins), core, [self.shapes[s] for s in op.src])
+            gs = torch.autograd.grad(y, [*ins, kl, vl, *self.params], self._crop(out, core),
+                                     allow_unused=True)
+            for s, g in zip(op.src, gs, strict=False):
+                if g is not None and s in self.grads:
+                    self._add(s, core, g)
+            m = len(ins)
+            dk = gs[m] if dk is None else dk + gs[m]
+            dv = gs[m + 1] if dv is None else dv + gs[m + 1]
+            self._params(gs[m + 2:])
+        if dk is None:
+            return
+        gs = torch.autograd.grad([k, v], [n_all, *self.params], [dk, dv], allow_unused=True)
+        if n_v in self.grads:
+            self._add(n_v, (0, h, 0, w), gs[0])
+        self._params(gs[1:])
+
+    # -- accumulation -------------------------------------------------------------------------------
+
+    def _crop(self, v: str, box):
+        """The box of value v's gradient."""
+        return self.grads[v][..., box[0] : box[1], box[2] : box[3]]
+
+    def _add(self, v: str, box, g) -> None:
+        """Add g into the box of value v's gradient."""
+        self._crop(v, box).add_(g.to(self.dtype))
+
+    def _params(self, gs) -> None:
+        """Add the parameters' gradients of one backward (None: not used there)."""
+        for i, g in enumerate(gs):
+            if g is None:
+                continue
+            if self.pgrads[i] is None:
+                self.pgrads[i] = g  # (a new tensor of autograd's: ours to add into)
+            else:
+                self.pgrads[i].add_(g)
+
+
+class _Reverse(TileReverse):
     """The state of one backward: the gradients of the staged values, of the parameters, and the
     statistics' gradients of the segment being reversed."""
 
@@ -89,6 +179,15 @@ class _Reverse:
         self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
         self.grads: dict[str, Any] = {}  # value -> the gradient of all of it
         self.pgrads: list = [None] * len(params)
+        self.query_chunk = ex.options.query_chunk
+
+    def _read(self, v: str, box):
+        return self.stage.read(v, box)
+
+    def _cores(self, v: str) -> list:
+        ref = self.shapes[self.ex.ref]
+        cores = [map_box(t.core, ref, self.shapes[v]) for t in self.grid]
+        return [b for b in cores if not box_empty(b)]
 
     def go(self, grad_out):
         p = self.ex.program
@@ -137,7 +236,7 @@ class _Reverse:
         vals, crops = {}, {}
         for u in seg.inputs:
             if u in need:
-                t = self.stage.read(u, need[u]).detach()
+                t = self._read(u, need[u]).detach()
                 if u in self.grads:
                     crops[u] = t.requires_grad_(True)
                 vals[u] = (t, need[u])
@@ -172,81 +271,19 @@ class _Reverse:
         self._params(gs[k + len(stat_leaves):])
 
     def _norms(self, seg, sums: dict) -> None:
-        """The statistics' gradients summed over the tiles, into their input's gradient: dx += dmean / N
-        + dvar 2 (x - mean) / N (biased variance over the N pixels of each (batch, group)), a band of
-        rows of the staged input at a time."""
+        """The statistics' gradients summed over the tiles, into their input's gradient (`norm_input_grad`),
+        a band of rows of the staged input at a time."""
         for op in seg.ops:
             if id(op) not in sums:
                 continue
             u = op.src[0]
-            (dm, dv), (mean, _) = sums[id(op)], self.stats[id(op)]
             h, w = self.shapes[u]
             c = self.chans[u]
-            cg = c // op.groups
-            n = cg * h * w
-            a = torch.as_tensor(dv, dtype=torch.float64, device=mean.device) * (2 / n)
-            b = torch.as_tensor(dm, dtype=torch.float64, device=mean.device) / n - a * mean
-            a, b = (t.repeat_interleave(cg, dim=1).view(-1, c, 1, 1) for t in (a, b))
+            a, b = norm_input_grad(op, sums[id(op)], self.stats[id(op)][0], c // op.groups * h * w, c)
+            a, b = a.view(-1, c, 1, 1), b.view(-1, c, 1, 1)
             rows = max(1, NORM_ROWS_BYTES // max(1, self.batch * c * w * 8))
             for y in range(0, h, rows):
                 box = (y, min(h, y + rows), 0, w)
-                xs = self.stage.read(u, box).to(torch.float64, copy=True)
+                xs = self._read(u, box).to(torch.float64, copy=True)
                 self._add(u, box, xs.mul_(a).add_(b))
 
-    # -- global attention ---------------------------------------------------------------------------
-
-    def _attention(self, seg) -> None:
-        """Global attention: every token's keys and values recomputed, each tile's queries backwarded with
-        them as leaves, then the summed key and value gradients through their projections."""
-        op = seg.ops[0]
-        n_v = op.src[0]
-        h, w = self.shapes[n_v]
-        with torch.enable_grad():
-            n_all = self.stage.read(n_v, (0, h, 0, w)).detach().requires_grad_(True)
-            k, v = op.keys_values(n_all)
-        kl, vl = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
-        ctx = _GradContext(stats=self.stats, kv={id(op): (kl, vl)}, query_chunk=self.ex.options.query_chunk)
-        ref, out = self.shapes[self.ex.ref], op.dst
-        dk = dv = None
-        for tile in self.grid:
-            core = map_box(tile.core, ref, self.shapes[out])
-            if box_empty(core):
-                continue
-            ins = [self.stage.read(s, core).detach().requires_grad_(s in self.grads) for s in op.src]
-            with torch.enable_grad():
-                y = op.run(ctx, ins, [core] * len(ins), core, [self.shapes[s] for s in op.src])
-            gs = torch.autograd.grad(y, [*ins, kl, vl, *self.params], self._crop(out, core),
-                                     allow_unused=True)
-            for s, g in zip(op.src, gs, strict=False):
-                if g is not None and s in self.grads:
-                    self._add(s, core, g)
-            m = len(ins)
-            dk = gs[m] if dk is None else dk + gs[m]
-            dv = gs[m + 1] if dv is None else dv + gs[m + 1]
-            self._params(gs[m + 2:])
-        if dk is None:
-            return
-        gs = torch.autograd.grad([k, v], [n_all, *self.params], [dk, dv], allow_unused=True)
-        if n_v in self.grads:
-            self._add(n_v, (0, h, 0, w), gs[0])
-        self._params(gs[1:])
-
-    # -- accumulation -------------------------------------------------------------------------------
-
-    def _crop(self, v: str, box):
-        """The box of value v's gradient."""
-        return self.grads[v][..., box[0] : box[1], box[2] : box[3]]
-
-    def _add(self, v: str, box, g) -> None:
-        """Add g into the box of value v's gradient."""
-        self._crop(v, box).add_(g.to(self.dtype))
-
-    def _params(self, gs) -> None:
-        """Add the parameters' gradients of one backward (None: not used there)."""
-        for i, g in enumerate(gs):
-            if g is None:
-                continue
-            if self.pgrads[i] is None:
-                self.pgrads[i] = g  # (a new tensor of autograd's: ours to add into)
-            else:
-                self.pgrads[i].add_(g)

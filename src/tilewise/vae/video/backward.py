@@ -2,14 +2,18 @@
 holds, before anything runs.
 
 Walked from the frame-order run's layout (the one the differentiable call runs): the forward keeps the
-causal caches entering every step (every tile's, `kept`); the backward recomputes one step at a time with
-autograd, and that step's graph holds every value the step computes on every tile (each unit's boxes
-over the step's frames; an op of several kernels, a traced chain, one full-size intermediate more), about
-as much again in their gradients (`step_graph`); beside it the gradients of the caches carried to the
-step before (`carried`), the input's gradient, the output's gradient and the parameters' gradients
-(`io_bytes`). Within a memory budget the differentiable call takes the largest tile whose forward and
-backward peaks both fit it. Tiles bound the forward, not this backward: the step's graph is every tile's
-(smaller tiles only add halo), so a budget below one step's graph is refused with the figure.
+causal caches entering every step (every tile's, `kept`); the backward reverses one step at a time,
+segment by segment last to first, tile by tile (`video.reverse`). Where that holds most (the largest
+over the steps and the segments reversed), it holds the step's staged values not yet freed and the
+gradients of the values staged across the segment (`step_values`) and one tile's recomputed graph: the
+values of the tile's boxes (an op of several kernels, a traced chain, one full-size intermediate more)
+and as much again in their gradients, or an attention segment's keys and values of the step and their
+gradients, or a GroupNorm's float64 band of its input (`tile_graph`); beside them the gradients of the
+caches the step enters and leaves with (`carried`), the input's gradient, the output (held by the
+caller) and its gradient, and the parameters' gradients (`io_bytes`). Within a memory budget the
+differentiable call takes the largest tile whose forward and backward peaks both fit it: a smaller tile
+shrinks the tile's graph, while the kept caches of every tile grow with its halos, so a budget under the
+smallest tile's peak is refused with the figure.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...locality.boxes import box_area
+from ...locality.ops import OpKind
+from ...locality.program import SegmentKind
 from ...memory import format_bytes
 from ..run.executor import tile_grid
+from ..run.reverse import NORM_ROWS_BYTES
 from ..settings import Job, Place, Settings
 from .executor import VIDEO_STAGINGS, Order, layout, video_segments
 from .plan import VideoPlan, _plan, make_video_plan
@@ -33,17 +40,20 @@ class VideoBackwardPlan:
     tile_size: int
     steps: int  # causal steps, each recomputed once
     kept: int  # the caches the forward keeps for the backward (every step's entering caches)
-    step_graph: int  # the largest step's recomputed graph (every tile's values) and their gradients
-    carried: int  # gradients of one step's caches, carried to the step before
-    io_bytes: int  # the input's and the output's gradients, the parameters' gradients
+    step_values: int  # at the reverse's peak: the step's staged values and their gradients alive
+    tile_graph: int  # at the reverse's peak: one tile's recomputed graph and its gradients (or an
+    # attention segment's keys and values of the step and their gradients)
+    carried: int  # gradients of the caches a step enters and leaves with
+    io_bytes: int  # the input's gradient, the output and its gradient, the parameters' gradients
     peak: int
 
     def __str__(self) -> str:
         fb = format_bytes
-        return (f"  backward: {self.steps} causal steps recomputed last to first (tile {self.tile_size} "
-                f"latent px), each with autograd over all its tiles\n"
-                f"    caches kept {fb(self.kept)}, one step's graph and gradients ~{fb(self.step_graph)}, "
-                f"cache gradients carried {fb(self.carried)}, input / output / parameter gradients "
+        return (f"  backward: {self.steps} causal steps recomputed last to first, each reversed tile by tile "
+                f"(tile {self.tile_size} latent px)\n"
+                f"    caches kept {fb(self.kept)}, the step's staged values and gradients "
+                f"{fb(self.step_values)}, one tile's graph and gradients ~{fb(self.tile_graph)}, cache "
+                f"gradients carried {fb(self.carried)}, input / output / parameter gradients "
                 f"{fb(self.io_bytes)}; estimated backward peak {fb(self.peak)}")
 
 
@@ -59,21 +69,47 @@ def backward_plan(settings: Settings, job: Job, shape, tile: int, param_bytes: i
     src_of = {op.dst: op.src[0] for op in p.ops}
     last = len(chunks) - 1
     saves = {op.dst: _saves(op) for op in p.ops}
-    graph, caches = [0] * len(chunks), 0
+    caches = 0
     for (i, _), (_, need) in units.items():
-        for k in range(len(chunks)):
-            graph[k] += sum(saves.get(v, 1) * b * chans[v] * frames[v][k] * box_area(bx) * item
-                            for v, bx in need.items())
         if last:
             caches += b * item * sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]],
                                                     chans[src_of[op.dst]], last - 1)
                                      for op in segs[i].ops if hasattr(op, "cache_elems") and op.dst in need)
+
+    def whole(v: str, k: int) -> int:  # bytes of value v in step k
+        return b * chans[v] * frames[v][k] * box_area((0, *shapes[v][:1], 0, shapes[v][1])) * item
+
+    def graph(i: int, k: int) -> int:  # the largest tile of segment i in step k, values and gradients
+        if segs[i].kind is SegmentKind.ATTENTION:  # (keys, values of the step and their gradients)
+            return 4 * whole(segs[i].ops[0].src[0], k)
+        tiles = max((2 * sum(saves.get(v, 1) * b * chans[v] * frames[v][k] * box_area(bx) * item
+                             for v, bx in need.items()) for (j, _), (_, need) in units.items() if j == i),
+                    default=0)
+        norms = [op.src[0] for op in segs[i].ops if op.kind is OpKind.GROUP_NORM]
+        # (then its GroupNorms' statistics' gradients: float64 bands of their inputs and their float32 sums)
+        band = max((min(NORM_ROWS_BYTES, whole(u, k) * 8 // item) * 3 // 2 for u in norms), default=0)
+        return max(tiles, band)
+
+    first = {}  # staged value -> the first segment reading it (freed once that one is reversed)
+    for i, seg in reversed(list(enumerate(segs))):
+        first.update({u: i for u in seg.inputs if u != p.input})
+    values = tile_graph = 0
+    for k in range(len(chunks)):
+        staged, grads = {v for seg in segs for v in seg.outputs if v != p.output}, set()
+        for i, seg in reversed(list(enumerate(segs))):
+            grads |= {u for u in seg.inputs if u != p.input}
+            held = sum(whole(v, k) for v in staged) + sum(whole(v, k) for v in grads)
+            g = graph(i, k)
+            if held + g > values + tile_graph:
+                values, tile_graph = held, g
+            grads -= set(seg.outputs)
+            staged -= {v for v, j in first.items() if j == i}
     h, w = shapes[p.output]
     out = b * chans[p.output] * sum(frames[p.output]) * h * w * item
     inp = b * int(shape[1]) * int(shape[2]) * int(shape[3]) * int(shape[4]) * item
-    kept, step_graph, io = caches * last, 2 * max(graph), inp + out + param_bytes  # (x2: the gradients)
-    return VideoBackwardPlan(tile, len(chunks), kept, step_graph, caches, io,
-                             peak=kept + step_graph + caches + io)
+    kept, io = caches * last, inp + 2 * out + param_bytes  # (the output, held by the caller, its gradient)
+    return VideoBackwardPlan(tile, len(chunks), kept, values, tile_graph, 2 * caches, io,
+                             peak=kept + values + tile_graph + 2 * caches + io)
 
 
 def param_bytes(params) -> int:
@@ -89,7 +125,8 @@ def _saves(op) -> int:
 
 def choose_backward(settings: Settings, job: Job, shape, param_bytes: int) -> tuple[int, Place]:
     """(tile, staging) of a differentiable call: as the settings give them, else within the memory budget
-    the largest tile (and "device" before "host") whose forward peak and backward peak both fit it."""
+    the largest tile (and "device" before "host") whose forward peak and backward peak both fit it (the
+    smallest need of all is in the refusal)."""
     budget = settings.memory_budget
     stagings = (tuple(Place(s) for s in VIDEO_STAGINGS) if settings.staging is None else (settings.staging,))
     if budget is None:

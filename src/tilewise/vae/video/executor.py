@@ -23,8 +23,8 @@ per tile there (the same statistics for every tile). These reduce over every fra
 run only in one-step programs (`check_steps`: a program of several steps with one is refused by name);
 a GroupNorm of each frame (`FrameGroupNorm`, Mochi's) merges each frame's moments apart, and runs in a
 program of several steps too.
-A step recomputed for gradients (`gradient`) takes its statistics from the whole staged value with
-autograd instead.
+A step recomputed for gradients (`reverse`) runs without autograd as the forward does, its statistics
+merged the same way; its tiles' backward takes them as leaves.
 
 With a process group (frame order only) each rank runs the tiles of its band of tile rows
 (`sharding.RowBands`, as a 2-D run) and keeps those tiles' causal caches; after each segment of a step,
@@ -256,9 +256,6 @@ class _VideoRun:
         (and over the ranks: Chan's merge in float64)."""
         for op in self.norms[i]:
             key = (op.src[0], op.groups, op.per_frame, k)
-            if torch.is_grad_enabled():  # (a step recomputed for gradients: statistics with their graph)
-                self.ctx.step_stats[id(op), k] = self._stats_graph(op, k)
-                continue
             if key not in self.merged:
                 acc = self.moments.setdefault(key, GroupStats(op.groups))
                 if op.src[0] == self.program.input:  # (every rank holds all of it)
@@ -269,18 +266,6 @@ class _VideoRun:
                     merge_group_stats(acc, self.ex.group, self.x.shape[0] * rows)
                 self.merged.add(key)
             self.ctx.step_stats[id(op), k] = self.moments[key].result()
-
-    def _stats_graph(self, op, k: int):
-        """(mean, var) of step k of the GroupNorm's input over its whole staged tensor, with autograd (the
-        gradient through the statistics, as nn.GroupNorm's), in float32 or the input's wider dtype:
-        float64 (B, groups), of each frame (B t, groups)."""
-        v, groups = op.src[0], op.groups
-        h, w = self.shapes[v]
-        t = folded(self._read(v, k, (0, h, 0, w)), op.per_frame)
-        g = t.unflatten(1, (groups, t.shape[1] // groups))
-        g = g.to(torch.promote_types(g.dtype, torch.float32))
-        var, mean = torch.var_mean(g, dim=(2, 3, 4), correction=0)
-        return mean.double(), var.double()
 
     def _sum_over_ranks(self, seg, k: int) -> None:
         """The step's staged outputs of a segment (and output frames, when streamed) whole on every rank:
@@ -374,8 +359,7 @@ class _VideoRun:
 
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""
-        tracked = {(g, f) for u, g, f in self.tracked if u == v} if not torch.is_grad_enabled() else ()
-        for g, per_frame in tracked:
+        for g, per_frame in {(g, f) for u, g, f in self.tracked if u == v}:
             key = (v, g, per_frame, k)
             if key not in self.moments:
                 self.moments[key] = GroupStats(g)

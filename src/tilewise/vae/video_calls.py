@@ -1,7 +1,7 @@
-"""The calls of the 3-D VAE families (`families.FAMILIES`): what each decode and encode traces (the
-wrapped class's own calls), their per-call inputs, the configurations refused and the notes on how a
-call's result differs from the wrapped VAE's own (LTX-Video / LTX-2, HunyuanVideo, Mochi, SVD's temporal
-decoder, CogVideoX)."""
+"""The computations of the video VAE families' table entries (`families.FAMILIES`) beyond a plain decode
+and encode: what LTX-Video's, Mochi's, SVD's and Magvit's decode and encode trace, their per-call inputs,
+the settings they follow, the configurations and frame counts refused and the notes a call logs where
+the wrapped VAE's own path would differ (its own tiling, framewise decoding)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,89 @@ def svd_inputs(vae) -> dict:
     a per-call input, so that the weights follow each call's frames (`trace.percall`)."""
     p = next(vae.parameters())
     return {"image_only_indicator": torch.zeros(1, EXAMPLE_FRAMES[0], dtype=p.dtype, device=p.device)}
+
+
+def magvit_upsamplers(vae) -> list:
+    """Magvit's decoder's temporal upsamplers (their `prev_features`: set once a chunk has run)."""
+    return [m for m in vae.decoder.modules() if type(m).__name__ == "EasyAnimateUpsampler3D"
+            and m.temporal_upsample]
+
+
+def magvit_decode(vae, z):
+    """Magvit's decode in one pass. Its own `_decode` runs the decoder on the first latent frame, then on
+    each next chunk of `num_latent_frames_batch_size`, every causal convolution carrying its last input
+    frames over (its cache: one convolution over every frame, chunk by chunk) and each temporal upsampler
+    doubling the frames of every chunk but the first. That is the decoder on every frame at once with its
+    upsamplers as after the first chunk (every frame doubled), less the frames its first frame makes in
+    excess (causal, replicate-padded convolutions: a first frame repeated stays repeated), its GroupNorms
+    of each frame (`magvit_check`). The caches are cleared before and after, as `decode` clears them."""
+    vae._clear_conv_cache()
+    try:
+        for m in magvit_upsamplers(vae):
+            m.prev_features = True  # (as after the first chunk: what its forward reads of the cache)
+        dec = vae.decoder(vae.post_quant_conv(z))
+    finally:
+        vae._clear_conv_cache()
+    return dec[:, :, int(vae.temporal_compression_ratio) - 1 :]
+
+
+def magvit_encode(vae, x):
+    """Magvit's encode in one pass: its own `_encode` runs the encoder on the first frame, then on each
+    next chunk of `num_sample_frames_batch_size` frames, every causal convolution carrying its last input
+    frames over: one convolution over every frame, chunk by chunk (`magvit_frames`: the counts where
+    its chunks are whole at every temporal downsampling)."""
+    vae._clear_conv_cache()
+    try:
+        return vae.quant_conv(vae.encoder(x))
+    finally:
+        vae._clear_conv_cache()
+
+
+def magvit_check(vae) -> str:
+    """Magvit with spatial_group_norm=False: its GroupNorms over each chunk's frames (the first frame, then
+    each chunk of its decode / encode loop), and its temporal upsamplers trilinear."""
+    if not vae.config.spatial_group_norm:
+        return ("its GroupNorms (spatial_group_norm=False) reduce over the frames of each chunk its decode / "
+                "encode loop runs (the first frame, then chunks of num_latent_frames_batch_size / "
+                "num_sample_frames_batch_size) and its temporal upsamplers are trilinear: TiledVAE tiles "
+                "Magvit with GroupNorms of each frame (spatial_group_norm=True, its default)")
+    return ""
+
+
+def magvit_frames(vae, kind: Kind, t: int) -> str:
+    """Why the wrapped VAE's encode fails on t frames ("" where it takes them): after the first frame, its
+    chunks of num_sample_frames_batch_size frames (and the last) must each halve to whole frames at every
+    temporal downsampling (1 + r k frames, r its temporal compression)."""
+    r, n = int(vae.temporal_compression_ratio), int(vae.num_sample_frames_batch_size)
+    if kind is Kind.DECODE or (t - 1) % r == 0 and (n % r == 0 or t - 1 <= n):
+        return ""
+    return (f"AutoencoderKLMagvit encodes 1 + {r} k frames in chunks of num_sample_frames_batch_size = {n} "
+            f"after the first (its own encode fails on {t} frames: a chunk that does not halve to whole "
+            f"frames at each temporal downsampling); give 1 + {r} k frames")
+
+
+def magvit_note(vae, kind: Kind, shape) -> str:
+    """Where Magvit's own decode / encode would tile in space and time (use_tiling, enable_tiling), what
+    the tiled path computes instead."""
+    f = int(vae.spatial_compression_ratio) if kind is Kind.DECODE else 1
+    h, w = int(shape[3]), int(shape[4])
+    if vae.use_tiling and (h > vae.tile_sample_min_height // f or w > vae.tile_sample_min_width // f):
+        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if f > 1 else ''}pixels with "
+                f"its own tiling (use_tiling: tiles of {vae.tile_sample_min_height} x "
+                f"{vae.tile_sample_min_width} px blended, approximate); TiledVAE {kind.value}s them in one "
+                "pass, exactly (as the wrapped VAE with use_tiling = False)")
+    return ""
+
+
+def hunyuan15_frames(vae, kind: Kind, t: int) -> str:
+    """Why HunyuanVideo 1.5's encoder fails on t frames ("" where it takes them): each temporal
+    downsampler takes the first frame apart and pairs of the others (1 + r k frames, r its temporal
+    compression)."""
+    r = int(vae.temporal_compression_ratio)
+    if kind is Kind.DECODE or (t - 1) % r == 0:
+        return ""
+    return (f"AutoencoderKLHunyuanVideo15 encodes 1 + {r} k frames (its temporal downsamplers take the first "
+            f"frame apart and pairs of the others; its own encode fails on {t} frames)")
 
 
 def cog_decode(vae, z):
