@@ -206,16 +206,22 @@ def factor(vae) -> int:
     return int(vae.spatial_compression_ratio)
 
 
-def refused_family(name: str):
-    """Tiny seeded video VAEs of the families TiledVAE refuses (what they compute cannot be tiled
-    exactly yet): CogVideoX (caches its chunked loop carries)."""
+def cogvideox_vae():
+    """A tiny seeded CogVideoX VAE (4 blocks: 8x in space, 4x in time; its chunked loop of 2 latent frames
+    a decode call and 8 video frames an encode call)."""
     import diffusers as d
     import torch
 
     torch.manual_seed(0)
-    builders = {
-        "cogvideox": lambda: d.AutoencoderKLCogVideoX(
-            down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
-            block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4),
-    }
-    return builders[name]().eval()
+    return d.AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 16, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4).eval()
+
+
+def refused_family(name: str):
+    """Tiny seeded video VAEs of configurations TiledVAE refuses (what they compute cannot be tiled
+    exactly yet): CogVideoX with calls of odd latent frames (each resamples its first frame apart)."""
+    vae = cogvideox_vae()
+    if name == "cogvideox-odd-calls":
+        vae.num_latent_frames_batch_size = 3
+    return vae

@@ -20,16 +20,24 @@ from .program import Program
 class VideoProgram(Program):
     """A tile program over the frames of one causal step, with the model's step structure: `first` input
     frames in step 0, then `every` per step (0: one step holds every frame), frames of an incomplete
-    last step dropped when `drop` (as the model does)."""
+    last step dropped when `drop` (as the model does). `chunked`: the steps are the model's own calls of
+    a chunked loop (CogVideoX's `_decode` / `_encode`): `every` frames a call, the first taking the
+    remainder too (max(T // every, 1) calls), its reductions over a call's frames (GroupNorms) the step's,
+    and the program traced on the first call (`trace`: its first frame apart is the first step's)."""
 
     first: int = 1
     every: int = 1
     drop: bool = False
+    chunked: bool = False
 
     def chunks(self, frames: int) -> list[tuple[int, int]]:
         """Input frame ranges [a, b) of the causal steps for an input of `frames` frames."""
         if not self.every:
             return [(0, frames)]
+        if self.chunked:
+            n = max(frames // self.every, 1)
+            a = frames - self.every * (n - 1)
+            return [(0, a)] + [(a + self.every * k, a + self.every * (k + 1)) for k in range(n - 1)]
         out, a = [(0, min(self.first, frames))], self.first
         while a < frames and not (self.drop and a + self.every > frames):
             out.append((a, min(a + self.every, frames)))
@@ -57,3 +65,19 @@ class VideoProgram(Program):
             ctx.step, ctx.last = k, k == len(chunks) - 1
             outs.append(self.run(x[:, :, a:b], ctx))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    def call_ops(self, step: int) -> list[tuple[str, str, int]]:
+        """What a chunked program computes in its call `step` (0: its first, 1: one after it): (kind,
+        description, frames made) of every op making frames there, less those that pass their one input's
+        frames on whole (a first call's other frames after it, their concatenation with its empty first
+        frame), in order of description. A program traced on its first call runs a later call as that
+        call's own trace does where `call_ops(1)` is the latter's `call_ops(0)` (`vae.families` checks)."""
+        frames = self.frames([(0, self.first), (self.first, self.first + self.every)])
+        out = []
+        for op in self.ops:
+            made, ins = frames[op.dst][step], [frames[v][step] for v in op.src]
+            passes = getattr(op, "label", None) == "frames 1:" and step > 0 or op.kind.value == "cat" and \
+                len(ins) > 1 and sorted(ins)[:-1] == [0] * (len(ins) - 1)
+            if made and not passes:
+                out.append((op.kind.value, op.describe(), made))
+        return sorted(out)

@@ -18,7 +18,11 @@ may name the settings its programs follow besides the parameters (`Family.state`
 drop_last_temporal_frames), the channels its encode takes (`Family.channels`: Mochi's in_channels
 count its Fourier features) and the frame counts refused at the call where its own decode / encode fails
 on them (`Family.frames`: HunyuanVideo 1.5's and Magvit's encode take 1 + 4 k frames). The video
-families' own computations are in `video_calls` (Magvit's chunked loop as the one pass it equals).
+families' own computations are in `video_calls` (Magvit's chunked loop as the one pass it equals). A
+chunked family (`Family.chunk`: CogVideoX's `_decode` / `_encode` loop of calls of 2 latent / 8 video
+frames, the first with the remainder) is lowered per kind of first call: that call traced, the calls the
+program's causal steps (`VideoProgram.chunked`), their GroupNorms over each call's frames, their causal
+convolutions' conv_cache the steps' caches (`lower_family(..., frames)`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
@@ -46,6 +50,10 @@ from ..locality.program import Program
 from ..locality.trace import lower_traced
 from .settings import Kind
 from .video_calls import (
+    cog_chunk,
+    cog_decode,
+    cog_encode,
+    cog_note,
     hunyuan15_frames,
     hunyuan_note,
     ltx_check,
@@ -90,6 +98,9 @@ class Family:
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
     frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
     # it is not: the frame counts the wrapped VAE's own decode / encode take)
+    chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
+    # takes (CogVideoX's frame_batch_size; the first call also the remainder): decode / encode are one
+    # call, traced on the call's first chunk, its causal convolutions' caches carried from step to step
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -131,13 +142,18 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderKLMochi": Family(decode=mochi_decode, encode=lambda vae, x: vae.encoder(x)[0], video=True,
                                  note=mochi_note, state=mochi_state, channels=mochi_channels,
                                  check=mochi_check),
-    # traced as they compute; refused at construction where a call cannot be placed, with the reason
-    # (CogVideoX: caches of a chunked loop)
     # the whole video in one pass: its wavelet patcher, GroupNorms of each frame, attention over each frame's
     # tokens and causal attention over each position's frames (`trace.video_sdpa`); encode returns its
     # IdentityDistribution of the latents
     "AutoencoderKLCosmos": Family(decode=_kl_decode, encode=_kl_encode, video=True, encoded="identity"),
-    **{name: VIDEO for name in ("AutoencoderKLCogVideoX", "AutoencoderKLHunyuanImageRefiner")},
+    # CogVideoX (and ConsisID's): its chunked loop as it runs it (`Family.chunk`): the steps are its decode's
+    # calls of 2 latent frames and encode's of 8 frames (the first with the remainder), its GroupNorms
+    # (the spatial norms' too) sync ops over each call's frames, its causal convolutions' conv_cache the
+    # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
+    "AutoencoderKLCogVideoX": Family(decode=cog_decode, encode=cog_encode, video=True, chunk=cog_chunk,
+                                     note=cog_note),
+    # traced as they compute; refused at construction where a call cannot be placed, with the reason
+    "AutoencoderKLHunyuanImageRefiner": VIDEO,
     # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
     # (each convolution's loop over its windows of frames, `trace.video_windows`), its GroupNorms of each
     # frame (spatial_group_norm=False, per chunk, refused by name); encode takes the frame counts its own
@@ -191,31 +207,66 @@ def family_of(vae) -> Family:
     return FAMILIES.get(type(vae).__name__, KL)
 
 
-def lower_family(vae, family: Family, kind: Kind) -> Program:
+def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> Program:
     """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`,
     with decode's per-call inputs, `Family.inputs`; Wan's and Qwen-Image's causal VAEs by their known
-    structure). LoweringError naming the VAE, the call and its module path, for one the lowering cannot
-    place."""
+    structure); a chunked family's (`Family.chunk`) for an input of `frames` frames: its first call traced,
+    the calls its steps (default: the steady calls' frame count, as every call after the first). Lowered
+    once per VAE state and first call. LoweringError naming the VAE, the call and its module path, for one
+    the lowering cannot place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
     state = _state(vae), family.state(vae) if family.state is not None else ()
-    cached = _CACHE.get(vae, {}).get(kind)
+    every = int(family.chunk(vae, kind)) if family.chunk is not None else 0
+    first = first_call(every, every if frames is None else frames) if every else None
+    cached = _CACHE.get(vae, {}).get((kind, first))
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
-    what = f"TiledVAE cannot tile {name} ({kind.value})"
+    call = f" of a first call of {first} frames" if every else ""
+    what = f"TiledVAE cannot tile {name} ({kind.value}{call})"
+    steady = lower_family(vae, family, kind, every) if every and first > every else None  # (its own errors)
     try:
         if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
             inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
-            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family),
+            program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family, first),
                                    name=f"{name}.{kind.value}", inputs=inputs)
+            if every:
+                program = replace(program, first=first, every=every, chunked=True)
+                if first >= every:  # (a program of several calls: its later steps are the steady calls')
+                    _check_later(program, program if first == every else steady)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
-    _CACHE.setdefault(vae, {})[kind] = (state, program)
+    _CACHE.setdefault(vae, {})[kind, first] = (state, program)
     return program
+
+
+def _check_later(program, steady) -> None:
+    """LoweringError where a chunked program, traced on its first call, computes in the calls after it
+    other ops or frames than a steady call's own trace does (`VideoProgram.call_ops`)."""
+    if program.call_ops(1) != steady.call_ops(0):
+        raise LoweringError(f"the program traced on its first call of {program.first} frames computes, in "
+                            f"the calls of {program.every} frames after it, other ops or frames than their "
+                            "own trace does (a branch on the call's frame count it does not follow: an odd "
+                            "call resamples its first frame apart)")
+
+
+def first_call(every: int, frames: int) -> int:
+    """The frames the first call of a chunked loop of `every` frames a call takes of `frames` (the others'
+    and the remainder; all of them for fewer than 2 every)."""
+    return frames - every * (max(frames // every, 1) - 1)
+
+
+def lower_calls(vae, family: Family, kind: Kind) -> None:
+    """Lower what a TiledVAE of `vae` runs, refused here, not at a call: the program, and a chunked
+    family's for each kind of first call (of the steady calls' frames, one more, fewer: its branches on
+    the frame count)."""
+    every = int(family.chunk(vae, kind)) if family.chunk is not None and not family.refuses(vae) else 0
+    for frames in sorted({every, every + 1, 1}) if every else (None,):
+        lower_family(vae, family, kind, frames)
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vae -> kind -> (state, program)
@@ -234,7 +285,7 @@ def _same_state(a, b) -> bool:
     return fa == fb and ma == mb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb, strict=True))
 
 
-def _example(vae, kind: Kind, family: Family):
+def _example(vae, kind: Kind, family: Family, frames: int | None = None):
     """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
     EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it) of
     in_channels (or the family's `channels`); a video family's of EXAMPLE_FRAMES."""
@@ -242,7 +293,7 @@ def _example(vae, kind: Kind, family: Family):
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
     video = family.video or family.batched and kind is Kind.DECODE
-    frames = (EXAMPLE_FRAMES[kind is Kind.ENCODE],) if video else ()
+    frames = ((frames or EXAMPLE_FRAMES[kind is Kind.ENCODE]),) if video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:

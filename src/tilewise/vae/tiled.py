@@ -26,7 +26,7 @@ from ..wrapper import ModelWrapper
 from . import frames, gradient, runner
 from .checks import check_fits, check_input, check_vae, check_video_fits
 from .devices import DeviceProfile, profile, vae_device
-from .families import bind, encode_output, family_of, lower_family
+from .families import bind, encode_output, family_of, lower_calls, lower_family
 from .plan.make import make_plan, request
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
@@ -110,7 +110,7 @@ class TiledVAE(ModelWrapper):
         settings = Settings(tile_size, mode, attention, memory_budget, staging, retry_on_oom, progress,
                             query_chunk, stage_dir, fast, process_group, device_kind)
         for kind in Kind:  # (refused here, not at the first call; the programs are cached by `families`)
-            lower_family(vae, family_of(vae), kind)
+            lower_calls(vae, family_of(vae), kind)
         super().__init__()
         self.settings = settings
         self.last_staged_peak = 0  # most staged bytes this process held in the last tiled run
@@ -165,10 +165,11 @@ class TiledVAE(ModelWrapper):
         """A 3-D causal VAE (Qwen-Image, Wan, LTX-Video): (B, C, T, H, W) values, run by `video.face`."""
         return family_of(self.vae).video
 
-    def program(self, kind: str) -> Program:
+    def program(self, kind: str, frames: int | None = None) -> Program:
         """The lowered decode (e.g. post_quant_conv + decoder) or encode (encoder + quant_conv) of the
-        VAE's family (`families`): lowered again when its layers or their training modes changed."""
-        return lower_family(self.vae, family_of(self.vae), _kind(kind))
+        VAE's family (`families`): lowered again when its layers or their training modes changed; a
+        chunked loop's (CogVideoX's) for an input of `frames` frames (its first call's)."""
+        return lower_family(self.vae, family_of(self.vae), _kind(kind), frames)
 
     def factor(self, kind: str) -> int:
         """Image pixels per latent pixel."""
@@ -176,13 +177,14 @@ class TiledVAE(ModelWrapper):
         ratio = p.shapes((64, 64))[p.output][0] / 64
         return round(ratio) if _kind(kind) is Kind.DECODE else round(1 / ratio)
 
-    def job(self, kind: str) -> Job:
-        """What a decode or encode call runs: the lowered program, the device profile its plans are made
-        for (`device_kind`, or the VAE's device), the VAE's dtype and device."""
+    def job(self, kind: str, frames: int | None = None) -> Job:
+        """What a decode or encode call runs: the lowered program (a chunked loop's for an input of
+        `frames` frames), the device profile its plans are made for (`device_kind`, or the VAE's device),
+        the VAE's dtype and device."""
         kind = _kind(kind)
         dtype = next((q.dtype for q in self.vae.parameters()), torch.float32)
         device = vae_device(self.vae)
-        return Job(kind, self.program(kind), profile(self.device_kind, device), dtype, device,
+        return Job(kind, self.program(kind, frames), profile(self.device_kind, device), dtype, device,
                    self.factor(kind), type(self.vae).__name__)
 
     # -- public API ---------------------------------------------------------------------------------
@@ -192,7 +194,7 @@ class TiledVAE(ModelWrapper):
         (AutoencoderKL: DecoderOutput(sample=...); VQModel: quantised first unless force_not_quantize,
         DecoderOutput(sample=..., commit_loss=...); LTX-Video 0.9.5+ / LTX-2: decode(z, temb), the
         timestep's embedding computed once per call; Qwen-Image 2.1: (B, C, 1, H, W) in and out)."""
-        family, job = family_of(self.vae), self.job("decode")
+        family, job = family_of(self.vae), self.job("decode", _frames(z))
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
                     {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
         if self.is_video or family.batched:  # (SVD's: the frames of each video in the batch, `video.batch`)
@@ -219,7 +221,7 @@ class TiledVAE(ModelWrapper):
     def encode(self, x, *args, **kwargs):
         """Encode images tile by tile; returns what the wrapped VAE's encode does (AutoencoderKLOutput
         (latent_dist=...), AutoencoderTinyOutput(latents=...), VQEncoderOutput(latents=...))."""
-        family, job = family_of(self.vae), self.job("encode")
+        family, job = family_of(self.vae), self.job("encode", _frames(x))
         call = bind(type(self.vae).encode, self.vae, (x, *args), kwargs, {"return_dict": True})
         if self.is_video:
             video.check(self.settings, job, x)
@@ -333,7 +335,7 @@ class TiledVAE(ModelWrapper):
         `VideoBackwardPlan`, its causal steps recomputed; within a memory budget both the forward's and
         the backward's peaks fit it).
         """
-        job = self.job(kind)
+        job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
         if self._video(job.kind):
             if len(shape) != 5:
                 raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
@@ -354,7 +356,7 @@ class TiledVAE(ModelWrapper):
     def preflight(self, shape: tuple[int, ...], kind: str = "decode", streamed: bool = False) -> Plan:
         """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
         memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
-        job = self.job(kind)
+        job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
         if self._video(job.kind):
             if len(shape) != 5:
                 raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
@@ -393,6 +395,11 @@ def _inputs(family) -> dict:
     if family.batched:
         return {"num_frames": 1}
     return {"temb": None} if family.inputs is not None else {}
+
+
+def _frames(t) -> int | None:
+    """The frames of a (B, C, T, H, W) call input (None for another: its check says why)."""
+    return int(t.shape[2]) if isinstance(t, torch.Tensor) and t.ndim == 5 else None
 
 
 def _kind(kind) -> Kind:

@@ -201,3 +201,33 @@ def hunyuan15_frames(vae, kind: Kind, t: int) -> str:
         return ""
     return (f"AutoencoderKLHunyuanVideo15 encodes 1 + {r} k frames (its temporal downsamplers take the first "
             f"frame apart and pairs of the others; its own encode fails on {t} frames)")
+
+
+def cog_decode(vae, z):
+    """One call of CogVideoX's `_decode` loop: post_quant_conv (if any), the decoder."""
+    return vae.decoder(z if vae.post_quant_conv is None else vae.post_quant_conv(z))[0]
+
+
+def cog_encode(vae, x):
+    """One call of CogVideoX's `_encode` loop: the encoder, quant_conv (if any): the posterior's moments."""
+    h = vae.encoder(x)[0]
+    return h if vae.quant_conv is None else vae.quant_conv(h)
+
+
+def cog_chunk(vae, kind: Kind) -> int:
+    """The frames a call of CogVideoX's loop takes (its frame_batch_size; the first call also the rest)."""
+    return vae.num_latent_frames_batch_size if kind is Kind.DECODE else vae.num_sample_frames_batch_size
+
+
+def cog_note(vae, kind: Kind, shape) -> str:
+    """Where CogVideoX's own decode / encode would tile in space (use_tiling: tiles blended), what the
+    tiled path computes instead."""
+    h, w, latent = int(shape[3]), int(shape[4]), kind is Kind.DECODE
+    side = "latent" if latent else "sample"
+    th, tw = getattr(vae, f"tile_{side}_min_height"), getattr(vae, f"tile_{side}_min_width")
+    if vae.use_tiling and (h > th or w > tw):
+        return (f"the wrapped VAE would {kind.value} these {h} x {w} {'latent ' if latent else ''}pixels "
+                "with "
+                f"its own spatial tiling (use_tiling: tiles blended, approximate); TiledVAE {kind.value}s "
+                "them exactly (as the wrapped VAE with use_tiling = False)")
+    return ""

@@ -117,7 +117,7 @@ def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction,
     a = Fraction(o2 - o1, t2 - t1)
     b = o1 - a * t1
     if any((a * t + b) // 1 != o for t, o in runs.items()):
-        return "its frames are not a linear function of its input's"
+        return _rounded_line(run, t0)
     if a == 1 and b == 0:
         return None
     # (frame counts between the example's: a stride over padded frames rounds up, Cosmos' wavelet patcher)
@@ -129,6 +129,24 @@ def frames_map(low: Lowering, fn: Callable, like: torch.Tensor, scale: Fraction,
             -((-a * t - b) // 1) == o for t, o in {**runs, **more}.items()):
         return lambda t, step, a=a, b=b: int(-((-a * t - b) // 1))
     return lambda t, step, a=a, b=b: int((a * t + b) // 1)
+
+
+def _rounded_line(run: Callable, t0: int):
+    """(t, step) -> ceil or floor of a t + b, fitted on six frame counts from t0 (a stride 2 whose odd
+    counts keep their first frame apart, CogVideoX's time downsampling: ceil(t / 2)); or why not."""
+    runs = {t: run(t) for t in range(t0, t0 + 6)}
+    if any(isinstance(o, str) for o in runs.values()):
+        return next(o for o in runs.values() if isinstance(o, str))
+    runs = {t: o for t, o in runs.items() if o is not None}
+    if len(runs) < 4:
+        return "its frames are not a linear function of its input's"
+    (t1, o1), (t2, o2) = sorted(runs.items())[:3:2]
+    a = Fraction(o2 - o1, t2 - t1)
+    b = o1 - a * t1
+    for up in (False, True):
+        if all((-((-a * t - b) // 1) if up else (a * t + b) // 1) == o for t, o in runs.items()):
+            return lambda t, step, a=a, b=b, up=up: int(-((-a * t - b) // 1) if up else (a * t + b) // 1)
+    return "its frames are not a linear function of its input's"
 
 
 def _scale(out: torch.Tensor, x: torch.Tensor) -> Fraction | None:

@@ -7,7 +7,9 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
 - a causal convolution looping over its padded input's windows of frames, the outputs concatenated along
   time (Magvit's): one `CausalConv3d` with the windows' stride in time (`video_windows`);
-- a slice of frames (`x[:, :, a:b]`), frames repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
+- a slice of frames (`x[:, :, a:b]`; the first frame `x[:, :, 0]`, squeezed; a value's first frame and
+  the others are the first step's in a chunked program, `program3d.VideoProgram.chunked`), frames
+  repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
 - `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
   frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
@@ -129,15 +131,40 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     sl = idx[2]
     if padded:
         return window_item(low, call, x, sl)
+    first = sl == 0 and not isinstance(sl, bool)
+    if first:  # (x[:, :, 0]: the first frame, squeezed to (B, C, H, W))
+        sl = slice(None, 1)
     if not isinstance(sl, slice) or sl.step not in (None, 1):
-        return f"frames indexed by {sl!r} (only a slice of frames is placed)"
+        return f"frames indexed by {sl!r} (only a slice of frames, or the first frame, is placed)"
     a, b = sl.start, sl.stop
     low.frame_refs[call.outs[0]] = (x.node, a, b, 1)
-    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"),
-                     fn=lambda t, ctx, a=a, b=b: t[:, :, a:b], frames_fn=lambda t, step, a=a, b=b:
-                     len(range(t)[a:b]), label=f"frames {_span(a, b)}")
+    part = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b))
+    if part is not None:  # (a value's first frame or the others: parts that may concatenate back)
+        low.frame_parts[call.outs[0]] = (x.node, part, 2)
+    fn, frames_fn = _frames(a, b)
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
+                     label=f"frames {_span(a, b)}")
     low.set(call.outs[0], out)
+    if first:
+        low.squeezed.add(call.outs[0])
     return True
+
+
+def _frames(a, b):
+    """(fn, frames_fn) of the frames a:b of a value. A value's first frame (:1) and the others (1:) are the
+    first step's: after it, none and all (a chunked program traced on its first call, `VideoProgram.
+    chunked`: its later calls take the branch without the first frame apart; a one-step program has
+    step 0 only)."""
+    if (a, b) in ((None, 1), (0, 1), (1, None)):
+        def fn(t, ctx, a=a, b=b):  # (ctx None: run outside a run, as the plan measures it: a first step)
+            first = ctx is None or getattr(ctx, "step", 0) == 0
+            return t[:, :, a:b] if first else t[:, :, t.shape[2] if a is None or a == 0 else 0:]
+
+        def frames_fn(t, step, a=a, b=b):
+            return len(range(t)[a:b]) if step == 0 else 0 if b == 1 else t
+
+        return fn, frames_fn
+    return (lambda t, ctx, a=a, b=b: t[:, :, a:b]), (lambda t, step, a=a, b=b: len(range(t)[a:b]))
 
 
 def _repeat(low: Lowering, i: int, call: Call) -> bool | str:
@@ -246,9 +273,9 @@ def _split(low: Lowering, i: int, call: Call) -> bool | str:
     for k, (n, (a, b)) in enumerate(zip(call.outs, spans, strict=True)):
         low.frame_refs[n] = (x.node, a, b, 1)
         low.frame_parts[n] = (x.node, k, len(spans))
-        out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, f"frames {_span(a, b)}"),
-                         fn=lambda t, ctx, a=a, b=b: t[:, :, a:b], frames_fn=lambda t, step, a=a, b=b:
-                         len(range(t)[a:b]), label=f"frames {_span(a, b)}")
+        fn, frames_fn = _frames(a, b)
+        out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, f"frames {_span(a, b)}"), fn=fn,
+                         frames_fn=frames_fn, label=f"frames {_span(a, b)}")
         low.set(n, out)
     return True
 
@@ -305,6 +332,16 @@ def _unsqueeze(low: Lowering, i: int, call: Call) -> bool | str:
     return True
 
 
+def _squeezed_item(low: Lowering, i: int, call: Call) -> bool | str:
+    """x[:, :, None] of a squeezed one-frame value: the video value again (as unsqueeze(2))."""
+    x, idx = arg_of(call, 0, "input"), arg_of(call, 1, "indices")
+    if not isinstance(idx, tuple) or idx[:3] != (slice(None), slice(None), None) or any(
+            s not in (slice(None), Ellipsis) for s in idx[3:]):
+        return f"an index {idx!r} of a squeezed video frame (its time axis back, [:, :, None], is placed)"
+    low.set(call.outs[0], low.spatial(x.node))
+    return True
+
+
 def _squeezed_unary(low: Lowering, i: int, call: Call) -> bool | str:
     """An alias of a squeezed frame (contiguous, ...): still the squeezed frame."""
     x = arg_of(call, 0, "input")
@@ -348,7 +385,9 @@ VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat
                "new_ones": new_ones_rule, "pad": pad_of_pad, **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
-SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "contiguous": _squeezed_unary,
+SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,
+                  "contiguous": _squeezed_unary,
                   "clone": _squeezed_unary, "detach": _squeezed_unary}
 # calls whose output is still the part of a split of frames their input is (`frame_parts`)
-KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float"}
+KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float",
+              "__getitem__"}

@@ -67,7 +67,11 @@ def fold_rule(low: Lowering, i: int, call: Call, dims: tuple) -> bool:
         return False
     if not _reaches(low, i, call.outs[0], fold.row_call) and not (fold is FRAMES and _flattens(low, i, call)):
         return False
-    low.folds[call.outs[0]] = ("first", low.spatial(x.node), 0, 0, tuple(low.cap.values[call.outs[0]].shape),
+    src, pad = x.node, low.pads.get(x.node)
+    if pad is not None and fold is FRAMES and len(pad[1]) == 4:  # (an F.pad in space rides to the conv2d)
+        src = pad[0]
+        low.pads[call.outs[0]] = low.pads.pop(x.node)
+    low.folds[call.outs[0]] = ("first", low.spatial(src), 0, 0, tuple(low.cap.values[call.outs[0]].shape),
                                fold)
     return True
 
@@ -94,6 +98,9 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
             arg_of(call, 1, "start_dim", 0), arg_of(call, 2, "end_dim", -1)) == (0, fold.rows - 1)):
         if fold is FRAMES:  # (every frame in the batch: a batched value, `video_batch`)
             batch(low, out, name, first)
+            padded = next((n for n in call.refs() if n in low.pads), None)
+            if padded is not None:  # (its F.pad in space, for the conv2d of every frame)
+                low.pads[out] = low.pads.pop(padded)
         else:
             put(out, "batch", name, 0, n)
     elif layout == "batch" and call.name in ("split", "chunk") and arg_of(call, 2, "dim", 0) in (0, -len(

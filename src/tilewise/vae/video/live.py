@@ -55,10 +55,10 @@ def unit_peak(ops, need, sizes: FrameSizes, owned: set[str], keep, last, step: i
         src = op.src[0]
         out, during = _op_bytes(op, need, sizes, step, like)
         dies = last.get(src) == i and src not in keep and op.src.count(src) == 1
-        if dies and src in ours and overwrites(op):
-            out = 0
+        over = dies and src in ours and overwrites(op)
+        out = 0 if over else out  # (an empty output too: a first frame's part after the first step)
         peak = max(peak, sum(live.values()) + during + out)
-        live[d] = live.pop(src) if out == 0 else out
+        live[d] = live.pop(src) if over else out
         ours.add(d)
         for v in set(op.src):
             if last.get(v) == i and v not in keep:
