@@ -77,6 +77,7 @@ def _photo(path, h: int, w: int) -> None:
     Image.fromarray(np.stack([img, img[::-1], img[:, ::-1]], -1).clip(0, 255).astype(np.uint8)).save(path)
 
 
+@pytest.mark.slow  # (~80 s: two two-rank launches; decode / generate on two ranks stay by default)
 def test_encode_and_upscale_on_two_ranks_equal_one_process(tmp_path):
     from safetensors.torch import load_file
 

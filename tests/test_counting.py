@@ -171,6 +171,7 @@ def test_gpu_fast_mode_whose_one_tile_covers_the_latent_runs_untiled_and_cpu_pla
     assert _counted("cpu", cpu.decode, z).launches > 2 * c.launches  # (CPU plans keep fast mode's passes)
 
 
+@pytest.mark.slow  # (~50 s of plan search at a tight budget)
 def test_gpu_plan_streams_attention_keys_values_from_host_memory_when_they_do_not_fit():
     with fake():
         # (a wide middle: global attention's keys and values are the biggest thing a segment holds)

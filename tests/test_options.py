@@ -25,8 +25,9 @@ def test_each_keyword_form_has_its_records_fields_and_defaults():
     assert _defaults(generate, {"loaded"}) == {**_fields(GenerateOptions), "regions": None}  # None: ()
     paths = {"latents_path": "source", "image_path": "source"}
     assert _defaults(decode_file, {"loaded"}, paths) == _fields(VaeFileOptions)
+    decode_only = {"bits", "frames_per_call"}  # (the PNG depth written; SVD's decode_chunk_size)
     assert _defaults(encode_file, {"loaded"}, paths) == {k: v for k, v in _fields(VaeFileOptions).items()
-                                                         if k != "bits"}
+                                                         if k not in decode_only}
     runtime = {"pipe", "image", "generator", "callback", "controlnet"}  # objects, not options
     assert _defaults(upscale, runtime) == _fields(UpscaleOptions)
 

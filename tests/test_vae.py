@@ -373,6 +373,7 @@ def test_fast_decode_sampling_every_tile_is_exact():
     assert (tv.decode(z).sample - ref).abs().max() <= 1e-4
 
 
+@pytest.mark.slow  # (~100 s on 2 cores; disk-staged fast mode stays in test_vae_pieces, test_executor)
 def test_fast_decode_with_disk_staging_runs_the_same_estimator_tile_by_tile():
     # staging="disk" runs the sampled tiles segment by segment (one tile's working set at a time): the
     # statistics and outputs are those of the all-at-once pass; with every tile sampled, exact mode
