@@ -1,8 +1,9 @@
 """Video VAE families as table entries (`tilewise.vae.families`): the ones traced from what they compute
 decode and encode exactly (`test_vae_video.py`, `test_video_groupnorm.py`, `test_video_mochi.py`,
-`test_svd_vae.py`); the others are refused when the TiledVAE is built, by name, with the call and module
-path that cannot be tiled and why, or by their table entry's reason (audio VAEs, ViT decoders, causal
-loops not lowered yet): never accepted and failing later."""
+`test_svd_vae.py`, `test_cosmos_vae.py`, `test_hunyuan15_vae.py`, `test_magvit_vae.py`); the others are
+refused when the TiledVAE is built, by name, with the call and module path that cannot be tiled and why,
+or by their table entry's reason (audio VAEs, ViT decoders, causal loops not lowered yet): never accepted
+and failing later."""
 
 import pytest
 
