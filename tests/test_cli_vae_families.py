@@ -7,6 +7,7 @@ loads."""
 
 import json
 
+import faults_support
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ from typer.testing import CliRunner  # noqa: E402
 from vae_support import family_vae, tiny_vae  # noqa: E402
 from video_vae_support import qwen21  # noqa: E402
 
-from tilewise.cli import app, main  # noqa: E402
+from tilewise.cli import app  # noqa: E402
 from tilewise.errors import BadInputFile, ModelProblem  # noqa: E402
 
 runner = CliRunner()
@@ -67,11 +68,8 @@ def _run(*args):
 
 def _fails(capsys, *args, code: int) -> str:
     """The one error line of a command that fails (through the CLI's entry point), with its exit code."""
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == code and len(errors) == 1, err
+    got, errors, err = faults_support.run(list(args), capsys)
+    assert got == code and len(errors) == 1, err
     return errors[0]
 
 

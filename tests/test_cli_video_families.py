@@ -7,6 +7,7 @@ frame and by its scheduler's sigma_data; bad input refused naming the value, wit
 import copy
 import json
 
+import faults_support
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 from video_vae_support import video_vae  # noqa: E402
 
-from tilewise.cli import app, main  # noqa: E402
+from tilewise.cli import app  # noqa: E402
 from tilewise.errors import BadInputFile, BadRequest  # noqa: E402
 
 runner = CliRunner()
@@ -36,11 +37,8 @@ def _run(*args):
 
 def _fails(capsys, *args, code: int) -> str:
     """The one error line of a command that fails (through the CLI's entry point), with its exit code."""
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == code and len(errors) == 1, err
+    got, errors, err = faults_support.run(list(args), capsys)
+    assert got == code and len(errors) == 1, err
     return errors[0]
 
 

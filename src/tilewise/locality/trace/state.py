@@ -147,3 +147,17 @@ def is_attention(m) -> bool:
     """Whether a module is lowered as one unit (`units`): diffusers' Attention, Qwen-Image 2.1's block."""
     return type(m).__module__.startswith("diffusers") and (
         type(m).__name__ == "Attention" or type(m).__name__ in CHANNEL_ATTENTION)
+
+
+def reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:
+    """Whether a call named `name` reads node or what the next calls make of it (up to `depth` calls)."""
+    nodes = {node}
+    for c in low.cap.calls[i + 1 :]:
+        if nodes & set(c.refs()):
+            if c.name == name:
+                return True
+            nodes.update(c.outs)
+            depth -= 1
+            if depth < 0:
+                return False
+    return False

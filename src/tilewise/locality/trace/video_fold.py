@@ -26,7 +26,7 @@ from math import prod
 
 from ..ops3d_sync import ColumnAttention, FrameGroupNorm
 from .capture import Call, Ref
-from .state import Lowering, arg_of, const_value, permutation, refused
+from .state import Lowering, arg_of, const_value, permutation, reaches, refused
 
 ALIASES = {"contiguous", "clone", "detach"}
 RESHAPES = {"reshape", "view"}
@@ -65,7 +65,7 @@ def fold_rule(low: Lowering, i: int, call: Call, dims: tuple) -> bool:
     x, fold = arg_of(call, 0, "input"), FOLDS.get(dims)
     if fold is None or not isinstance(x, Ref):
         return False
-    if not _reaches(low, i, call.outs[0], fold.row_call) and not (fold is FRAMES and _flattens(low, i, call)):
+    if not reaches(low, i, call.outs[0], fold.row_call) and not (fold is FRAMES and _flattens(low, i, call)):
         return False
     src, pad = x.node, low.pads.get(x.node)
     if pad is not None and fold is FRAMES and len(pad[1]) == 4:  # (an F.pad in space rides to the conv2d)
@@ -193,17 +193,3 @@ def _flattens(low: Lowering, i: int, call: Call) -> bool:
         return False
     shape = tuple(low.cap.values[node].shape)
     return tuple(low.cap.values[readers[0].outs[0]].shape) == (shape[0] * shape[1], *shape[2:])
-
-
-def _reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:
-    """Whether a call named `name` reads node or what the next calls make of it (up to `depth` calls)."""
-    nodes = {node}
-    for c in low.cap.calls[i + 1 :]:
-        if nodes & set(c.refs()):
-            if c.name == name:
-                return True
-            nodes.update(c.outs)
-            depth -= 1
-            if depth < 0:
-                return False
-    return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..ops3d import CausalConv3d
 from ..ops3d_sync import ColumnSDPA, FrameSDPA
 from .capture import Call, Ref
-from .state import Lowering, arg_of, permutation, refused
+from .state import Lowering, arg_of, permutation, reaches, refused
 
 ALIASES = {"contiguous", "clone", "detach", "type_as", "to", "float"}
 VIDEO = (("B",), ("C",), ("T",), ("H",), ("W",))
@@ -25,7 +25,8 @@ SDPA = "scaled_dot_product_attention"
 def sdpa_rule(low: Lowering, i: int, call: Call) -> bool:
     """A permute of a video value whose next calls reach a scaled_dot_product_attention: its tokens."""
     x = arg_of(call, 0, "input")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None or not _reaches(low, i, call.outs[0]):
+    if (not isinstance(x, Ref) or low.spatial(x.node) is None
+            or not reaches(low, i, call.outs[0], SDPA, depth=6)):
         return False
     b, c, t, h, w = low.cap.values[x.node].shape
     sizes = {"B": b, "C": c, "T": t, "H": h, "W": w}
@@ -171,17 +172,3 @@ def _to_bool(c: Call) -> bool:
 def _made(low: Lowering, ref) -> Call | None:
     k = low.cap.producer.get(ref.node) if isinstance(ref, Ref) else None
     return None if k is None else low.cap.calls[k]
-
-
-def _reaches(low: Lowering, i: int, node: int, depth: int = 6) -> bool:
-    """Whether a scaled_dot_product_attention reads node or what the next calls make of it."""
-    nodes = {node}
-    for c in low.cap.calls[i + 1 :]:
-        if nodes & set(c.refs()):
-            if c.name == SDPA:
-                return True
-            nodes.update(c.outs)
-            depth -= 1
-            if depth < 0:
-                return False
-    return False
