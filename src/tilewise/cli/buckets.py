@@ -50,8 +50,6 @@ def buckets(
 
     Example: tilewise buckets photos/ --out manifest.jsonl --area 1048576 --step 64 --plot cost.png
     """
-    from ..buckets import BucketPlanner, choose_buckets
-
     if dataset is not None:
         if request:
             raise BadRequest("give DATASET or --request sizes, not both")
@@ -65,6 +63,15 @@ def buckets(
     if latent_factor != 8:
         raise BadRequest("--latent-factor applies to buckets DATASET (the manifest's masks)")
 
+    _requests(request, area, step, max_aspect, policy.value, k, profile, repeats, plot, report, no_clobber)
+
+
+def _requests(request: list[str] | None, area: int, step: int, max_aspect: float, policy: str, k: int,
+              profile: bool, repeats: int, plot: Path | None, report: Path | None, no_clobber: bool) -> None:
+    """`buckets --request WxH ...`: the bucket set, each request's assignment, then (with --profile) the
+    embedded UNet timed at each bucket, the k buckets chosen by that cost, the plot and the report."""
+    from ..buckets import BucketPlanner, choose_buckets
+
     defaults = ["800x1200", "1200x800", "2048x512", "512x512"]
     requests = [parse_size(r, "--request") for r in (request or defaults)]
     checks.picture(plot, "--plot", no_clobber)
@@ -75,13 +82,13 @@ def buckets(
         + ", ".join(f"{w}x{h}" for w, h in planner.buckets[:12])
         + (" ..." if len(planner.buckets) > 12 else "")
     )
-    scaled = _assign(planner, requests, area, step, policy.value)
+    scaled = _assign(planner, requests, area, step, policy)
     if not profile:
         return
     candidates = sorted(set(planner.buckets))
     prof = _profile_embedded_unet(candidates, repeats)
     typer.echo(prof.table())
-    choice = choose_buckets(scaled, prof, min(k, len(candidates)), policy=policy.value)
+    choice = choose_buckets(scaled, prof, min(k, len(candidates)), policy=policy)
     typer.echo(choice.table())
     run_dir = run_folder(report, {"command": "buckets", "requests": request, "area": area, "k": k})
     for q in [p for p in (plot, run_dir / "costs.png" if run_dir else None) if p is not None]:

@@ -102,6 +102,42 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     segs = video_segments(p, attention)
     grid = tile_grid(shapes[ref], tile)
     units = layout(segs, shapes, grid, ref)
+    per_unit, macs, working = _units(p, segs, units, shapes, chans, chunks, frames, staging, b, item)
+    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
+                       for op in p.ops)
+    tiles_of: dict[int, int] = {}
+    for (_, t), n in per_unit.items():
+        tiles_of[t] = tiles_of.get(t, 0) + n
+    caches = sum(per_unit.values()) if order is Order.FRAMES else max(per_unit.values(), default=0)
+    staged = _staged_peak(p, segs, shapes, chans, frames, b * item, order)
+    attn = _attention_bytes(segs, shapes, chans, frames, len(grid), b, item, query_chunk)
+    # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group) (of each frame:
+    # per (batch, frame, group)), kept by the run
+    stats = sum(2 * b * op.groups * 8 * (sum(frames[op.src[0]]) if op.per_frame else len(chunks))
+                for op in p.ops if op.kind is OpKind.GROUP_NORM)
+    h, w = shapes[p.output]
+    out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
+    out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
+    # (a tile-major run keeps its one tile's caches on the device)
+    cached_on_host = staging is Place.HOST and order is Order.FRAMES
+    host = (caches if cached_on_host else 0) + (staged if staging is Place.HOST else 0)
+    resident = (0 if cached_on_host else caches) + (0 if staging is Place.HOST else staged)
+    reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
+    if cpu:  # (host memory is the CPU's own: what host staging keeps is held all the same)
+        resident += host
+    return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
+                sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
+                cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
+                working=working, attention_bytes=attn, output_bytes=out_bytes, output_shape=out_shape,
+                host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
+                stats_bytes=stats,
+                dropped=int(shape[2]) - chunks[-1][1])
+
+
+def _units(p, segs, units, shapes, chans, chunks, frames, staging: Place, b: int, item: int
+           ) -> tuple[dict, int, int]:
+    """Per (segment, tile): the bytes of its causal caches; the MACs of every unit over every step; the
+    largest working set of one unit at one step (`b` samples of `item` bytes an element)."""
     last = len(chunks) - 1
     src_of = {op.dst: op.src[0] for op in p.ops}
     per_unit, macs, working = {}, 0, 0
@@ -127,19 +163,17 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
                 seen[key] = unit_peak(segs[i].ops, need, sizes, owned, segs[i].outputs, lasts[i], k, like,
                                       stats)
             working = max(working, seen[key])
-    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
-                       for op in p.ops)
-    tiles_of: dict[int, int] = {}
-    for (_, t), n in per_unit.items():
-        tiles_of[t] = tiles_of.get(t, 0) + n
-    caches = sum(per_unit.values()) if order is Order.FRAMES else max(per_unit.values(), default=0)
-    staged = _staged_peak(p, segs, shapes, chans, frames, b * item, order)
+    return per_unit, macs, working
+
+
+def _attention_bytes(segs, shapes, chans, frames, tiles: int, b: int, item: int, query_chunk: int) -> int:
+    """The largest attention segment's keys and values plus one query chunk's scores (float32)."""
     attn = 0
     for seg in segs:
         if seg.kind is SegmentKind.ATTENTION:
             n = seg.ops[0].src[0]
             tokens = shapes[n][0] * shapes[n][1]
-            per_tile = -(-tokens // len(grid))
+            per_tile = -(-tokens // tiles)
             t = max(frames[n])
             kv = 2 * b * t * tokens * chans[n] * item
             op = seg.ops[0]
@@ -148,27 +182,7 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
             rows = op.heads if isinstance(op, StepAttention) else t  # (score rows of one query chunk)
             keys = t * tokens if isinstance(op, StepAttention) and not op.own_frame else tokens
             attn = max(attn, kv + b * rows * min(query_chunk, per_tile) * keys * 4)
-    # every GroupNorm's merged statistics, per step: float64 (mean, var) per (batch, group) (of each frame:
-    # per (batch, frame, group)), kept by the run
-    stats = sum(2 * b * op.groups * 8 * (sum(frames[op.src[0]]) if op.per_frame else len(chunks))
-                for op in p.ops if op.kind is OpKind.GROUP_NORM)
-    h, w = shapes[p.output]
-    out_shape = (b, chans[p.output], sum(frames[p.output]), h, w)
-    out_bytes = 0 if to_sink else b * chans[p.output] * sum(frames[p.output]) * h * w * item
-    # (a tile-major run keeps its one tile's caches on the device)
-    cached_on_host = staging is Place.HOST and order is Order.FRAMES
-    host = (caches if cached_on_host else 0) + (staged if staging is Place.HOST else 0)
-    resident = (0 if cached_on_host else caches) + (0 if staging is Place.HOST else staged)
-    reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
-    if cpu:  # (host memory is the CPU's own: what host staging keeps is held all the same)
-        resident += host
-    return dict(grid=(grid.rows, grid.cols), steps=chunks, step_frames=frames[p.output], segments=len(segs),
-                sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
-                cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
-                working=working, attention_bytes=attn, output_bytes=out_bytes, output_shape=out_shape,
-                host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
-                stats_bytes=stats,
-                dropped=int(shape[2]) - chunks[-1][1])
+    return attn
 
 
 def _shape_at(box, shape) -> tuple:
