@@ -1,34 +1,13 @@
 """Benchmark: exact tiled decode / encode of a 3-D causal VAE against untiled and diffusers' enable_tiling.
 
---family (seeded random weights, fp32):
-- wan: AutoencoderKLWan with Wan 2.1's layout (dim_mult 1,2,4,4, num_res_blocks 2, z_dim 16, temporal
-  compression 4, spatial 8) at base width --base-dim (96 is Wan 2.1's; the default 32 keeps CPU runs
-  short);
-- qwen: AutoencoderKLQwenImage (Qwen-Image's layout, the same as Wan 2.1's) at base width --base-dim;
-- ltx: AutoencoderKLLTXVideo with LTX-Video 0.9.0's blocks (latent 128 channels, patch 4: 32x spatial,
-  8x temporal) at --base-dim / 96 of its widths (128, 256, 512, 512) and one layer per block;
-- ltx2: AutoencoderKLLTX2Video with LTX-2's blocks (latent 128 channels, patch 4: 32x spatial, 8x
-  temporal) at --base-dim / 256 of its widths (256, 512, 1024, 2048; decoder 256, 512, 1024) and one
-  layer per block;
-- hunyuan: AutoencoderKLHunyuanVideo with HunyuanVideo's layout (latent 16 channels, 8x spatial, 4x
-  temporal, GroupNorms of 32 groups, mid-block attention over every frame) at --base-dim / 128 of its
-  widths (128, 256, 512, 512) and one layer per block; its untiled variant decodes / encodes in one pass
-  (use_framewise_decoding / _encoding = False: its stock default goes framewise, a blended temporal
-  tiling, past 4 latent / 16 video frames), which is what tilewise computes;
-- mochi: AutoencoderKLMochi (latent 12 channels, 8x spatial, 6x temporal, GroupNorms of 32 groups of
-  each frame, the encoder's attention over each position's frames) at --base-dim / 128 of its widths
-  (128, 256, 512, 768, multiples of 32) and one layer per block;
-- cosmos: AutoencoderKLCosmos (latent 16 channels, 8x spatial, 8x temporal with its haar wavelet
-  patcher, attention over each frame's tokens and causal attention over each position's frames) at
-  --base-dim / 128 of its widths (128, 256, 512, 512) and one layer per block; it has no spatial tiling
-  of its own (enable_tiling sets a flag its decode never reads), so no 'diffusers' variant.
+--family: the seeded VAEs of `benchmarks/vae3d_models.py` (Wan, Qwen-Image, LTX-Video, LTX-2, HunyuanVideo
+1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder; fp32, widths scaled by --base-dim).
 Every variant runs in its own subprocess (fresh peak RSS); errors are against the untiled output.
 Variants:
 
 - untiled: vae.decode / vae.encode;
 - diffusers: vae.enable_tiling() with tiles of the same size in pixels (stride 3/4 of a tile in whole
-  latent px, blended;
-  in time the family's defaults: LTX and HunyuanVideo tile long videos in time too);
+  latent px, blended; in time the family's defaults: `vae3d_models.own_tiling`);
 - tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major), or
   with --budget B: TiledVAE(vae, memory_budget=B) (the plan picks the tile);
 - tilewise-sink-frames: decode_to a float32 .npy per frame (frames in order: frame-major run, streamed);
@@ -60,64 +39,9 @@ import tempfile
 import time
 
 from vae import errors
+from vae3d_models import FAMILIES, NO_OWN_TILING, build_vae, call, make_input, own_tiling, plan_shape
 
 VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles")
-
-
-# family -> (class name, latent channels, temporal compression, spatial compression)
-FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenImage", 16, 4, 8),
-            "ltx": ("AutoencoderKLLTXVideo", 128, 8, 32), "ltx2": ("AutoencoderKLLTX2Video", 128, 8, 32),
-            "hunyuan": ("AutoencoderKLHunyuanVideo", 16, 4, 8), "mochi": ("AutoencoderKLMochi", 12, 6, 8),
-            "cosmos": ("AutoencoderKLCosmos", 16, 8, 8)}
-# families whose stock VAE has no spatial tiling of its own to compare with (Cosmos' enable_tiling sets
-# use_tiling, which its _decode never reads)
-NO_OWN_TILING = ("cosmos",)
-
-
-def build_vae(family: str, base_dim: int):
-    """The seeded VAE of a family (module docstring)."""
-    import diffusers
-    import torch
-
-    torch.manual_seed(0)
-    cls = getattr(diffusers, FAMILIES[family][0])
-    if family == "ltx":
-        widths = tuple(max(8, c * base_dim // 96) for c in (128, 256, 512, 512))
-        return cls(block_out_channels=widths, decoder_block_out_channels=widths,
-                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5).eval()
-    if family == "ltx2":
-        widths = tuple(max(16, c * base_dim // 256) for c in (256, 512, 1024, 2048))
-        return cls(block_out_channels=widths, decoder_block_out_channels=widths[:3],  # (its ratios given:
-                   layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4,  # derived, they count a
-                   spatial_compression_ratio=32, temporal_compression_ratio=8).eval()  # time-only step)
-    if family == "hunyuan":
-        widths = tuple(max(32, c * base_dim // 128) for c in (128, 256, 512, 512))
-        return cls(block_out_channels=widths, layers_per_block=1).eval()
-    if family == "mochi":  # (its GroupNorms have 32 groups: widths a multiple of 32)
-        widths = tuple(max(32, c * base_dim // 128 // 32 * 32) for c in (128, 256, 512, 768))
-        return cls(encoder_block_out_channels=widths, decoder_block_out_channels=widths,
-                   layers_per_block=(1,) * 5).eval()
-    if family == "cosmos":  # (attention at latent resolution: its mid blocks and the last level)
-        widths = tuple(max(16, c * base_dim // 128) for c in (128, 256, 512, 512))
-        return cls(encoder_block_out_channels=widths, decode_block_out_channels=widths, num_layers=1).eval()
-    return cls(base_dim=base_dim, z_dim=16).eval()
-
-
-def make_input(family: str, task: str, side: int, frames: int):
-    """decode: a seeded randn latent (1, C, frames, side, side); encode: a smooth moving video in [-1, 1]
-    of 1 + t (frames - 1) frames of s side px (t, s: the family's compressions)."""
-    import torch
-    import torch.nn.functional as F
-
-    _, c, tc, sc = FAMILIES[family]
-    g = torch.Generator().manual_seed(1234)
-    if task == "decode":
-        return torch.randn(1, c, frames, side, side, generator=g)
-    t = 1 + tc * (frames - 1)
-    coarse = torch.randn(1, 3, 2, 6, 6, generator=g)
-    x = F.interpolate(coarse, size=(t, sc * side, sc * side), mode="trilinear") + 0.1 * torch.randn(
-        1, 3, t, sc * side, sc * side, generator=g)
-    return x.clamp(-1, 1)
 
 
 def worker(args) -> None:
@@ -132,21 +56,19 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     vae = build_vae(args.family, args.base_dim)
     x = make_input(args.family, args.task, args.size, args.frames)
-    sc = FAMILIES[args.family][3]
     v = args.variant
     out = {"variant": v}
     if args.family == "hunyuan" and v == "untiled":  # one pass (its stock decode goes framewise past 4
         vae.use_framewise_decoding = vae.use_framewise_encoding = False  # latent frames): what tilewise is
-    if v == "diffusers":  # spatial tiles; time: the family's own defaults (LTX, HunyuanVideo tile time too)
-        px, stride = sc * args.tile, sc * (args.tile * 3 // 4)  # a whole latent stride (LTX-2's tiling
-        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,  # floors a fractional one)
-                          tile_sample_stride_height=stride, tile_sample_stride_width=stride)
+    if v == "diffusers":  # spatial tiles; time: the family's own defaults
+        own_tiling(vae, args.family, args.tile)
     model = vae
     if v.startswith("tilewise"):
         size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
         model = tw.TiledVAE(vae, progress=False, **size)
         sink = v.startswith("tilewise-sink")  # what decode_to plans: streamed, frames in order or not
-        plan = model.plan(tuple(x.shape), args.task, streamed=sink, sequential=v.endswith("frames"))
+        plan = model.plan(plan_shape(args.family, args.task, x), args.task, streamed=sink,
+                          sequential=v.endswith("frames"))
         out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order,
                    tile=plan.tile_size)
         if args.budget:
@@ -158,9 +80,7 @@ def worker(args) -> None:
                 with tw.open_video_sink(path, t, h, w, c, bits=32) as sink:
                     model.decode_to(x, sink)
                 return None
-            if args.task == "decode":
-                return model.decode(x).sample
-            return model.encode(x).latent_dist.mode()
+            return call(model, args.family, args.task, x)
 
     if v.startswith("tilewise-sink"):
         _, c, t, h, w = plan.output_shape
