@@ -18,11 +18,6 @@ AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents ov
 
 # why no tile program reproduces a class (video: whether it is a 3-D VAE); refused by name
 REFUSED_VIDEO: dict[str, str] = {
-    "AutoencoderKLKVAEVideo": (
-        "its encoder and decoder run a chunked causal loop over 16-frame chunks whose causal convolutions "
-        "carry caches between chunks (KVAECachedCausalConv3d; its GroupNorms take statistics over each "
-        "chunk's frames), which the lowering does not reach yet (not declared and tested as a chunked "
-        "family, as CogVideoX's is); use the wrapped VAE"),
     "AutoencoderVidTok": (
         "its encoder and decoder run a chunked causal loop over frames whose layers carry caches between "
         "chunks (VidTokEncoder3D / VidTokDecoder3D), which the lowering does not reach yet; use the "

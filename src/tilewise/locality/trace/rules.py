@@ -51,7 +51,10 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads or n in low.windows
-               or n in low.window_convs]  # (paddings, windows of frames: `video_windows`)
+               or n in low.window_convs or n in low.fronts or n in low.writes]  # (paddings, windows of
+    # frames: `video_windows`; a first frame repeated, a buffer written in part: `video_writes`)
+    if any(n in low.writes for n in call.refs()) and call.name != "__setitem__":
+        raise refused(low, call, "a read of a buffer of video frames written in part")
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
     if low.cap.values[low.cap.input].ndim == 4:  # (a 2-D program: its one-frame values, `frames`)
@@ -91,7 +94,9 @@ def _two_d(low: Lowering, i: int, call: Call) -> bool | str:
 
 def _keep_parts(low: Lowering, call: Call) -> None:
     """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
-    if call.name in KEEP_PARTS and len(call.outs) == 1:
+    channels = call.name in ("split", "chunk", "cat", "concat", "concatenate") and channel_dim(
+        arg_of(call, 2 if call.name in ("split", "chunk") else 1, "dim", 0), 5)  # (of its channels)
+    if (call.name in KEEP_PARTS or channels) and len(call.outs) == 1:
         parts = {low.frame_parts[n] for n in call.refs() if n in low.frame_parts}
         if len(parts) == 1:
             low.frame_parts[call.outs[0]] = parts.pop()

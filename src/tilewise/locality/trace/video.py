@@ -45,6 +45,7 @@ from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
+from .video_writes import empty_rule, front_rule, front_cat, write_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
 
 
@@ -126,6 +127,8 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     if not isinstance(x, Ref) or low.spatial(x.node) is None and not padded or not isinstance(idx, tuple) \
             or len(idx) < 3:
         return False
+    if idx[0] is Ellipsis and len(idx) == 4:  # (x[..., a:b, :, :]: the frames, as x[:, :, a:b])
+        idx = (slice(None), slice(None), *idx[1:])
     if idx[:2] != (slice(None), slice(None)) or any(s not in (slice(None), Ellipsis) for s in idx[3:]):
         return False
     sl = idx[2]
@@ -189,6 +192,20 @@ def _repeat(low: Lowering, i: int, call: Call) -> bool | str:
     return True
 
 
+def _repeat_interleave(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.repeat_interleave(n, dim=2): every frame n times in a row (KVAE's temporal upsampler)."""
+    x, n, dim = arg_of(call, 0, "input"), arg_of(call, 1, "repeats"), arg_of(call, 2, "dim")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None or dim not in (2, -3):
+        return False
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return f"repeat_interleave of a video value's frames by {n!r} (a number of times is placed)"
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "repeat_interleave"),
+                     fn=lambda t, ctx, n=n: t.repeat_interleave(n, dim=2), frames_fn=lambda t, step, n=n: t * n,
+                     label=f"frames each x{n}")
+    low.set(call.outs[0], out)
+    return True
+
+
 def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     """Frames of one video value concatenated along time (its first frame repeated in front, its last
     behind, ...): one Rearrange of that value; remembered as a padding where it is one (`tpads`)."""
@@ -198,6 +215,9 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     conv = windows_cat(low, call, tensors)  # (every window's convolution of one value, `video_windows`)
     if conv is not None:
         return conv if isinstance(conv, str) else _conv3d(low, i, conv)
+    fronted = front_cat(low, call, tensors)  # (a padded value's first frame in front, `video_writes`)
+    if fronted is not None:
+        return fronted
     parts, src = [], None
     for t in tensors:
         ref = low.frame_refs.get(t.node, (t.node, None, None, 1) if low.spatial(t.node) else None)
@@ -379,10 +399,12 @@ def _triple(v) -> tuple[int, int, int]:
     return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),) * 3
 
 
-VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
+VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat,
+               "repeat_interleave": _repeat_interleave, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
-               "new_ones": new_ones_rule, "pad": pad_of_pad, **{a: pad_alias for a in ("to", "contiguous")}}
+               "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
+               "new_empty": empty_rule, "__setitem__": lambda low, i, call: write_rule(low, i, call, _frames_cat), **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,
