@@ -18,6 +18,7 @@ from .state import Lowering, arg_of, channel_dim, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
 from .video_batch import batch_call
 from .video_fold import fold_call
+from .video_pools import column_call, group_call
 from .video_sdpa import sdpa_call
 from .video_tokens import token_call
 
@@ -46,6 +47,12 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         return
     if any(n in low.folds for n in call.refs()):  # (its frames in the batch, to a GroupNorm of each frame)
         fold_call(low, i, call)
+        return
+    if any(n in low.groups for n in call.refs()):  # (its frames' channels in groups, `video_pools`)
+        group_call(low, i, call)
+        return
+    if any(n in low.columns for n in call.refs()):  # (each position's frames a row, `video_pools`)
+        column_call(low, i, call)
         return
     if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)

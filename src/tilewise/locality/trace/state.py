@@ -56,6 +56,10 @@ class Lowering:
     fronts: dict[int, tuple[int, int]] = field(default_factory=dict)
     fronted: dict[tuple[int, int], int] = field(default_factory=dict)
     writes: dict[int, list] = field(default_factory=dict)
+    # node -> (batched node, g): its channels viewed in groups of g; node -> (video value name, layout): its
+    # positions in the batch, each position's frames a row (`trace.video_pools`)
+    groups: dict[int, tuple[int, int]] = field(default_factory=dict)
+    columns: dict[int, tuple[str, str]] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
     # node -> (B, T): a video value's frames folded into the batch ((B T, C, H, W) as captured, carried as
     # the (B, C, T, H, W) value) for a 2-D computation of each frame (`trace.video_batch`); an F.pad's

@@ -43,6 +43,7 @@ from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
+from .video_pools import columns_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 from .video_writes import empty_rule, front_rule, front_cat, write_rule
@@ -388,7 +389,7 @@ def _permute(low: Lowering, i: int, call: Call) -> bool | str:
     """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
     tokens on their way to an Attention (`video_tokens`); False for another permute."""
     return (fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
-            or sdpa_rule(low, i, call))
+            or sdpa_rule(low, i, call) or columns_rule(low, i, call))
 
 
 def _span(a, b) -> str:
