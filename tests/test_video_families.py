@@ -36,7 +36,6 @@ BY_NAME = {
     "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
     "AutoencoderRAE": "its encoder is a pretrained ViT",
-    "AutoencoderKLKVAEVideo": "its encoder and decoder run a chunked causal loop",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
     "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",
     "Kandinsky6SRVAE": "its causal convolutions carry their padding state",

@@ -225,3 +225,15 @@ def refused_family(name: str):
     if name == "cogvideox-odd-calls":
         vae.num_latent_frames_batch_size = 3
     return vae
+
+
+def kvae_video():
+    """A tiny seeded KVAE video VAE (8x in space, 4x in time; its GroupNorms take 32 groups, so 32 and 64
+    channels): every block type, its cached causal convolutions, spatial norms of the latent, resnets with
+    a 1x1 shortcut, downsamplers and upsamplers in space and time and in space only; its decode a loop of
+    5 then 4 latent frames a call, encode of 17 then 16 video frames."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(0)
+    return d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 2, 2), num_res_blocks=1, z_channels=4).eval()
