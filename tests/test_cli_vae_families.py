@@ -213,7 +213,7 @@ def test_a_class_no_tile_program_reproduces_is_refused_by_name_with_the_reason(t
 
 
 def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys):
-    from video_vae_support import cogvideox_vae, hunyuan15, magvit
+    from video_vae_support import cogvideox_vae, hunyuan15, kandinsky6_sr, kvae_video, magvit
 
     from tilewise.locality.classes import PYTHON_ONLY
     from tilewise.vae.families import FAMILIES
@@ -222,6 +222,8 @@ def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys):
     hunyuan15().save_pretrained(tmp_path / "AutoencoderKLHunyuanVideo15")
     magvit().save_pretrained(tmp_path / "AutoencoderKLMagvit")
     cogvideox_vae().save_pretrained(tmp_path / "AutoencoderKLCogVideoX")
+    kvae_video().save_pretrained(tmp_path / "AutoencoderKLKVAEVideo")
+    kandinsky6_sr().save_pretrained(tmp_path / "Kandinsky6SRVAE")
     save_file({"latents": torch.randn(1, 4, 2, 6, 8)}, str(tmp_path / "z.safetensors"))
     for name in PYTHON_ONLY:
         err = _fails(capsys, "decode", tmp_path / "z.safetensors", "--model", tmp_path / name, "--out",

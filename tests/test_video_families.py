@@ -38,7 +38,6 @@ BY_NAME = {
     "AutoencoderRAE": "its encoder is a pretrained ViT",
     "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
     "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",
-    "Kandinsky6SRVAE": "its causal convolutions carry their padding state",
 }
 
 

@@ -237,3 +237,15 @@ def kvae_video():
 
     torch.manual_seed(0)
     return d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 2, 2), num_res_blocks=1, z_channels=4).eval()
+
+
+def kandinsky6_sr(seed: int = 0):
+    """A tiny seeded Kandinsky 6 SR VAE (8x in space, 4x in time): its cached causal convolutions, RMS
+    norms (gains randomised), spatial norms of the latent, resnets with a 1x1 shortcut, downsamplers and
+    upsamplers in space and time and in space only; its decode / encode a loop over 16-frame segments."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(seed)
+    return _gains(d.Kandinsky6SRVAE(latent_channels=4, encoder_block_out_channels=(8, 16, 16, 32),
+                                    decoder_block_out_channels=(8, 16, 16, 32), layers_per_block=1))

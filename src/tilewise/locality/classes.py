@@ -33,10 +33,6 @@ REFUSED_VIDEO: dict[str, str] = {
         "it is a diffusion decoder (LTX-2.5: pixels denoised over steps from noise, conditioned on the "
         "latents, by LTX2VideoDiffusionDecodePipeline), not one pass of local operators: no tile program "
         "reproduces it; decode with the wrapped model"),
-    "Kandinsky6SRVAE": (
-        "its causal convolutions carry their padding state between 16-frame segments (a chunked loop "
-        "with caches, Kandinsky6SRCausalConv3d), which the lowering does not reach yet; use the wrapped "
-        "VAE"),
 }
 REFUSED_IMAGE: dict[str, str] = {
     **{name: AUDIO for name in (
@@ -68,4 +64,8 @@ PYTHON_ONLY: dict[str, str] = {
                            "encode yet (no test builds one)",
     "AutoencoderKLCogVideoX": "its programs depend on each call's first chunk (lowered per frame count), "
                               "which the CLI's video decode / encode are not tried with yet",
+    "AutoencoderKLKVAEVideo": "its programs depend on each call's first chunk (lowered per frame count), "
+                              "which the CLI's video decode / encode are not tried with yet",
+    "Kandinsky6SRVAE": "its latents files and folders are not tried through the CLI's video decode / encode "
+                       "yet (no test builds one)",
 }

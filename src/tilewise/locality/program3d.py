@@ -80,6 +80,9 @@ class VideoProgram(Program):
             made, ins = frames[op.dst][step], [frames[v][step] for v in op.src]
             passes = getattr(op, "label", None) == "frames 1:" and step > 0 or op.kind.value == "cat" and \
                 len(ins) > 1 and sorted(ins)[:-1] == [0] * (len(ins) - 1)
+            desc = op.describe()
+            if step > 0 and desc.startswith("frames 1:, "):  # (merged with what follows: that, after step 0)
+                desc = desc[len("frames 1:, "):]
             if made and not passes:
-                out.append((op.kind.value, op.describe(), made))
+                out.append((op.kind.value, desc, made))
         return sorted(out)

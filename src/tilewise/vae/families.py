@@ -56,6 +56,9 @@ from .video_calls import (
     cog_note,
     hunyuan15_frames,
     hunyuan_note,
+    k6_decode,
+    k6_encode,
+    k6_frames,
     kvae_check,
     kvae_chunk,
     kvae_decode,
@@ -164,6 +167,10 @@ FAMILIES: dict[str, Family] = {
     # the steps' caches; encode returns the posterior of its latent with log-variance 0
     "AutoencoderKLKVAEVideo": Family(decode=kvae_decode, encode=kvae_encode, video=True, chunk=kvae_chunk,
                                      check=kvae_check, frames=kvae_frames, encoded="mean"),
+    # Kandinsky 6 SR: the whole video in one pass: its loop over 16-frame segments carries each causal
+    # convolution's frames over (one convolution over every frame; its norms RMS over the channels), its
+    # first segment's first frame apart; encode takes 1 + 4 k frames (`frames`)
+    "Kandinsky6SRVAE": Family(decode=k6_decode, encode=k6_encode, video=True, frames=k6_frames),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     "AutoencoderKLHunyuanImageRefiner": VIDEO,
     # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame

@@ -46,8 +46,8 @@ from .video_fold import fold_rule
 from .video_pools import columns_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
-from .video_writes import empty_rule, front_rule, front_cat, write_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
+from .video_writes import empty_rule, front_cat, front_rule, write_rule
 
 
 def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
@@ -198,10 +198,13 @@ def _repeat_interleave(low: Lowering, i: int, call: Call) -> bool | str:
     x, n, dim = arg_of(call, 0, "input"), arg_of(call, 1, "repeats"), arg_of(call, 2, "dim")
     if not isinstance(x, Ref) or low.spatial(x.node) is None or dim not in (2, -3):
         return False
+    if x.node in low.frame_refs and low.cap.values[x.node].shape[2] == 1:
+        return False  # (one frame of a value n times: a repeat of it, the 2-D rules' (Cosmos' patcher))
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return f"repeat_interleave of a video value's frames by {n!r} (a number of times is placed)"
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "repeat_interleave"),
-                     fn=lambda t, ctx, n=n: t.repeat_interleave(n, dim=2), frames_fn=lambda t, step, n=n: t * n,
+                     fn=lambda t, ctx, n=n: t.repeat_interleave(n, dim=2),
+                     frames_fn=lambda t, step, n=n: t * n,
                      label=f"frames each x{n}")
     low.set(call.outs[0], out)
     return True
@@ -220,8 +223,11 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     if fronted is not None:
         return fronted
     parts, src = [], None
+    sliced = {low.frame_refs[t.node][0] for t in tensors if t.node in low.frame_refs}
     for t in tensors:
         ref = low.frame_refs.get(t.node, (t.node, None, None, 1) if low.spatial(t.node) else None)
+        if t.node in sliced and low.spatial(t.node):  # (a value whose own frames are the others': itself)
+            ref = (t.node, None, None, 1)
         if ref is None:
             return "a concatenation along time of a value that is not a video value"
         if src not in (None, ref[0]) and (joined := _parts_cat(low, call, tensors)) is not None:
@@ -405,7 +411,8 @@ VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
                "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
-               "new_empty": empty_rule, "__setitem__": lambda low, i, call: write_rule(low, i, call, _frames_cat), **{a: pad_alias for a in ("to", "contiguous")}}
+               "new_empty": empty_rule, "__setitem__": lambda low, i, c: write_rule(low, i, c, _frames_cat),
+               **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,

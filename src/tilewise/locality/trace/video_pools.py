@@ -5,7 +5,8 @@
   (B T, C / g, g, H, W), reduced by `mean(dim=2)`: the mean of each group of channels (a `Rearrange`);
 - with its positions in the batch for a computation along time, `x.permute(0, 3, 4, 1, 2).reshape(B H W,
   C, T)` (each position's frames in a row): its frames sliced (`[..., a:b]`: a value's first frame and
-  the others are the first step's, `video._frames`), averaged in windows of k frames (`avg_pool1d` of
+  the others are the first step's, `video._frames`; the first squeezed, `[..., 0]`, and back, `[..., None]`:
+  CogVideoX's), averaged in windows of k frames (`avg_pool1d` of
   kernel = stride k: a `Rearrange` of the frames, t -> t // k), concatenated back in order (the parts
   of one split of frames: a `FrameCat`) and `.view(B, H, W, C, T').permute(0, 3, 4, 1, 2)` back to the
   video value. Any other call on such a value is refused by name, finally.
@@ -61,7 +62,8 @@ def group_call(low: Lowering, i: int, call: Call) -> None:
                       "mean over each group (mean(dim=2))", final=True)
     c = int(low.cap.values[src].shape[1]) // g
     out = low.b.emit(Rearrange, (low.spatial(src),), op_name(call, "mean"), channels=c,
-                     fn=lambda t, ctx, c=c, g=g: t.unflatten(1, (c, g)).mean(2), label=f"mean of {g} channels")
+                     fn=lambda t, ctx, c=c, g=g: t.unflatten(1, (c, g)).mean(2),
+                     label=f"mean of {g} channels")
     low.set(call.outs[0], out)
     low.batched[call.outs[0]] = low.batched[src]
 
@@ -77,8 +79,29 @@ def columns_rule(low: Lowering, i: int, call: Call) -> bool:
     if len(readers) != 1 or readers[0].name not in RESHAPES or len(readers[0].outs) != 1 or tuple(
             low.cap.values[readers[0].outs[0]].shape) != (b * h * w, c, t):
         return False
+    if not _placed(low, i, call.outs[0]):  # (other calls on the rows: the module around them measured)
+        return False
     low.columns[call.outs[0]] = (low.spatial(x.node), "permuted")
     return True
+
+
+def _placed(low: Lowering, i: int, node: int) -> bool:
+    """Whether every call on what the columns' calls after call i make of node, up to the permute back,
+    is one `column_call` places (frame slices, avg_pool1d of whole windows, cat, reshapes)."""
+    nodes = {node}
+    for c in low.cap.calls[i + 1 :]:
+        if not nodes & set(c.refs()):
+            continue
+        if c.name == "permute":
+            return True
+        idx = arg_of(c, 1, "indices")
+        item = c.name == "__getitem__" and (_span(idx) is not None or idx in ((Ellipsis, 0), (Ellipsis, None)))
+        ok = c.name in RESHAPES or c.name in ("cat", "concat", "concatenate") or item or (
+            c.name == "avg_pool1d" and _pool(c) is not None)
+        if not ok:
+            return False
+        nodes.update(c.outs)
+    return False
 
 
 def column_call(low: Lowering, i: int, call: Call) -> None:
@@ -99,10 +122,21 @@ def column_call(low: Lowering, i: int, call: Call) -> None:
         low.columns[out] = (made, "rows")
         if (a, b) in ((None, 1), (0, 1), (1, None)):
             low.frame_parts[out] = (nodes[0], 0 if b == 1 else 1, 2)
+    elif layout == "rows" and call.name == "__getitem__" and arg_of(call, 1, "indices") == (Ellipsis, 0):
+        fn, frames_fn = _frames(None, 1)  # (the first frame, squeezed: CogVideoX's downsampler's)
+        made = low.b.emit(Rearrange, (name,), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
+                          label="frames :1")
+        low.columns[out] = (made, "squeezed")
+        low.frame_parts[out] = (nodes[0], 0, 2)
+    elif layout == "squeezed" and call.name == "__getitem__" and arg_of(call, 1, "indices") == (Ellipsis,
+                                                                                                 None):
+        low.columns[out] = (name, "rows")
+        low.frame_parts[out] = low.frame_parts[nodes[0]]
     elif layout == "rows" and call.name == "avg_pool1d" and _pool(call) is not None:
         k = _pool(call)
-        made = low.b.emit(Rearrange, (name,), op_name(call, "avg_pool"), frames_fn=lambda t, step, k=k: t // k,
-                          fn=lambda t, ctx, k=k: F.avg_pool3d(t, (k, 1, 1)) if t.shape[2] >= k else t[:, :, :0],
+        made = low.b.emit(Rearrange, (name,), op_name(call, "avg_pool"),
+                          frames_fn=lambda t, step, k=k: t // k,
+                          fn=lambda t, ctx, k=k: _mean_frames(t, k),
                           label=f"mean of {k} frames")
         low.columns[out] = (made, "rows")
         if nodes[0] in low.frame_parts:
@@ -123,6 +157,8 @@ def column_call(low: Lowering, i: int, call: Call) -> None:
 
 def _span(idx) -> tuple | None:
     """(a, b) of x[..., a:b] (the last axis: frames), or None."""
+    if idx == (Ellipsis, 0):
+        return None
     if not isinstance(idx, tuple) or len(idx) != 2 or idx[0] is not Ellipsis or not isinstance(idx[1], slice):
         return None
     sl = idx[1]
@@ -147,3 +183,8 @@ def _parts(low: Lowering, call: Call) -> bool:
     return all(p is not None for p in parts) and len({p[0] for p in parts}) == 1 and [
         p[1] for p in parts] == list(range(len(parts)))
 
+
+
+def _mean_frames(t, k: int):
+    """The mean of each window of k frames of a (B, C, T, H, W) value (none where fewer than k)."""
+    return F.avg_pool3d(t, (k, 1, 1)) if t.shape[2] >= k else t[:, :, :0]
