@@ -23,6 +23,7 @@ from .state import Lowering, arg_of, op_name, permutation, refused
 
 COLUMNS = (0, 3, 4, 1, 2)  # (B, C, T, H, W) -> (B, H, W, C, T)
 RESHAPES = ("reshape", "view")
+SQUEEZES = ((Ellipsis, 0), (Ellipsis, None))  # (the rows' first frame squeezed, and back)
 
 
 def shuffle_batched(low: Lowering, i: int, call: Call, src: int) -> bool | str:
@@ -95,7 +96,7 @@ def _placed(low: Lowering, i: int, node: int) -> bool:
         if c.name == "permute":
             return True
         idx = arg_of(c, 1, "indices")
-        item = c.name == "__getitem__" and (_span(idx) is not None or idx in ((Ellipsis, 0), (Ellipsis, None)))
+        item = c.name == "__getitem__" and (_span(idx) is not None or idx in SQUEEZES)
         ok = c.name in RESHAPES or c.name in ("cat", "concat", "concatenate") or item or (
             c.name == "avg_pool1d" and _pool(c) is not None)
         if not ok:
