@@ -19,9 +19,13 @@ AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents ov
 # why no tile program reproduces a class (video: whether it is a 3-D VAE); refused by name
 REFUSED_VIDEO: dict[str, str] = {
     "AutoencoderVidTok": (
-        "its encoder and decoder run a chunked causal loop over frames whose layers carry caches between "
-        "chunks (VidTokEncoder3D / VidTokDecoder3D), which the lowering does not reach yet; use the "
-        "wrapped VAE"),
+        "without its own use_tiling its decode and encode are one pass (its loop over temporal chunks with "
+        "carried caches runs only under use_tiling, its spatial tiles blended), but the trace does not place its layers yet: its resnets' 2-D halves norm "
+        "frames in the batch with a LayerNorm over the channels through a channels-last permute "
+        "(VidTokLayerNorm, the call 'permute' at 'encoder.down.0.block.0.norm1'), their 1-D halves run "
+        "VidTokCausalConv1d on each position's frames as rows, VidTokUpsample3D interpolates trilinearly in "
+        "time, VidTokDownsample3D takes avg_pool3d over frames, and the mid-block attention reshapes its "
+        "tokens to (B, T, H W, C) (the call 'reshape' at 'decoder.mid.attn_1'); use the wrapped VAE"),
     "AutoencoderKLMiniMaxH3": (
         "its decoder is a ViT (MiniMaxH3VideoViTDecoder3d: full self-attention over every latent voxel of a "
         "clip, with register tokens), so each output pixel reads the whole clip: no tile program reproduces "
