@@ -20,8 +20,9 @@ AUDIO = ("an audio VAE: its values are waveforms or spectrograms (1-D latents ov
 REFUSED_VIDEO: dict[str, str] = {
     "AutoencoderVidTok": (
         "without its own use_tiling its decode and encode are one pass (its loop over temporal chunks with "
-        "carried caches runs only under use_tiling, its spatial tiles blended), but the trace does not place its layers yet: its resnets' 2-D halves norm "
-        "frames in the batch with a LayerNorm over the channels through a channels-last permute "
+        "carried caches runs only under use_tiling, its spatial tiles blended), but the trace does not place "
+        "its layers yet: its resnets' 2-D halves norm frames in the batch with a LayerNorm over the "
+        "channels through a channels-last permute "
         "(VidTokLayerNorm, the call 'permute' at 'encoder.down.0.block.0.norm1'), their 1-D halves run "
         "VidTokCausalConv1d on each position's frames as rows, VidTokUpsample3D interpolates trilinearly in "
         "time, VidTokDownsample3D takes avg_pool3d over frames, and the mid-block attention reshapes its "

@@ -43,7 +43,7 @@ from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
-from .video_pools import columns_rule
+from .video_pools import columns_rule, repeat_interleave_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
@@ -189,23 +189,6 @@ def _repeat(low: Lowering, i: int, call: Call) -> bool | str:
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "repeat"),
                      fn=lambda t, ctx, n=n: t.repeat(1, 1, n, 1, 1), frames_fn=lambda t, step, n=n: t * n,
                      label=f"frames x{n}")
-    low.set(call.outs[0], out)
-    return True
-
-
-def _repeat_interleave(low: Lowering, i: int, call: Call) -> bool | str:
-    """x.repeat_interleave(n, dim=2): every frame n times in a row (KVAE's temporal upsampler)."""
-    x, n, dim = arg_of(call, 0, "input"), arg_of(call, 1, "repeats"), arg_of(call, 2, "dim")
-    if not isinstance(x, Ref) or low.spatial(x.node) is None or dim not in (2, -3):
-        return False
-    if x.node in low.frame_refs and low.cap.values[x.node].shape[2] == 1:
-        return False  # (one frame of a value n times: a repeat of it, the 2-D rules' (Cosmos' patcher))
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return f"repeat_interleave of a video value's frames by {n!r} (a number of times is placed)"
-    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "repeat_interleave"),
-                     fn=lambda t, ctx, n=n: t.repeat_interleave(n, dim=2),
-                     frames_fn=lambda t, step, n=n: t * n,
-                     label=f"frames each x{n}")
     low.set(call.outs[0], out)
     return True
 
@@ -407,7 +390,7 @@ def _triple(v) -> tuple[int, int, int]:
 
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat,
-               "repeat_interleave": _repeat_interleave, "cat": _frames_cat,
+               "repeat_interleave": repeat_interleave_rule, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
                "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,

@@ -1,4 +1,6 @@
-"""Poolings of a video value computed with its axes folded (KVAE video's downsampler):
+"""Samplings of a video value computed as KVAE video's and Kandinsky 6 SR's samplers compute them:
+
+- `x.repeat_interleave(n, dim=2)`: every frame n times in a row (a `Rearrange` of the frames);
 
 - with its frames in the batch (`video_batch`), `pixel_unshuffle` / `pixel_shuffle` of every frame (a
   `Rearrange` of space and channels), and a view of its channels into groups,
@@ -24,6 +26,23 @@ from .state import Lowering, arg_of, op_name, permutation, refused
 COLUMNS = (0, 3, 4, 1, 2)  # (B, C, T, H, W) -> (B, H, W, C, T)
 RESHAPES = ("reshape", "view")
 SQUEEZES = ((Ellipsis, 0), (Ellipsis, None))  # (the rows' first frame squeezed, and back)
+
+
+def repeat_interleave_rule(low: Lowering, i: int, call: Call) -> bool | str:
+    """x.repeat_interleave(n, dim=2): every frame n times in a row (KVAE's temporal upsampler)."""
+    x, n, dim = arg_of(call, 0, "input"), arg_of(call, 1, "repeats"), arg_of(call, 2, "dim")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None or dim not in (2, -3):
+        return False
+    if x.node in low.frame_refs and low.cap.values[x.node].shape[2] == 1:
+        return False  # (one frame of a value n times: a repeat of it, the 2-D rules' (Cosmos' patcher))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return f"repeat_interleave of a video value's frames by {n!r} (a number of times is placed)"
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "repeat_interleave"),
+                     fn=lambda t, ctx, n=n: t.repeat_interleave(n, dim=2),
+                     frames_fn=lambda t, step, n=n: t * n,
+                     label=f"frames each x{n}")
+    low.set(call.outs[0], out)
+    return True
 
 
 def shuffle_batched(low: Lowering, i: int, call: Call, src: int) -> bool | str:
