@@ -114,3 +114,49 @@ def test_decode_gradients_equal_the_stock_decodes(vae, tv):
     (vae.decode(z1).sample * w).sum().backward()
     (tv.decode(z2).sample * w).sum().backward()
     assert ((z1.grad - z2.grad).abs().max() / z1.grad.abs().max()).item() <= 1e-4
+
+
+def test_decode_to_streams_the_program_of_its_own_first_call(vae, tv, tmp_path):
+    # (9 latent frames: calls of 5 + 4, the program of a first call of 5; a 6-frame latent refused as decode)
+    import numpy as np
+
+    z = _z(9)
+    with torch.no_grad():
+        want = vae.decode(z).sample
+    with tw.open_video_sink(tmp_path / "v.npy", 33, 24, 40, 3, bits=32) as sink:
+        tv.decode_to(z, sink)
+    got = torch.from_numpy(np.load(tmp_path / "v.npy")).permute(3, 0, 1, 2)
+    assert (got - want[0]).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="the last of one latent frame"):
+        tv.decode_to(_z(6), None)
+
+
+class _Writes(torch.nn.Module):
+    """A convolution over a padded video value computed as KVAE's is, its first windows and the others
+    written into a torch.empty buffer by two conv3d; or (part) only the first of them written."""
+
+    def __init__(self, part: bool):
+        super().__init__()
+        self.conv, self.part = torch.nn.Conv3d(2, 3, (2, 3, 3)), part
+
+    def forward(self, x):
+        p = torch.nn.functional.pad(x, (1, 1, 1, 1))
+        buf = x.new_empty((x.shape[0], 3, x.shape[2] - 1, *x.shape[3:]))
+        buf[:, :, :2] = self.conv(p[:, :, :3])
+        if not self.part:
+            buf[:, :, 2:] = self.conv(p[:, :, 2:])
+        return buf * 2
+
+
+def test_frames_written_into_a_buffer_are_its_values_in_frame_order_or_refused_read_in_part():
+    from tilewise.locality import LoweringError
+    from tilewise.locality.trace import lower_traced
+
+    torch.manual_seed(0)
+    m, x = _Writes(part=False).eval(), torch.randn(1, 2, 6, 5, 7)
+    program = lower_traced(m, m, torch.empty(1, 2, 6, 5, 7, device="meta"))
+    with torch.no_grad():
+        assert (program.run_steps(x) - m(x)).abs().max().item() <= 1e-6
+    half = _Writes(part=True).eval()
+    with pytest.raises(LoweringError, match="a read of a buffer of video frames written in part"):
+        lower_traced(half, half, torch.empty(1, 2, 6, 5, 7, device="meta"))

@@ -294,7 +294,7 @@ class TiledVAE(ModelWrapper):
         T, H, W) video of one decode call's frames. `temb`: a timestep-conditioned decoder's (LTX-Video
         0.9.5+, LTX-2), as decode takes it.
         """
-        job = self.job("decode")
+        job = self.job("decode", _frames(z))  # (a chunked loop's program is its first call's)
         if self._video(Kind.DECODE):
             video.check(self.settings, job, z)
             with self._bound(job, temb, z):
