@@ -1,8 +1,10 @@
-"""`tilewise decode` / `encode --model` with the two video VAEs whose pipelines lay their latents out their
-own way (`pipelines.video_latents`): a tiny SVD temporal decoder and a tiny Cosmos VAE saved with
-save_pretrained; decode and encode equal the stock VAE's decode / encode of the same latents (fp32, <= 1e-4),
-SVD's in calls of --decode-chunk-size frames as its pipeline's decode_latents, Cosmos' scaled per channel and
-frame and by its scheduler's sigma_data; bad input refused naming the value, with its exit code."""
+"""`tilewise decode` / `encode --model` with the video VAEs whose pipelines lay their latents out their own
+way (`pipelines.video_latents`): a tiny SVD temporal decoder, a tiny Cosmos VAE, and tiny HunyuanVideo 1.5,
+Magvit and CogVideoX VAEs saved with save_pretrained; decode and encode equal the stock VAE's decode /
+encode of the same latents (fp32, <= 1e-4), SVD's in calls of --decode-chunk-size frames as its pipeline's
+decode_latents, Cosmos' scaled per channel and frame and by its scheduler's sigma_data, the other three by
+scaling_factor alone as their pipelines' decode steps; bad input refused naming the value, with its exit
+code."""
 
 import copy
 import json
@@ -16,10 +18,10 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-from video_vae_support import video_vae  # noqa: E402
+from video_vae_support import cogvideox_vae, magvit, video_vae  # noqa: E402
 
 from tilewise.cli import app  # noqa: E402
-from tilewise.errors import BadInputFile, BadRequest  # noqa: E402
+from tilewise.errors import BadInputFile, BadRequest, ModelProblem  # noqa: E402
 
 runner = CliRunner()
 TOL = 1e-4
@@ -177,3 +179,78 @@ def test_bad_input_is_refused_naming_the_value(folders, tmp_path, capsys):
                  code=BadInputFile.exit_code)
     assert "has 3 channels" in err and "4-channel latents" in err
     assert not out.exists()
+
+
+# HunyuanVideo15Pipeline's, EasyAnimatePipeline's and CogVideoXPipeline's VAEs
+SCALED = ("hunyuan15", "magvit", "cogvideox")
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    """The tiny HunyuanVideo 1.5, Magvit and CogVideoX VAEs of their Python tests (scaling_factor 0.5; the
+    CogVideoX config also naming a shift_factor and latents_mean / latents_std, which its pipelines never
+    read), each saved as a VAE folder when first asked for: name -> (folder, the VAE)."""
+    root, built = tmp_path_factory.mktemp("scaled"), {}
+
+    def folder(name: str):
+        if name not in built:
+            vae = cogvideox_vae() if name == "cogvideox" else copy.deepcopy(video_vae(name))
+            vae.register_to_config(scaling_factor=SF)
+            if name == "cogvideox":
+                vae.register_to_config(shift_factor=0.3, latents_mean=MEAN[:4], latents_std=STD[:4])
+            vae.save_pretrained(root / name)
+            built[name] = (root / name, vae)
+        return built[name]
+
+    return folder
+
+
+# (HunyuanVideo 1.5 slow: each CLI call lowers its decode and encode, and tracing its encoder runs the stock
+# mid-block's causal mask, built in a Python loop over the tokens: ~15 s of the 20 s on 2 cores; the same
+# layout is Magvit's and CogVideoX's, its folder's route the refusal test's)
+@pytest.mark.parametrize("name", [pytest.param("hunyuan15", marks=pytest.mark.slow), "magvit", "cogvideox"])
+def test_a_scaled_family_folder_decodes_and_encodes_as_its_pipeline(scaled, tmp_path, name):
+    """encode: 5 frames of 24x40 -> z = the posterior's mean * scaling_factor, (1, 4, 2, 3, 5) in 2x3 tiles
+    (the latents of CogVideoXVideoToVideoPipeline's, EasyAnimate's inpaint's, HunyuanVideo 1.5 image2video's
+    encodes); decode: 3 latent frames (CogVideoX's first call of 3) as the pipelines' decode steps,
+    vae.decode(z / scaling_factor)."""
+    folder, vae = scaled(name)
+    video = np.random.default_rng(5).uniform(-1, 1, (5, 24, 40, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", folder, "--out", tmp_path / "e.safetensors", "--tile", 2,
+         "--quiet")
+    with torch.no_grad():
+        want = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mode() * SF
+    got = load_file(str(tmp_path / "e.safetensors"))["latents"]
+    assert got.shape == want.shape == (1, 4, 2, 3, 5) and (got - want).abs().max() <= TOL
+    with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["normalised"] == "z * scaling_factor" and meta["vae"] == type(vae).__name__
+    z = torch.randn(1, 4, 3, 3, 5, generator=torch.Generator().manual_seed(6))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    text = _run("decode", tmp_path / "z.safetensors", "--model", folder, "--out", tmp_path / "x.npy",
+                "--bits", 32, "--tile", 2, "--quiet")
+    assert "tiles: 2x3" in text
+    with torch.no_grad():
+        want = vae.decode(z / SF).sample[0].permute(1, 2, 3, 0).numpy()
+    got = np.load(tmp_path / "x.npy")
+    assert got.shape == want.shape == (9, 24, 40, 3) and np.abs(got - want).max() <= TOL
+
+
+def test_what_the_scaled_families_cannot_take_is_refused_naming_it(scaled, tmp_path, capsys):
+    """A frame count HunyuanVideo 1.5's encoder cannot take (from the headers, before the VAE is lowered);
+    CogVideoX's pipeline latents left frames first; a Magvit whose GroupNorms span each chunk's frames."""
+    np.save(tmp_path / "v4.npy", np.zeros((4, 24, 40, 3), np.float32))
+    err = _fails(capsys, "encode", tmp_path / "v4.npy", "--model", scaled("hunyuan15")[0], "--out",
+                 tmp_path / "e.safetensors", code=BadInputFile.exit_code)
+    assert "v4.npy' has 4 frames: AutoencoderKLHunyuanVideo15 encodes 1 + 4 k frames" in err
+    save_file({"latents": torch.randn(1, 3, 4, 3, 5)}, str(tmp_path / "ff.safetensors"))  # (1, F, C, h, w)
+    err = _fails(capsys, "decode", tmp_path / "ff.safetensors", "--model", scaled("cogvideox")[0], "--out",
+                 tmp_path / "x.npy", code=BadInputFile.exit_code)
+    assert "has 3 channels (shape [1, 3, 4, 3, 5])" in err and "permute(0, 2, 1, 3, 4)" in err
+    magvit(spatial_group_norm=False).save_pretrained(tmp_path / "magvit")
+    save_file({"latents": torch.randn(1, 4, 2, 3, 5)}, str(tmp_path / "z.safetensors"))
+    err = _fails(capsys, "decode", tmp_path / "z.safetensors", "--model", tmp_path / "magvit", "--out",
+                 tmp_path / "x.npy", code=ModelProblem.exit_code)
+    assert "TiledVAE cannot tile AutoencoderKLMagvit: its GroupNorms (spatial_group_norm=False)" in err
+    assert not any(p.name.startswith(("e.", "x.")) for p in tmp_path.iterdir())

@@ -246,7 +246,8 @@ def _patch(b: Builder, x: str, p: int, channels: int, inverse: bool) -> str:
 # the 3-D VAEs tilewise tiles (`vae.families`), by name: the CLI reads this before any model loads
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video",
               "AutoencoderKLHunyuanImageRefiner", "AutoencoderKLHunyuanVideo", "AutoencoderKLMochi",
-              "AutoencoderKLCosmos")
+              "AutoencoderKLCosmos", "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
+              "AutoencoderKLCogVideoX")
 HAND_MODULES = ("WanEncoder3d", "WanDecoder3d", "QwenImageEncoder3d", "QwenImageDecoder3d")
 
 
@@ -257,7 +258,7 @@ def is_hand_module(module) -> bool:
 
 def is_video_vae(vae) -> bool:
     """Whether `vae` is a 3-D VAE tilewise tiles (Wan, Qwen-Image, LTX-Video, LTX-2, HunyuanImage refiner,
-    HunyuanVideo, Mochi, Cosmos)."""
+    HunyuanVideo 1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX)."""
     return type(vae).__name__ in VIDEO_VAES
 
 

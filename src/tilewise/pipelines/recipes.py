@@ -27,7 +27,7 @@ from .image_latents import as_input, encoded, from_file, latent_scale, patch, to
 from .image_latents import read as read_file_latents
 from .loading import Loaded
 from .options import GenerateOptions, GenerateResult, VaeFileOptions
-from .video import decode_video_file, encode_video_file
+from .video import decode_video_file, encode_video_file, tiled_vae
 from .video_latents import SVD
 
 logger = logging.getLogger(__name__)
@@ -255,11 +255,10 @@ def run_decode_file(loaded: Loaded | Any, options: VaeFileOptions):
 
 
 def _tiled_vae(vae, o: VaeFileOptions):
-    """A TiledVAE over `vae` with a file job's tiling, budget, staging and process group."""
-    from ..vae import TiledVAE  # (lazy: torch and the layers that import it, see the module docstring)
-
-    return TiledVAE(vae, tile_size=o.tile_size, mode=o.mode, memory_budget=o.budget, staging=o.staging,
-                    progress=o.progress, process_group=o.process_group)
+    """A TiledVAE over `vae` with a file job's tiling, budget, staging and process group (`tiled_vae`:
+    ModelProblem where its family refuses the VAE's configuration)."""
+    return tiled_vae(vae, tile_size=o.tile_size, mode=o.mode, memory_budget=o.budget, staging=o.staging,
+                     progress=o.progress, process_group=o.process_group)
 
 
 def load_image(path: str, multiple: int = 8, channels: int = 3):

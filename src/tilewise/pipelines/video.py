@@ -1,13 +1,15 @@
-"""The decode / encode recipes of the video VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video, HunyuanVideo,
-Mochi, Cosmos, SVD's temporal decoder): latents files, images and videos in, images and video sinks out.
+"""The decode / encode recipes of the video VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video, HunyuanVideo 1.0 /
+1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder): latents files, images and videos in,
+images and video sinks out.
 
 Latents files hold a `latents` tensor (B, C, T, H, W) (or one video's (C, T, H, W)), normalised as the
 pipeline's denoiser sees them: z = (raw - latents_mean) * scaling_factor / latents_std, per channel
 (Wan / Qwen-Image: their config's latents_mean / latents_std, scaling 1; LTX-Video: its latents_mean /
 latents_std buffers and config.scaling_factor); Cosmos' (per channel and frame, with the scheduler's
-sigma_data) and SVD's (its scaling_factor; decoded in calls of decode_chunk_size frames, encoded frame
-by frame) are laid out by `video_latents`. Videos are read by `frames` (a frame pattern, a .npy
-or a multi-page TIFF stack, an image as one frame); a decode of one frame writes an image (PNG, TIFF,
+sigma_data), SVD's (its scaling_factor; decoded in calls of decode_chunk_size frames, encoded frame
+by frame) and HunyuanVideo 1.5's, Magvit's and CogVideoX's (scaling_factor alone) are laid out by
+`video_latents`. Videos are read by `frames` (a frame pattern, a .npy or a multi-page TIFF stack, an
+image as one frame); a decode of one frame writes an image (PNG, TIFF,
 .npy), a decode of several frames a video sink (`tilewise.sinks.video`), frame blocks streamed.
 
 torch, safetensors.torch, and sinks, sources and vae (numpy, torch) are imported inside the functions that use
@@ -22,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_path, check_target
-from ..errors import BadRequest
+from ..errors import BadInputFile, BadRequest, ModelProblem
 from . import video_latents as vl
-from .frames import load_video
+from .frames import check_video, load_video
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +53,36 @@ def latent_norm(vae) -> tuple[Any, Any, float]:
     return mean.detach().reshape(shape).float().cpu(), std.detach().reshape(shape).float().cpu(), sf
 
 
-def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=None):
+def tiled_vae(vae, **settings):
+    """TiledVAE(vae, **settings); ModelProblem where no tile program reproduces the loaded VAE as its
+    config sets it up (its family's refusal, with the reason: `vae.families`)."""
+    from ..locality.build import LoweringError
     from ..vae import TiledVAE
 
+    try:
+        return TiledVAE(vae, **settings)
+    except LoweringError as e:
+        raise ModelProblem(f"the VAE of --model: {e}") from e
+
+
+def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=None):
     if staging == "disk":
         raise BadRequest(f"--staging disk is not available for {type(vae).__name__} (a 3-D VAE stages its "
                          f"values on the device or the host): use auto, device or host")
-    return TiledVAE(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
-                    progress=progress, process_group=process_group)
+    return tiled_vae(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
+                     progress=progress, process_group=process_group)
+
+
+def _check_frames(vae, path: str, frames: int) -> None:
+    """A video of `frames` frames the VAE's encode takes (HunyuanVideo 1.5's, Magvit's: 1 + 4 k frames,
+    `Family.frames`); BadInputFile naming the file otherwise."""
+    from ..vae.families import family_of
+    from ..vae.settings import Kind
+
+    family = family_of(vae)
+    why = family.frames(vae, Kind.ENCODE, frames) if family.frames is not None else ""
+    if why:
+        raise BadInputFile(f"{path!r} has {frames} frames: {why}")
 
 
 def _writes(tv) -> bool:
@@ -199,6 +223,7 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
     import torch
     from safetensors.torch import save_file
 
+    _check_frames(vae, path, check_video(path)[0])  # (from the headers, before the VAE is lowered)
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
     x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)
     name = type(vae).__name__
@@ -209,8 +234,9 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
         plan = tv.plan(tuple(x.shape), kind="encode")
         with torch.no_grad():
             raw = tv.encode(x).latent_dist.mode()
-        if name == vl.COSMOS:
-            latents, metadata = vl.file_of(vae, raw, vl.sigma_data({}, sigma_data))
+        if vl.has_own_layout(vae):  # (Cosmos': with the scheduler's sigma_data, recorded)
+            sigma = vl.sigma_data({}, sigma_data) if name == vl.COSMOS else None
+            latents, metadata = vl.file_of(vae, raw, sigma)
         else:
             mean, std, sf = latent_norm(vae)
             latents = ((raw.float().cpu() - mean) * sf / std).contiguous()

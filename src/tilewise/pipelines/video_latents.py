@@ -1,4 +1,4 @@
-"""The latents files of the two video VAEs whose pipelines lay their latents out their own way (`decode` /
+"""The latents files of the video VAEs whose pipelines lay their latents out their own way (`decode` /
 `encode --model`): what a file holds, and the raw latents the VAE decodes.
 
 - AutoencoderKLCosmos (CosmosTextToWorldPipeline, CosmosVideoToWorldPipeline: Cosmos 1.0; the Cosmos 2 /
@@ -16,6 +16,14 @@
   (decode_chunk_size; all the frames by default, as the pipeline's call), each with num_frames = its
   frames (the frames of one call mix, so the chunking is part of the result); encoded frame by frame (its
   encoder is 2-D: each frame an image), the posterior's mean.
+- AutoencoderKLHunyuanVideo15 (HunyuanVideo15Pipeline, its image2video), AutoencoderKLMagvit
+  (EasyAnimatePipeline, its inpaint / control) and AutoencoderKLCogVideoX (CogVideoXPipeline, its
+  image2video / video2video, CogVideoXFun): z = raw * scaling_factor, (1, C, T, h, w), nothing else:
+  their decode steps divide by scaling_factor alone (CogVideoX's config may name a shift_factor and
+  latents_mean / latents_std, which its pipelines never read; its pipelines' (1, F, C, h, w) latents go
+  here with their frames along T, as SVD's). CogVideoX 1.5's pipelines pad their latents with
+  patch_size_t - T % patch_size_t frames at the start and drop them before the decode step, but
+  output_type="latent" returns them padded: a file holds the frames the decode step takes.
 
 torch is imported inside the functions (see `pipelines.video`).
 """
@@ -30,12 +38,14 @@ from ..errors import BadInputFile
 logger = logging.getLogger(__name__)
 
 COSMOS, SVD = "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder"
-OWN_LAYOUT = (COSMOS, SVD)  # the classes whose latents files this module lays out
+# the classes whose pipelines scale their latents by scaling_factor alone (whatever else the config names)
+SCALED = (SVD, "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit", "AutoencoderKLCogVideoX")
+OWN_LAYOUT = (COSMOS, *SCALED)  # the classes whose latents files this module lays out
 SIGMA_DATA = 0.5  # EDMEulerScheduler's default sigma_data, that of the Cosmos 1.0 pipelines' scheduler
 
 
 def has_own_layout(vae) -> bool:
-    """Whether `vae`'s latents files are laid out here (Cosmos, SVD's temporal decoder)."""
+    """Whether `vae`'s latents files are laid out here (Cosmos, `SCALED`)."""
     return type(vae).__name__ in OWN_LAYOUT
 
 
@@ -93,7 +103,7 @@ def raw_of(vae, z, sigma: float | None = None):
     """A latents file's (1, C, T, h, w) tensor as the VAE decodes it (raw), float32 on the CPU; `sigma`:
     Cosmos' sigma_data (`sigma_data`)."""
     z = z.float()
-    if type(vae).__name__ == SVD:
+    if type(vae).__name__ in SCALED:
         return z / _scaling(vae)
     norm = cosmos_norm(vae, z.shape[2])
     return z / sigma if norm is None else z * norm[1] / sigma + norm[0]
@@ -104,7 +114,7 @@ def file_of(vae, raw, sigma: float | None = None) -> tuple[Any, dict[str, str]]:
     file's metadata (how it is normalised)."""
     raw = raw.detach().float().cpu()
     name = type(vae).__name__
-    if name == SVD:
+    if name in SCALED:
         sf = _scaling(vae)
         return (raw * sf).contiguous(), {"normalised": "z * scaling_factor", "scaling_factor": str(sf),
                                          "vae": name}
@@ -115,7 +125,7 @@ def file_of(vae, raw, sigma: float | None = None) -> tuple[Any, dict[str, str]]:
 
 
 def _scaling(vae) -> float:
-    """SVD's scaling_factor (its config's; 1 where it names none)."""
+    """The config's scaling_factor (1 where it names none)."""
     return float(vae.config.get("scaling_factor") or 1.0)
 
 

@@ -80,8 +80,11 @@ def _check_layout(shown: str, key: str, shape: tuple[int, ...], dtype: str, chan
         raise BadInputFile(f"{key!r} in {shown!r} is empty: shape {list(shape)}")
     c = shape[-rank]
     if channels is not None and c != channels:
+        # (a pipeline's frames-first (B, F, C, h, w) latents: CogVideoX's, SVD's; files hold (B, C, T, h, w))
+        hint = (" (frames first, as CogVideoX's and SVD's pipelines hold them? the file holds (1, C, T, h, "
+                "w): save latents.permute(0, 2, 1, 3, 4))" if video and shape[-3] == channels else "")
         raise BadInputFile(f"{key!r} in {shown!r} has {c} channels (shape {list(shape)}) but the model's "
-                           f"VAE decodes {channels}-channel latents")
+                           f"VAE decodes {channels}-channel latents{hint}")
 
 
 def _check_values(z: Any, shown: str, key: str) -> None:

@@ -294,7 +294,7 @@ class TiledVAE(ModelWrapper):
         T, H, W) video of one decode call's frames. `temb`: a timestep-conditioned decoder's (LTX-Video
         0.9.5+, LTX-2), as decode takes it.
         """
-        job = self.job("decode", _frames(z))  # (a chunked loop's program is its first call's)
+        job = self.job("decode", _frames(z))  # (a chunked loop's program is its first call's: per frames)
         if self._video(Kind.DECODE):
             video.check(self.settings, job, z)
             with self._bound(job, temb, z):
@@ -384,7 +384,7 @@ def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "de
         raise ValueError(f"world must be a positive int (ranks), got {world!r}")
     if tv.mode is not Mode.EXACT:
         raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode.value!r}")
-    job = tv.job(kind)
+    job = tv.job(kind, int(shape[2]) if len(shape) == 5 else None)
     item = torch.empty((), dtype=dtype or job.dtype).element_size()
     return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
 
