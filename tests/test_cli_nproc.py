@@ -118,6 +118,8 @@ def test_plan_per_rank_rows_and_staged_bytes(tmp_path):
     assert (tmp_path / "ranks.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # (60 s on 2 cores: four processes import torch; the ranks' video decode is tested in
+# process by tests/test_distributed_video.py, --nproc's launch by the generate test above)
 def test_video_vae_decode_on_two_ranks_equals_one_process(tmp_path):
     """A 3-D VAE (Wan 2.1 layout) under --nproc 2: each rank its band of tile rows with its causal caches,
     rank 0 writes the .npy stack (encode on ranks: tests/test_distributed_video.py)."""

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from diffusers.models.autoencoders.vae import IdentityDistribution  # noqa: E402
-from video_vae_support import cosmos, video_vae  # noqa: E402
+from video_vae_support import cosmos, latent, same_gradients, video, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
@@ -19,20 +19,12 @@ from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 TOL = 1e-4
 
 
-def _latent(frames, h, w, seed=0, batch=1):
-    return torch.randn(batch, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-def _video(frames, h, w, seed=0):
-    return torch.rand(1, 3, frames, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
-
-
 # odd latent sizes, tiles of 2 latent px (a 3 x 2 grid); 1, 2, 3 latent frames (1, 9, 17 out); a batch of two
 @pytest.mark.parametrize("frames,batch", [(1, 1), (2, 1), (3, 2)])
 def test_cosmos_decode_is_exact(frames, batch):
     vae = video_vae("cosmos")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    z = _latent(frames, 5, 3, seed=frames, batch=batch)
+    z = latent(frames, 5, 3, seed=frames, batch=batch)
     with torch.no_grad():
         ref = vae.decode(z).sample
         out = tv.decode(z).sample
@@ -57,7 +49,7 @@ def test_cosmos_decode_is_exact(frames, batch):
 def test_cosmos_encode_is_exact(frames):
     vae = video_vae("cosmos")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
-    x = _video(frames, 24, 16, seed=frames)
+    x = video(frames, 24, 16, seed=frames)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist
         out = tv.encode(x).latent_dist
@@ -74,22 +66,9 @@ def test_cosmos_encode_is_exact(frames):
 def test_forward_encodes_and_decodes_on_the_tiled_paths():
     vae = video_vae("cosmos")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
-    x = _video(9, 16, 16, seed=11)
+    x = video(9, 16, 16, seed=11)
     with torch.no_grad():
         assert (tv(x).sample - vae(x).sample).abs().max() <= TOL
-
-
-def _same_gradients(vae, tv, inp, params, loss):
-    """Every gradient within TOL of its scale: its max abs, floored at 1e-3 of the largest parameter
-    gradient's (as tests/test_vae_gradients.py: an attention key projection's gradient is near zero, softmax
-    being shift invariant, and the float noise of a sum over many tiles there has no scale of its own)."""
-    grads = []
-    for m in (vae, tv):
-        t = inp.clone().requires_grad_(True)
-        grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
-    floor = 1e-3 * max(float(w.abs().max()) for w in grads[0][1:])
-    for a, b in zip(*grads, strict=True):
-        assert (a - b).abs().max() <= TOL * max(float(b.abs().max()), floor)
 
 
 def test_gradients_through_the_decode_equal_the_stock_vae():
@@ -97,7 +76,7 @@ def test_gradients_through_the_decode_equal_the_stock_vae():
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
     mid = vae.decoder.mid_block
     w = torch.randn(1, 3, 9, 24, 32, generator=torch.Generator().manual_seed(5))
-    _same_gradients(vae, tv, _latent(2, 3, 4, seed=4),
+    same_gradients(vae, tv, latent(2, 3, 4, seed=4),
                     [mid.attentions[0].to_k.weight, mid.temp_attentions[0].to_q.weight,
                      mid.attentions[0].norm.norm.weight, vae.decoder.conv_in.conv_s.weight],
                     lambda m, t: (m.decode(t).sample * w).sum())
@@ -131,7 +110,7 @@ def test_a_mask_other_than_the_causal_one_is_refused_at_construction():
 def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
     vae = video_vae("cosmos")
     p = tw.TiledVAE(vae, progress=False).program("decode")
-    z = _latent(2, 3, 4, seed=3)
+    z = latent(2, 3, 4, seed=3)
     with torch.no_grad():
         ref = vae.decode(z).sample
         for order, staging in (("frames", "host"), ("tiles", "device")):
@@ -146,7 +125,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
     vae = video_vae("cosmos")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     e, block = vae.encoder, vae.encoder.down_blocks[1]
-    _same_gradients(vae, tv, _video(9, 16, 16, seed=6),
+    same_gradients(vae, tv, video(9, 16, 16, seed=6),
                     [block.attentions[0].to_v.weight, block.temp_attentions[0].to_k.weight,
                      e.norm_out.norm.bias, e.conv_in.conv_t.weight],
                     lambda m, t: m.encode(t).latent_dist.mode().square().sum())

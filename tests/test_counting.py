@@ -85,7 +85,8 @@ def test_gpu_plans_run_whole_tiles_and_no_im2col_bands():
         z = torch.randn(1, 4, 16, 16, device="meta")
         convs = sum(op.kind == "conv" for op in lower(vae.decoder).ops) + 1  # and post_quant_conv
         runs = {}
-        banded = CPU.replace(conv_workspace=64 << 10, band_bytes=256 << 10)
+        # (bands of 4 MiB: a few per tile, enough to show them; smaller bands count many more ops, slowly)
+        banded = CPU.replace(conv_workspace=1 << 20, band_bytes=4 << 20)
         for name, prof in (("cuda", CUDA), ("cpu", banded)):
             tv = tw.TiledVAE(vae, tile_size=8, progress=False, device_kind=prof)
             runs[name] = (tv.plan(tuple(z.shape)), _counted("meta", tv.decode, z))
@@ -93,7 +94,7 @@ def test_gpu_plans_run_whole_tiles_and_no_im2col_bands():
     assert plan.band_bytes is None and plan.grid == (2, 2)
     assert c.ops["convolution"] == 4 * convs  # every conv once per tile: no bands of any kind
     small_plan, small = runs["cpu"]
-    assert small_plan.band_bytes == 256 << 10 and small.ops["convolution"] > 4 * convs
+    assert small_plan.band_bytes == 4 << 20 and small.ops["convolution"] > 4 * convs
     assert small.launches > c.launches
 
 

@@ -124,7 +124,9 @@ def reference():
     return {name: _run(name, None) for name in CASES}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# (3 ranks, bands of unequal rows: -m slow, 35 s on 2 cores; tests/test_distributed_video.py runs 3 ranks
+# of a 3-D VAE by default)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tiled_vae_on_n_ranks_equals_single_process(world, reference):
     from vae_support import kl_vae
 

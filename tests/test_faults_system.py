@@ -46,7 +46,10 @@ def _wait(proc, ready, what):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+# (SIGTERM's 143 is tested by default on the frame-pattern decode below, SIGINT's 130 there with -m slow:
+# each code once by default, each ~10 s of a subprocess on 2 cores)
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130),
+                                         pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)],
                          ids=["SIGINT", "SIGTERM"])
 def test_signal_during_a_disk_staged_decode_cleans_up_and_exits_128_plus_signum(tmp_path, signum, code):
     """The issue: Ctrl-C exited 0, SIGTERM left the .part file and the disk-staging folder (39 MB)."""
@@ -187,7 +190,8 @@ def _video_latents(path, t, h, w):
     save_file({"latents": z}, str(path))
 
 
-@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143),
+                                         pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],
                          ids=["SIGTERM", "SIGINT"])
 def test_signal_during_a_frame_pattern_decode_keeps_the_users_frame(tmp_path, wan_folder, signum, code):
     """The issue: SIGTERM during a frame-pattern decode where fr/f0000.png existed removed the user's file

@@ -8,20 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from video_vae_support import video_vae  # noqa: E402
+from video_vae_support import latent, same_gradients, video, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 
 TOL = 1e-4
-
-
-def _latent(frames, h, w, seed=0, batch=1):
-    return torch.randn(batch, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-def _video(frames, h, w, seed=0):
-    return torch.rand(1, 3, frames, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
 # odd latent sizes, tiles of 2 latent px (a 2 x 3 grid); 1, 2, 3 latent frames (1, 5, 9 out: its temporal
@@ -31,7 +23,7 @@ def _video(frames, h, w, seed=0):
 def test_hunyuan15_decode_is_exact(frames):
     vae = video_vae("hunyuan15")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    z = _latent(frames, 3, 5, seed=frames)
+    z = latent(frames, 3, 5, seed=frames)
     with torch.no_grad():
         ref = vae.decode(z).sample
         out = tv.decode(z).sample
@@ -47,7 +39,7 @@ def test_hunyuan15_decode_is_exact(frames):
 def test_hunyuan15_encode_is_exact(frames):
     vae = video_vae("hunyuan15")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    x = _video(frames, 24, 40, seed=frames)
+    x = video(frames, 24, 40, seed=frames)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist
         out = tv.encode(x).latent_dist
@@ -61,7 +53,7 @@ def test_a_frame_count_its_encoder_does_not_take_is_refused_at_the_call():
     the call, naming the counts it takes, never returns latents the stock VAE would not make."""
     vae = video_vae("hunyuan15")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    x = _video(4, 24, 40)
+    x = video(4, 24, 40)
     with torch.no_grad(), pytest.raises(RuntimeError, match="is invalid for input of size"):
         vae.encode(x)
     with pytest.raises(ValueError, match=r"encode\(\): AutoencoderKLHunyuanVideo15 encodes 1 \+ 4 k frames"):
@@ -82,7 +74,7 @@ def test_analyze_reports_its_program():
 def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
     vae = video_vae("hunyuan15")
     p = tw.TiledVAE(vae, progress=False).program("decode")
-    z = _latent(2, 3, 5, seed=3)
+    z = latent(2, 3, 5, seed=3)
     with torch.no_grad():
         ref = vae.decode(z).sample
         for order, staging in (("frames", "host"), ("tiles", "device")):
@@ -92,21 +84,12 @@ def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
         assert (fast.decode(z).sample - ref).abs().max() <= TOL
 
 
-def _same_gradients(vae, tv, inp, params, loss):
-    grads = []
-    for m in (vae, tv):
-        t = inp.clone().requires_grad_(True)
-        grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
-    for a, b in zip(*grads, strict=True):
-        assert (a - b).abs().max() <= TOL * b.abs().max()
-
-
 def test_gradients_through_the_decode_equal_the_stock_vae():
     vae = video_vae("hunyuan15")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     d = vae.decoder
     w = torch.randn(1, 3, 5, 16, 16, generator=torch.Generator().manual_seed(5))
-    _same_gradients(vae, tv, _latent(2, 2, 2, seed=4),
+    same_gradients(vae, tv, latent(2, 2, 2, seed=4),
                     [d.mid_block.attentions[0].to_k.weight, d.up_blocks[0].upsamplers[0].conv.conv.weight,
                      d.up_blocks[1].resnets[0].norm1.gamma, d.conv_in.conv.weight],
                     lambda m, t: (m.decode(t).sample * w).sum())
@@ -116,7 +99,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
     vae = video_vae("hunyuan15")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
     e = vae.encoder
-    _same_gradients(vae, tv, _video(5, 16, 24, seed=6),
+    same_gradients(vae, tv, video(5, 16, 24, seed=6),
                     [e.mid_block.attentions[0].to_v.weight, e.down_blocks[1].downsamplers[0].conv.conv.weight,
                      e.norm_out.gamma, e.conv_in.conv.weight],
                     lambda m, t: m.encode(t).latent_dist.mode().square().sum())

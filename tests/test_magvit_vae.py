@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from video_vae_support import magvit, video_vae  # noqa: E402
+from video_vae_support import latent, magvit, same_gradients, video, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
@@ -19,14 +19,6 @@ from tilewise.locality.ops3d_sync import FrameGroupNorm  # noqa: E402
 from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 
 TOL = 1e-4
-
-
-def _latent(frames, h, w, seed=0):
-    return torch.randn(1, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-def _video(frames, h, w, seed=0):
-    return torch.rand(1, 3, frames, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
 def _caches(vae) -> list:
@@ -41,7 +33,7 @@ def test_magvit_decode_is_exact(frames):
     vae = video_vae("magvit")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
     assert all(c is None for c in _caches(vae))  # (tracing it leaves no cache behind)
-    z = _latent(frames, 3, 5, seed=frames)
+    z = latent(frames, 3, 5, seed=frames)
     with torch.no_grad():
         ref = vae.decode(z).sample
         out = tv.decode(z).sample
@@ -56,7 +48,7 @@ def test_magvit_decode_is_exact(frames):
 def test_magvit_encode_is_exact(frames):
     vae = video_vae("magvit")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    x = _video(frames, 24, 40, seed=frames)
+    x = video(frames, 24, 40, seed=frames)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist
         out = tv.encode(x).latent_dist
@@ -70,7 +62,7 @@ def test_a_frame_count_its_encode_loop_does_not_take_is_refused_at_the_call():
     stride over (it fails); the tiled encode refuses the call, naming the counts it takes."""
     vae = video_vae("magvit")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    x = _video(3, 16, 16)
+    x = video(3, 16, 16)
     with torch.no_grad(), pytest.raises(ValueError, match="expected a non-empty list of Tensors"):
         vae.encode(x)
     vae._clear_conv_cache()  # (the failed stock call leaves its caches behind)
@@ -102,21 +94,12 @@ def test_per_chunk_group_norms_are_refused_by_name():
         tw.TiledVAE(magvit(spatial_group_norm=False), progress=False)
 
 
-def _same_gradients(vae, tv, inp, params, loss):
-    grads = []
-    for m in (vae, tv):
-        t = inp.clone().requires_grad_(True)
-        grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
-    for a, b in zip(*grads, strict=True):
-        assert (a - b).abs().max() <= TOL * b.abs().max()
-
-
 def test_gradients_through_the_decode_equal_the_stock_vae():
     vae = video_vae("magvit")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     d = vae.decoder
     w = torch.randn(1, 3, 5, 16, 16, generator=torch.Generator().manual_seed(5))
-    _same_gradients(vae, tv, _latent(2, 2, 2, seed=4),
+    same_gradients(vae, tv, latent(2, 2, 2, seed=4),
                     [d.conv_in.weight, d.up_blocks[1].upsampler.conv.weight,
                      d.mid_block.convs[0].norm1.weight, vae.post_quant_conv.weight],
                     lambda m, t: (m.decode(t).sample * w).sum())
@@ -126,7 +109,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
     vae = video_vae("magvit")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     e = vae.encoder
-    _same_gradients(vae, tv, _video(5, 16, 24, seed=6),
+    same_gradients(vae, tv, video(5, 16, 24, seed=6),
                     [e.conv_in.weight, e.down_blocks[1].downsampler.conv.weight, e.conv_norm_out.bias,
                      vae.quant_conv.weight],
                     lambda m, t: m.encode(t).latent_dist.mode().square().sum())
@@ -136,7 +119,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
 def test_both_orders_and_stagings_are_exact_and_fast_mode_runs_exact():
     vae = video_vae("magvit")
     p = tw.TiledVAE(vae, progress=False).program("decode")
-    z = _latent(2, 3, 4, seed=3)
+    z = latent(2, 3, 4, seed=3)
     with torch.no_grad():
         ref = vae.decode(z).sample
         for order, staging in (("frames", "host"), ("tiles", "device")):

@@ -2,7 +2,7 @@
 decode and encode exactly (`test_vae_video.py`, `test_video_groupnorm.py`, `test_video_mochi.py`,
 `test_svd_vae.py`, `test_cosmos_vae.py`, `test_hunyuan15_vae.py`, `test_magvit_vae.py`); the others are
 refused when the TiledVAE is built, by name, with the call and module path that cannot be tiled and why,
-or by their table entry's reason (audio VAEs, ViT decoders, causal loops not lowered yet): never accepted
+or by their table entry's reason (audio VAEs, ViT decoders, layers not traced yet): never accepted
 and failing later."""
 
 import pytest
@@ -36,10 +36,8 @@ BY_NAME = {
     "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
     "AutoencoderRAE": "its encoder is a pretrained ViT",
-    "AutoencoderKLKVAEVideo": "its encoder and decoder run a chunked causal loop",
-    "AutoencoderVidTok": "its encoder and decoder run a chunked causal loop",
+    "AutoencoderVidTok": "without its own use_tiling its decode and encode are one pass",
     "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",
-    "Kandinsky6SRVAE": "its causal convolutions carry their padding state",
 }
 
 

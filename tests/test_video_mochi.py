@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from video_vae_support import mochi, video_vae  # noqa: E402
+from video_vae_support import latent, mochi, same_gradients, video, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
@@ -18,21 +18,13 @@ from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 TOL = 1e-4
 
 
-def _latent(frames, h, w, seed=0, batch=1):
-    return torch.randn(batch, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-def _video(frames, h, w, seed=0):
-    return torch.rand(1, 3, frames, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
-
-
 # odd latent sizes, tiles of 2 latent px (a 3 x 2 grid); one latent frame (the first 5 of 6 decoded frames
 # dropped: 1 frame out), two, three; a batch of two
 @pytest.mark.parametrize("frames,batch", [(1, 1), (2, 1), (3, 2)])
 def test_mochi_decode_is_exact(frames, batch):
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    z = _latent(frames, 5, 3, seed=frames, batch=batch)
+    z = latent(frames, 5, 3, seed=frames, batch=batch)
     with torch.no_grad():
         ref = vae.decode(z).sample
         out = tv.decode(z).sample
@@ -52,7 +44,7 @@ def test_a_latent_within_one_tile_decodes_exactly_untiled():
     # (the untiled program run: its GroupNorms of each frame take each frame's statistics there too; they
     # took them over every frame, 0.30 off the stock decode)
     vae = video_vae("mochi")
-    z = _latent(3, 4, 5)
+    z = latent(3, 4, 5)
     with torch.no_grad():
         ref = vae.decode(z).sample
         out = tw.TiledVAE(vae, tile_size=64, progress=False).decode(z).sample
@@ -64,7 +56,7 @@ def test_a_latent_within_one_tile_decodes_exactly_untiled():
 def test_mochi_encode_is_exact(frames):
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
-    x = _video(frames, 16, 24, seed=frames)
+    x = video(frames, 16, 24, seed=frames)
     with torch.no_grad():
         ref = vae.encode(x).latent_dist
         out = tv.encode(x).latent_dist
@@ -78,7 +70,7 @@ def test_mochi_encode_is_exact(frames):
 def test_both_orders_are_exact():
     vae = video_vae("mochi")
     p = tw.TiledVAE(vae, progress=False).program("decode")
-    z = _latent(2, 3, 4, seed=3)
+    z = latent(2, 3, 4, seed=3)
     with torch.no_grad():
         ref = vae.decode(z).sample
         for order, staging in (("frames", "host"), ("tiles", "device")):
@@ -86,21 +78,12 @@ def test_both_orders_are_exact():
             assert (ex.run(z).output - ref).abs().max() <= TOL
 
 
-def _same_gradients(vae, tv, inp, params, loss):
-    grads = []
-    for m in (vae, tv):
-        t = inp.clone().requires_grad_(True)
-        grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
-    for a, b in zip(*grads, strict=True):
-        assert (a - b).abs().max() <= TOL * b.abs().max()
-
-
 def test_gradients_through_the_decode_equal_the_stock_vae():
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
     d = vae.decoder
     w = torch.randn(1, 3, 7, 16, 24, generator=torch.Generator().manual_seed(5))
-    _same_gradients(vae, tv, _latent(2, 2, 3, seed=4), [d.up_blocks[0].resnets[0].norm1.norm_layer.weight,
+    same_gradients(vae, tv, latent(2, 2, 3, seed=4), [d.up_blocks[0].resnets[0].norm1.norm_layer.weight,
                                                          d.conv_in.weight],
                     lambda m, t: (m.decode(t).sample * w).sum())
 
@@ -109,7 +92,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
     e = vae.encoder
-    _same_gradients(vae, tv, _video(7, 16, 16, seed=6), [e.down_blocks[1].attentions[0].to_q.weight,
+    same_gradients(vae, tv, video(7, 16, 16, seed=6), [e.down_blocks[1].attentions[0].to_q.weight,
                                                           e.norm_out.norm_layer.bias, e.proj_in.weight],
                     lambda m, t: m.encode(t).latent_dist.mean.square().sum())
 
@@ -117,7 +100,7 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
 def test_fast_mode_runs_exact_and_the_plan_says_why():
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=2, mode="fast", progress=False)
-    z = _latent(1, 3, 3, seed=7)
+    z = latent(1, 3, 3, seed=7)
     with torch.no_grad():
         assert (tv.decode(z).sample - vae.decode(z).sample).abs().max() <= TOL
     assert "merged exactly over every tile of each step: the run is exact" in str(tv.plan(tuple(z.shape)))
@@ -128,7 +111,7 @@ def test_its_own_framewise_and_tiled_paths_are_noted_and_the_tiled_result_is_the
     (both approximate): TiledVAE equals the one pass and says so."""
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=1, progress=False)
-    z = _latent(3, 2, 3, seed=8)
+    z = latent(3, 2, 3, seed=8)
     try:
         with torch.no_grad():
             ref = vae.decode(z).sample
@@ -161,7 +144,7 @@ def test_the_framewise_modes_constant_padding_is_refused_by_name():
 def test_keeping_the_first_frames_is_followed():
     vae = video_vae("mochi")
     tv = tw.TiledVAE(vae, tile_size=2, progress=False)
-    z = _latent(2, 3, 2, seed=9)
+    z = latent(2, 3, 2, seed=9)
     vae.drop_last_temporal_frames = False
     try:
         with torch.no_grad():
@@ -193,7 +176,7 @@ def test_a_norm_of_each_frame_runs_in_a_program_of_several_steps():
     one = lower_traced(m, m, torch.empty(1, 4, 9, 13, 11, device="meta"))
     p = VideoProgram(ops=one.ops, input=one.input, output=one.output, in_channels=4, name="steps", first=1,
                      every=2)
-    x = _latent(7, 5, 6, seed=10, batch=2)
+    x = latent(7, 5, 6, seed=10, batch=2)
     with torch.no_grad():
         ref = m(x)
         res = VideoExecutor(p, 2, p.input, progress=False).run(x)
@@ -204,7 +187,7 @@ def _decode_on_ranks(rank: int, world: int):
     torch.set_num_threads(1)
     tv = tw.TiledVAE(video_vae("mochi"), tile_size=2, progress=False, process_group="default")
     with torch.no_grad():
-        return tv.decode(_latent(2, 5, 3, seed=11)).sample
+        return tv.decode(latent(2, 5, 3, seed=11)).sample
 
 
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -214,7 +197,7 @@ def test_a_process_group_merges_each_frames_statistics_over_the_ranks():
 
     vae = video_vae("mochi")
     with torch.no_grad():
-        ref = vae.decode(_latent(2, 5, 3, seed=11)).sample
+        ref = vae.decode(latent(2, 5, 3, seed=11)).sample
     res = td.spawn(_decode_on_ranks, 2, start_method="fork", limit=120.0, timeout=60)
     for out in res:
         assert out.shape == ref.shape and (out - ref).abs().max() <= TOL

@@ -19,6 +19,36 @@ def _gains(vae, seed: int = 1):
     return vae.eval()
 
 
+def latent(frames: int, h: int, w: int, seed: int = 0, batch: int = 1, channels: int = 4):
+    """A seeded (batch, channels, frames, h, w) Gaussian latent."""
+    import torch
+
+    return torch.randn(batch, channels, frames, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def video(frames: int, h: int, w: int, seed: int = 0):
+    """A seeded (1, 3, frames, h, w) video, uniform in [-1, 1]."""
+    import torch
+
+    return torch.rand(1, 3, frames, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def same_gradients(vae, tv, inp, params, loss, tol: float = 1e-4):
+    """The gradients of `loss(m, inp)` for inp and `params`, through the stock `vae` and the TiledVAE `tv`,
+    each within tol of its scale: its max abs, floored at 1e-3 of the largest parameter gradient's (as
+    tests/test_vae_gradients.py: an attention key projection's gradient is near zero, softmax being shift
+    invariant, and the float noise of a sum over many tiles there has no scale of its own)."""
+    import torch
+
+    grads = []
+    for m in (vae, tv):
+        t = inp.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(loss(m, t), [t, *params]))
+    floor = 1e-3 * max(float(w.abs().max()) for w in grads[0][1:])
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max() <= tol * max(float(b.abs().max()), floor)
+
+
 def wan(version: str = "2.1", seed: int = 0):
     """AutoencoderKLWan: 8x spatial / 4x temporal (2.1), or 2.2's 16x with patchify and residual blocks."""
     import torch
@@ -225,3 +255,27 @@ def refused_family(name: str):
     if name == "cogvideox-odd-calls":
         vae.num_latent_frames_batch_size = 3
     return vae
+
+
+def kvae_video():
+    """A tiny seeded KVAE video VAE (8x in space, 4x in time; its GroupNorms take 32 groups, so 32 and 64
+    channels): every block type, its cached causal convolutions, spatial norms of the latent, resnets with
+    a 1x1 shortcut, downsamplers and upsamplers in space and time and in space only; its decode a loop of
+    5 then 4 latent frames a call, encode of 17 then 16 video frames."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(0)
+    return d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 2, 2), num_res_blocks=1, z_channels=4).eval()
+
+
+def kandinsky6_sr(seed: int = 0):
+    """A tiny seeded Kandinsky 6 SR VAE (8x in space, 4x in time): its cached causal convolutions, RMS
+    norms (gains randomised), spatial norms of the latent, resnets with a 1x1 shortcut, downsamplers and
+    upsamplers in space and time and in space only; its decode / encode a loop over 16-frame segments."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(seed)
+    return _gains(d.Kandinsky6SRVAE(latent_channels=4, encoder_block_out_channels=(8, 16, 16, 32),
+                                    decoder_block_out_channels=(8, 16, 16, 32), layers_per_block=1))

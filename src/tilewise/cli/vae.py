@@ -67,30 +67,13 @@ def decode(
     Example: tilewise decode video.safetensors --model svd-folder --decode-chunk-size 8 --out video.npy
     """
     from ..pipelines import VaeFileOptions, load_vae, run_decode_file
-    from ..pipelines.folders import part_config, scheduler_sigma_data, vae_factor_of
-    from ..pipelines.image_latents import FRAMED
-    from ..pipelines.video_latents import SVD
+    from ..pipelines.folders import scheduler_sigma_data
 
-    checks.model_paths(model, config, vae_folder=True)
-    video = _video_vae(model)
-    name = _vae_class(model)
-    if decode_chunk_size is not None and name is not None and name != SVD:
-        raise BadRequest(f"--decode-chunk-size applies to SVD's temporal decoder ({SVD}, whose decode takes "
-                         f"its frames in calls), not to the {name} of --model {str(model)!r}")
-    if not video:
-        checks.output(out, no_clobber=no_clobber, bits=bits)
+    _check_decode_input(latents, out, model, config, bits, no_clobber, decode_chunk_size)
     checks.report_folder(report)
     checks.budget(budget)
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
-    cfg = part_config(model, "vae", config)
-    shape = checks.latents_input(latents, video=video or name in FRAMED,  # (Qwen-Image 2.1: (1, C, 1, h, w))
-                                 channels=None if video else _latent_channels(cfg, name))
-    if video:
-        checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
-    f = None if video else vae_factor_of(cfg)
-    if f is not None:
-        checks.output_room(out, shape[-2] * f, shape[-1] * f, 3, bits)
     group, rank = join_ranks(nproc)
     job = VaeFileOptions(str(latents), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, bits=bits, progress=not (quiet or rank != 0),
@@ -106,6 +89,33 @@ def decode(
     )
     write_plan(run_dir, plan)
     finish_report(run_dir)
+
+
+def _check_decode_input(latents: Path, out: Path, model: Path | None, config: Path | None, bits: int,
+                        no_clobber: bool, decode_chunk_size: int | None) -> None:
+    """decode's latents and output before the model loads: the latents' layout (a video's (B, C, T, H, W),
+    Qwen-Image 2.1's (1, C, 1, h, w)) and channels, the output's kind, frames and room on the disk, and
+    --decode-chunk-size only for SVD's temporal decoder."""
+    from ..pipelines.folders import part_config, vae_factor_of
+    from ..pipelines.image_latents import FRAMED
+    from ..pipelines.video_latents import SVD
+
+    checks.model_paths(model, config, vae_folder=True)
+    video = _video_vae(model)
+    name = _vae_class(model)
+    if decode_chunk_size is not None and name is not None and name != SVD:
+        raise BadRequest(f"--decode-chunk-size applies to SVD's temporal decoder ({SVD}, whose decode takes "
+                         f"its frames in calls), not to the {name} of --model {str(model)!r}")
+    if not video:
+        checks.output(out, no_clobber=no_clobber, bits=bits)
+    cfg = part_config(model, "vae", config)
+    shape = checks.latents_input(latents, video=video or name in FRAMED,
+                                 channels=None if video else _latent_channels(cfg, name))
+    if video:
+        checks.video_output(out, no_clobber=no_clobber, bits=bits, frames=shape[-3])
+    f = None if video else vae_factor_of(cfg)
+    if f is not None:
+        checks.output_room(out, shape[-2] * f, shape[-1] * f, 3, bits)
 
 
 def encode(

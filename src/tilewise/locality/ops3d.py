@@ -132,7 +132,7 @@ class CausalConv3d(Op):
                 prev = x[:, :, :1].expand(shape) if self.fill == "first" else x.new_zeros(shape)
             x = torch.cat([prev, x], dim=2)
             del prev  # (what is made here dies as soon as the next copy is made: nothing holds it)
-            ctx.keep(self, inner, x[:, :, -self.pad_t:])
+            ctx.keep(self, inner, x[:, :, -self.pad_t:] if self.stride_t == 1 else x[:, :, self._read(x):])
         if self.pad_end:
             end = (x[:, :, -1:].expand(-1, -1, self.pad_end, -1, -1) if self.fill_end == "last"
                    else x.new_zeros((*x.shape[:2], self.pad_end, *x.shape[3:])))
@@ -144,6 +144,13 @@ class CausalConv3d(Op):
                                                                           mode=self.padding_mode)
         return F.conv3d(x, self.weight, self.bias, (self.stride_t, *self.stride), 0, (self.dilation_t, 1, 1),
                         self.groups)
+
+    def _read(self, x) -> int:
+        """The frames of a padded step input a strided convolution is done with: up to its next window's
+        start (the cache the next step reads: KVAE's stride-2 causal convolution over calls of odd and
+        even frames; `frames` counts pad_t of them, exact where the count of outputs is the same)."""
+        ext = self.dilation_t * (int(self.weight.shape[2]) - 1) + 1
+        return max((x.shape[2] - ext) // self.stride_t + 1, 0) * self.stride_t
 
     def describe(self):
         kt, (kh, kw) = int(self.weight.shape[2]), self.kernel

@@ -22,19 +22,21 @@ class VideoProgram(Program):
     frames in step 0, then `every` per step (0: one step holds every frame), frames of an incomplete
     last step dropped when `drop` (as the model does). `chunked`: the steps are the model's own calls of
     a chunked loop (CogVideoX's `_decode` / `_encode`): `every` frames a call, the first taking the
-    remainder too (max(T // every, 1) calls), its reductions over a call's frames (GroupNorms) the step's,
+    remainder too (max(T // every, 1) calls; with `tail`, KVAE's: the first `first` frames, the last the
+    remainder), its reductions over a call's frames (GroupNorms) the step's,
     and the program traced on the first call (`trace`: its first frame apart is the first step's)."""
 
     first: int = 1
     every: int = 1
     drop: bool = False
     chunked: bool = False
+    tail: bool = False  # (chunked) the first call takes `first` frames, the last the remainder (KVAE's)
 
     def chunks(self, frames: int) -> list[tuple[int, int]]:
         """Input frame ranges [a, b) of the causal steps for an input of `frames` frames."""
         if not self.every:
             return [(0, frames)]
-        if self.chunked:
+        if self.chunked and not self.tail:
             n = max(frames // self.every, 1)
             a = frames - self.every * (n - 1)
             return [(0, a)] + [(a + self.every * k, a + self.every * (k + 1)) for k in range(n - 1)]
@@ -78,6 +80,9 @@ class VideoProgram(Program):
             made, ins = frames[op.dst][step], [frames[v][step] for v in op.src]
             passes = getattr(op, "label", None) == "frames 1:" and step > 0 or op.kind.value == "cat" and \
                 len(ins) > 1 and sorted(ins)[:-1] == [0] * (len(ins) - 1)
+            desc = op.describe()
+            if step > 0 and desc.startswith("frames 1:, "):  # (merged with what follows: that, after step 0)
+                desc = desc[len("frames 1:, "):]
             if made and not passes:
-                out.append((op.kind.value, op.describe(), made))
+                out.append((op.kind.value, desc, made))
         return sorted(out)

@@ -56,6 +56,14 @@ from .video_calls import (
     cog_note,
     hunyuan15_frames,
     hunyuan_note,
+    k6_decode,
+    k6_encode,
+    k6_frames,
+    kvae_check,
+    kvae_chunk,
+    kvae_decode,
+    kvae_encode,
+    kvae_frames,
     ltx_check,
     ltx_decode,
     ltx_inputs,
@@ -82,7 +90,7 @@ class Family:
     decode: Callable | None = None
     encode: Callable | None = None
     encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent",
-    # "identity"
+    # "identity", "mean"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
     video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
@@ -99,8 +107,9 @@ class Family:
     frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
     # it is not: the frame counts the wrapped VAE's own decode / encode take)
     chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
-    # takes (CogVideoX's frame_batch_size; the first call also the remainder): decode / encode are one
-    # call, traced on the call's first chunk, its causal convolutions' caches carried from step to step
+    # takes (CogVideoX's frame_batch_size; the first call also the remainder), or (lead, every): the first
+    # call lead frames, the last the remainder (KVAE's): decode / encode are one call, traced on the
+    # call's first chunk, its causal convolutions' caches carried from step to step
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -152,6 +161,16 @@ FAMILIES: dict[str, Family] = {
     # steps' caches, the first call traced apart (its odd frames' first frame resampled apart)
     "AutoencoderKLCogVideoX": Family(decode=cog_decode, encode=cog_encode, video=True, chunk=cog_chunk,
                                      note=cog_note),
+    # KVAE video: its chunked loop as it runs it (`Family.chunk`): decode's calls of 5 latent frames, then
+    # 4 (encode's of 17, then 16 video frames), the last the remainder; its GroupNorms over each call's
+    # frames, its cached causal convolutions (two conv3d written into one buffer, `trace.video_writes`)
+    # the steps' caches; encode returns the posterior of its latent with log-variance 0
+    "AutoencoderKLKVAEVideo": Family(decode=kvae_decode, encode=kvae_encode, video=True, chunk=kvae_chunk,
+                                     check=kvae_check, frames=kvae_frames, encoded="mean"),
+    # Kandinsky 6 SR: the whole video in one pass: its loop over 16-frame segments carries each causal
+    # convolution's frames over (one convolution over every frame; its norms RMS over the channels), its
+    # first segment's first frame apart; encode takes 1 + 4 k frames (`frames`)
+    "Kandinsky6SRVAE": Family(decode=k6_decode, encode=k6_encode, video=True, frames=k6_frames),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     "AutoencoderKLHunyuanImageRefiner": VIDEO,
     # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
@@ -191,6 +210,8 @@ ENCODED = {
     "tiny": (AutoencoderTinyOutput, "latents", None),
     "latent": (EncoderOutput, "latent", None),
     "identity": (AutoencoderKLOutput, "latent_dist", IdentityDistribution),
+    "mean": (AutoencoderKLOutput, "latent_dist",  # (KVAE video's: the latent its mean, log-variance 0)
+             lambda h: DiagonalGaussianDistribution(torch.cat([h, torch.zeros_like(h)], dim=1))),
 }
 
 
@@ -218,14 +239,14 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
     state = _state(vae), family.state(vae) if family.state is not None else ()
-    every = int(family.chunk(vae, kind)) if family.chunk is not None else 0
-    first = first_call(every, every if frames is None else frames) if every else None
+    lead, every = _chunk(vae, family, kind)
+    first = _first(lead, every, frames) if every else None
     cached = _CACHE.get(vae, {}).get((kind, first))
     if cached is not None and _same_state(cached[0], state):
         return cached[1]
     call = f" of a first call of {first} frames" if every else ""
     what = f"TiledVAE cannot tile {name} ({kind.value}{call})"
-    steady = lower_family(vae, family, kind, every) if every and first > every else None  # (its own errors)
+    steady = lower_family(vae, family, kind, every) if every and first > every and not lead else None
     try:
         if family.video and family.decode is None:
             program = lower_video_vae(vae, kind.value)
@@ -235,9 +256,11 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
             program = lower_traced(vae, lambda t, *e: run(vae, t, *e), _example(vae, kind, family, first),
                                    name=f"{name}.{kind.value}", inputs=inputs)
             if every:
-                program = replace(program, first=first, every=every, chunked=True)
-                if first >= every:  # (a program of several calls: its later steps are the steady calls')
+                program = replace(program, first=first, every=every, chunked=True, tail=bool(lead))
+                if first >= every and not lead:  # (several calls: its later steps are the steady calls')
                     _check_later(program, program if first == every else steady)
+                # (a loop whose first call takes other frames than the rest, KVAE's: no first call is a
+                # later one, whose first frame is not apart (`trace.video._frames`) where a cache is read)
     except LoweringError as e:
         raise LoweringError(f"{what}: {e}") from None
     _CACHE.setdefault(vae, {})[kind, first] = (state, program)
@@ -254,6 +277,23 @@ def _check_later(program, steady) -> None:
                             "call resamples its first frame apart)")
 
 
+def _chunk(vae, family: Family, kind: Kind) -> tuple[int, int]:
+    """(lead, every) of a chunked family's loop: `every` frames a call, the first taking the remainder too
+    (lead 0: CogVideoX's) or `lead` frames (the last then the remainder: KVAE's); (0, 0) for another."""
+    if family.chunk is None or family.refuses(vae):
+        return 0, 0
+    got = family.chunk(vae, kind)
+    return (int(got[0]), int(got[1])) if isinstance(got, tuple) else (0, int(got))
+
+
+def _first(lead: int, every: int, frames: int | None) -> int:
+    """The frames of the first call of a chunked loop for an input of `frames` (default: a steady call's
+    count, or the lead's)."""
+    if lead:
+        return lead if frames is None else min(lead, frames)
+    return first_call(every, every if frames is None else frames)
+
+
 def first_call(every: int, frames: int) -> int:
     """The frames the first call of a chunked loop of `every` frames a call takes of `frames` (the others'
     and the remainder; all of them for fewer than 2 every)."""
@@ -264,8 +304,9 @@ def lower_calls(vae, family: Family, kind: Kind) -> None:
     """Lower what a TiledVAE of `vae` runs, refused here, not at a call: the program, and a chunked
     family's for each kind of first call (of the steady calls' frames, one more, fewer: its branches on
     the frame count)."""
-    every = int(family.chunk(vae, kind)) if family.chunk is not None and not family.refuses(vae) else 0
-    for frames in sorted({every, every + 1, 1}) if every else (None,):
+    lead, every = _chunk(vae, family, kind)
+    kinds = {lead, 1} if lead else {every, every + 1, 1}  # (KVAE's first calls: of all its frames, of fewer)
+    for frames in sorted(kinds) if every else (None,):
         lower_family(vae, family, kind, frames)
 
 

@@ -181,7 +181,10 @@ class TiledVAE(ModelWrapper):
         """What a decode or encode call runs: the lowered program (a chunked loop's for an input of
         `frames` frames), the device profile its plans are made for (`device_kind`, or the VAE's device),
         the VAE's dtype and device."""
-        kind = _kind(kind)
+        kind, family = _kind(kind), family_of(self.vae)
+        why = family.frames(self.vae, kind, frames) if family.frames is not None and frames else ""
+        if why:  # (before its first call is lowered: the frame counts the wrapped VAE takes)
+            raise ValueError(f"TiledVAE.{kind.value}(): {why}")
         dtype = next((q.dtype for q in self.vae.parameters()), torch.float32)
         device = vae_device(self.vae)
         return Job(kind, self.program(kind, frames), profile(self.device_kind, device), dtype, device,
@@ -239,9 +242,6 @@ class TiledVAE(ModelWrapper):
         first as its backward) when the call asks for gradients (`graph`; by default `gradient.wants`:
         a timestep-conditioned decode's temb may ask too), else the plain tiled run."""
         family = family_of(self.vae)
-        why = family.frames(self.vae, job.kind, int(t.shape[2])) if family.frames is not None else ""
-        if why:
-            raise ValueError(f"TiledVAE.{job.kind.value}(): {why}")
         note = family.note(self.vae, job.kind, tuple(t.shape)) if family.note is not None else ""
         if note:
             logger.info("TiledVAE %s: %s", job.model, note)

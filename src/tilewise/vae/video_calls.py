@@ -231,3 +231,77 @@ def cog_note(vae, kind: Kind, shape) -> str:
                 f"its own spatial tiling (use_tiling: tiles blended, approximate); TiledVAE {kind.value}s "
                 "them exactly (as the wrapped VAE with use_tiling = False)")
     return ""
+
+
+def kvae_decode(vae, z):
+    """One call of KVAE video's `_decode` loop: its decoder on a fresh cache (the first call's: the first
+    frame replicated before its causal convolutions and taken apart by its norms and upsamplers; the
+    later calls are the program's causal steps, their caches the steps')."""
+    return vae.decoder(z, vae._make_decoder_cache())
+
+
+def kvae_encode(vae, x):
+    """One call of KVAE video's `_encode` loop: its encoder on a fresh cache, the first half of its
+    channels (the latent; `encode` returns a posterior of it with log-variance 0, `ENCODED["mean"]`)."""
+    return torch.chunk(vae.encoder(x, vae._make_encoder_cache()), 2, dim=1)[0]
+
+
+def kvae_chunk(vae, kind: Kind) -> tuple[int, int]:
+    """(lead, every) of KVAE video's loops (seg_len 16 video frames): decode's calls of ceil(17 / r), then
+    16 / r latent frames (r its temporal compression), encode's of 17, then 16 video frames; the last
+    call the remainder."""
+    r = int(vae.config.temporal_compress_times)
+    return (-(-17 // r), 16 // r) if kind is Kind.DECODE else (17, 16)
+
+
+def kvae_check(vae) -> str:
+    """KVAE video with a temporal compression that does not divide its 16-frame segments."""
+    r = int(vae.config.temporal_compress_times)
+    if 16 % r:
+        return (f"its temporal_compress_times={r} does not divide the 16 frames of its decode's segments "
+                "(its own decode's calls then do not take whole latent frames); TiledVAE tiles KVAE video "
+                "with a temporal compression of 1, 2, 4, 8 or 16")
+    return ""
+
+
+def kvae_frames(vae, kind: Kind, t: int) -> str:
+    """Why a KVAE video call of t frames is refused ("" where it is not): its own encode fails but on
+    1 + r k frames; its own decode's last call of one latent frame (after the first call) makes one video
+    frame, not r (its temporal upsamplers do not double a one-frame call), normed over itself alone."""
+    r = int(vae.config.temporal_compress_times)
+    lead, every = kvae_chunk(vae, kind)
+    if kind is Kind.ENCODE and (t - 1) % r:
+        return (f"AutoencoderKLKVAEVideo encodes 1 + {r} k frames (its own encode fails on {t} frames: its "
+                "temporal downsamplers take the first frame apart and pairs of the others); give 1 + "
+                f"{r} k frames")
+    if kind is Kind.DECODE and every > 1 and t > lead and (t - lead) % every == 1:
+        return (f"AutoencoderKLKVAEVideo decodes {t} latent frames in calls of {lead}, then {every}, the "
+                "last of one latent frame, which its temporal upsamplers do not double (that call makes one "
+                f"video frame, not {r}: its own decode gives {r * (t - 1) + 1 - (r - 1)} frames); TiledVAE "
+                f"does not reproduce that call; give a latent of T frames with (T - {lead}) % {every} != 1")
+    return ""
+
+
+def k6_decode(vae, z):
+    """Kandinsky 6 SR's decode in one pass: its own loop runs the decoder on segments of 16 / r latent
+    frames (the first one more), each causal convolution carrying the frames the next window reads (its
+    cache: one convolution over every frame) and the first segment's upsamplers and spatial norms taking
+    its first frame apart; with RMS norms over the channels (no statistic over a segment's frames), that
+    is the decoder on every frame at once from a fresh cache."""
+    return vae.decoder(z, vae.decoder.make_cache())
+
+
+def k6_encode(vae, x):
+    """Kandinsky 6 SR's encode in one pass (as `k6_decode`): the posterior's moments."""
+    return vae.encoder(x, vae.encoder.make_cache())
+
+
+def k6_frames(vae, kind: Kind, t: int) -> str:
+    """Why a Kandinsky 6 SR encode of t frames is refused: it takes 1 + r k frames (its docstring's; its
+    own encode fails on some others, and its segments of others pool frames apart)."""
+    r = int(vae.temporal_compression_ratio)
+    if kind is Kind.DECODE or (t - 1) % r == 0:
+        return ""
+    return (f"Kandinsky6SRVAE encodes 1 + {r} k frames (its temporal downsamplers take the first frame apart "
+            f"and pairs of the others, segment by segment; {t} frames are not such a count); give 1 + {r} k "
+            "frames")

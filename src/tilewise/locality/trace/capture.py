@@ -116,6 +116,9 @@ class _Recorder(TorchFunctionMode):
             return _run(func, margs, mkwargs)
         args_r, kwargs_r = st.refer(args), st.refer(kwargs)  # (before the call: in-place ops re-bind)
         out = _run(func, margs, mkwargs)
+        if func is torch.Tensor.__setitem__ and st.writes_input(args_r):  # (the written tensor, re-bound)
+            st.record(func, args_r, kwargs_r, margs[0], None)
+            return out
         st.record(func, args_r, kwargs_r, out, None)
         return out
 
@@ -131,6 +134,7 @@ class _State:
     by_id: dict[int, int] = field(default_factory=dict)  # id(tensor) -> its latest node
     alive: list[torch.Tensor] = field(default_factory=list)  # (keeps ids from being reused)
     shadows: dict[int, torch.Tensor] = field(default_factory=dict)  # id(real tensor) -> its meta copy
+    from_input: set[int] = field(default_factory=set)  # the nodes computed from the inputs so far
 
     def node(self, t: torch.Tensor) -> int:
         """The node of tensor t (a new constant if no call made it)."""
@@ -173,6 +177,14 @@ class _State:
             return type(obj)(self.refer(v) for v in obj)
         return obj
 
+    def writes_input(self, args_r: tuple) -> bool:
+        """Whether a write `t[index] = value` (refs) writes into or from a value computed from the inputs
+        (recorded, as a call making the written tensor anew: `trace.video_writes`; a write of constants
+        into a constant, a mask the forward builds, is part of that constant)."""
+        found: list[int] = []
+        _walk(args_r, lambda r: found.append(r.node))
+        return bool(self.from_input.intersection(found))
+
     def record(self, func, args, kwargs, out, module) -> None:
         tensors = [out] if isinstance(out, torch.Tensor) else (
             [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, list | tuple) else [])
@@ -181,6 +193,8 @@ class _State:
         outs = [self._new(t) for t in tensors]
         call = Call(func, args, kwargs, outs, "tensor" if isinstance(out, torch.Tensor) else "tuple",
                     self.stack[-1] if self.stack else "", module)
+        if self.from_input.intersection(call.refs()):
+            self.from_input.update(outs)
         for n in outs:
             self.cap.producer[n] = len(self.cap.calls)
         self.cap.calls.append(call)
@@ -197,6 +211,7 @@ def capture(root: torch.nn.Module, run: Callable, examples: tuple[torch.Tensor, 
     st = _State(cap, names)
     cap.inputs = [st._new(x.detach().to("meta")) for x in examples]
     cap.input = cap.inputs[0]
+    st.from_input.update(cap.inputs)
     hooks = []
     for path, m in root.named_modules():
         if m is root:

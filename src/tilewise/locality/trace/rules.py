@@ -18,6 +18,7 @@ from .state import Lowering, arg_of, channel_dim, is_attention, op_name, refused
 from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
 from .video_batch import batch_call
 from .video_fold import fold_call
+from .video_pools import column_call, group_call
 from .video_sdpa import sdpa_call
 from .video_tokens import token_call
 
@@ -47,11 +48,20 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
     if any(n in low.folds for n in call.refs()):  # (its frames in the batch, to a GroupNorm of each frame)
         fold_call(low, i, call)
         return
+    if any(n in low.groups for n in call.refs()):  # (its frames' channels in groups, `video_pools`)
+        group_call(low, i, call)
+        return
+    if any(n in low.columns for n in call.refs()):  # (each position's frames a row, `video_pools`)
+        column_call(low, i, call)
+        return
     if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads or n in low.windows
-               or n in low.window_convs]  # (paddings, windows of frames: `video_windows`)
+               or n in low.window_convs or n in low.fronts or n in low.writes]  # (paddings, windows of
+    # frames: `video_windows`; a first frame repeated, a buffer written in part: `video_writes`)
+    if any(n in low.writes for n in call.refs()) and call.name != "__setitem__":
+        raise refused(low, call, "a read of a buffer of video frames written in part")
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
         return
     if low.cap.values[low.cap.input].ndim == 4:  # (a 2-D program: its one-frame values, `frames`)
@@ -91,7 +101,9 @@ def _two_d(low: Lowering, i: int, call: Call) -> bool | str:
 
 def _keep_parts(low: Lowering, call: Call) -> None:
     """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
-    if call.name in KEEP_PARTS and len(call.outs) == 1:
+    channels = call.name in ("split", "chunk", "cat", "concat", "concatenate") and channel_dim(
+        arg_of(call, 2 if call.name in ("split", "chunk") else 1, "dim", 0), 5)  # (of its channels)
+    if (call.name in KEEP_PARTS or channels) and len(call.outs) == 1:
         parts = {low.frame_parts[n] for n in call.refs() if n in low.frame_parts}
         if len(parts) == 1:
             low.frame_parts[call.outs[0]] = parts.pop()

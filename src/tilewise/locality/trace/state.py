@@ -50,6 +50,16 @@ class Lowering:
     # start, stop): a convolution of such a window, or of a slice of a video value (`trace.video_windows`)
     windows: dict[int, tuple] = field(default_factory=dict)
     window_convs: dict[int, tuple] = field(default_factory=dict)
+    # node -> (padded node, n): a padded video value's first frame repeated n times (expanded); (padded
+    # node, n) -> the node of that value with them in front, a padding in time (`trace.video_writes`);
+    # node -> [(start, stop, node)]: a buffer (torch.empty) of video frames written in part
+    fronts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    fronted: dict[tuple[int, int], int] = field(default_factory=dict)
+    writes: dict[int, list] = field(default_factory=dict)
+    # node -> (batched node, g): its channels viewed in groups of g; node -> (video value name, layout): its
+    # positions in the batch, each position's frames a row (`trace.video_pools`)
+    groups: dict[int, tuple[int, int]] = field(default_factory=dict)
+    columns: dict[int, tuple[str, str]] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
     # node -> (B, T): a video value's frames folded into the batch ((B T, C, H, W) as captured, carried as
     # the (B, C, T, H, W) value) for a 2-D computation of each frame (`trace.video_batch`); an F.pad's

@@ -43,9 +43,11 @@ from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
+from .video_pools import columns_rule, repeat_interleave_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
+from .video_writes import empty_rule, front_cat, front_rule, write_rule
 
 
 def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
@@ -126,6 +128,8 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     if not isinstance(x, Ref) or low.spatial(x.node) is None and not padded or not isinstance(idx, tuple) \
             or len(idx) < 3:
         return False
+    if idx[0] is Ellipsis and len(idx) == 4:  # (x[..., a:b, :, :]: the frames, as x[:, :, a:b])
+        idx = (slice(None), slice(None), *idx[1:])
     if idx[:2] != (slice(None), slice(None)) or any(s not in (slice(None), Ellipsis) for s in idx[3:]):
         return False
     sl = idx[2]
@@ -198,9 +202,15 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     conv = windows_cat(low, call, tensors)  # (every window's convolution of one value, `video_windows`)
     if conv is not None:
         return conv if isinstance(conv, str) else _conv3d(low, i, conv)
+    fronted = front_cat(low, call, tensors)  # (a padded value's first frame in front, `video_writes`)
+    if fronted is not None:
+        return fronted
     parts, src = [], None
+    sliced = {low.frame_refs[t.node][0] for t in tensors if t.node in low.frame_refs}
     for t in tensors:
         ref = low.frame_refs.get(t.node, (t.node, None, None, 1) if low.spatial(t.node) else None)
+        if t.node in sliced and low.spatial(t.node):  # (a value whose own frames are the others': itself)
+            ref = (t.node, None, None, 1)
         if ref is None:
             return "a concatenation along time of a value that is not a video value"
         if src not in (None, ref[0]) and (joined := _parts_cat(low, call, tensors)) is not None:
@@ -368,7 +378,7 @@ def _permute(low: Lowering, i: int, call: Call) -> bool | str:
     """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
     tokens on their way to an Attention (`video_tokens`); False for another permute."""
     return (fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
-            or sdpa_rule(low, i, call))
+            or sdpa_rule(low, i, call) or columns_rule(low, i, call))
 
 
 def _span(a, b) -> str:
@@ -379,10 +389,13 @@ def _triple(v) -> tuple[int, int, int]:
     return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),) * 3
 
 
-VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat, "cat": _frames_cat,
+VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat,
+               "repeat_interleave": repeat_interleave_rule, "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
-               "new_ones": new_ones_rule, "pad": pad_of_pad, **{a: pad_alias for a in ("to", "contiguous")}}
+               "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
+               "new_empty": empty_rule, "__setitem__": lambda low, i, c: write_rule(low, i, c, _frames_cat),
+               **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules
 # would run it on the (B, C, 1, H, W) value); elementwise functions run on it as they are
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,

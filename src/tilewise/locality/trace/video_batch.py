@@ -8,7 +8,8 @@ Such a value (`Lowering.batched`, made where `video_fold` flattens a video value
 batch) is carried by the program as the video value, and each call on it placed as the video op that
 computes the same on every frame: conv2d a `FrameConv` (an F.pad before it merged), group_norm a
 `FrameGroupNorm`, nearest interpolation by an integer factor a `Rearrange` of space, diffusers' Attention
-a `FrameGroupNorm` (its norm) and a `StepAttention` over each frame's own tokens; elementwise functions,
+a `FrameGroupNorm` (its norm) and a `StepAttention` over each frame's own tokens, pixel (un)shuffles
+and means over groups of channels (`video_pools`); elementwise functions,
 sums and channel slices / concatenations by the 2-D rules (`two_d`: a replayed call that reads other
 tensors runs with the frames folded back around it, `frames.carry`). Its rows sliced or split (chunks of
 frames) and its reshapes back to (B, T, ...) or x[None, :] go to `video_fold`. Any other call on it is
@@ -28,6 +29,7 @@ from .capture import Call, Ref
 from .layers import pair
 from .state import Lowering, arg_of, const_value, is_attention, op_name, refused
 from .video_fold import FRAMES, RESHAPES, row_op
+from .video_pools import group_view, shuffle_batched
 
 # calls the 2-D rules place on a batched value as they are (position by position, or along channels)
 TWO_D = {"pad", "cat", "concat", "concatenate", "chunk", "split", "__getitem__", "repeat_interleave",
@@ -172,10 +174,13 @@ def _reshape(low: Lowering, i: int, call: Call, src: int) -> bool | str:
     if call.name in RESHAPES | {"unflatten"} and tuple(low.cap.values[call.outs[0]].shape) == first:
         low.folds[call.outs[0]] = ("first", low.spatial(src), 0, 0, first, FRAMES)
         return True
+    if call.name in RESHAPES and group_view(low, call, src):  # (its channels in groups, `video_pools`)
+        return True
     shape = tuple(low.cap.values[call.outs[0]].shape)
     return f"{call.name} of a video value's frames in the batch to {shape}"
 
 
 RULES: dict[str, Callable] = {"conv2d": _conv, "group_norm": _group_norm, "interpolate": _interpolate,
                               "split": _rows, "chunk": _rows, "__getitem__": _item, "reshape": _reshape,
-                              "view": _reshape, "unflatten": _reshape, "flatten": _reshape}
+                              "view": _reshape, "unflatten": _reshape, "flatten": _reshape,
+                              "pixel_unshuffle": shuffle_batched, "pixel_shuffle": shuffle_batched}

@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+import torch.nn.functional as F
+
+from ..ops3d import Rearrange
 from ..ops3d_sync import ColumnAttention, FrameGroupNorm
 from .capture import Call, Ref
-from .state import Lowering, arg_of, const_value, permutation, reaches, refused
+from .state import Lowering, arg_of, const_value, op_name, permutation, reaches, refused
 
 ALIASES = {"contiguous", "clone", "detach"}
 RESHAPES = {"reshape", "view"}
@@ -125,11 +128,38 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
             batch(low, out, name, first)
         else:
             put(out, "batch", name, parts[0][2], parts[-1][3])
+    elif fold is FRAMES and layout in ("first", "channels") and _channels(low, call, layout, first):
+        pass  # (its frames in the channels, for a nearest interpolation of each channel: `_channels`)
     elif layout == "batch" and (a, b) == (0, n) and shape == first and (
             call.name in RESHAPES or call.name == "unflatten" and arg_of(call, 1, "dim") in (0, -len(flat))):
         put(out, "first", name, 0, 0)
     else:
         raise refused(low, call, f"a call on a video value with {fold.what} other than those", final=True)
+
+
+def _channels(low: Lowering, call: Call, layout: str, first: tuple) -> bool:
+    """KVAE's upsampler's `x.permute(0, 2, 1, 3, 4).reshape(B, T C, H, W)` (its frames in the channels),
+    a nearest interpolation in space of that (each channel alike: of each frame), `view(B, T, C, H', W')`
+    back: a Rearrange of space of the video value; False for another call."""
+    out = call.outs[0] if len(call.outs) == 1 else None
+    shape = tuple(low.cap.values[out].shape) if out is not None else ()
+    _, name, _, _, _, fold = next(low.folds[n] for n in call.refs() if n in low.folds)
+    b, t, c, h, w = first
+    if layout == "first" and call.name in RESHAPES and shape == (b, t * c, h, w):
+        low.folds[out] = ("channels", name, 0, 0, first, fold)
+    elif layout == "channels" and call.name in RESHAPES and shape == first:
+        low.folds[out] = ("first", name, 0, 0, first, fold)
+    elif layout == "channels" and call.name == "interpolate" and len(shape) == 4 and shape[:2] == (b, t * c):
+        mode = arg_of(call, 3, "mode", "nearest")
+        s = shape[2] // h
+        if mode != "nearest" or shape[2:] != (h * s, w * s) or arg_of(call, 7, "antialias", False):
+            return False
+        up = low.b.emit(Rearrange, (name,), op_name(call, "interpolate"), up=s, label=f"nearest x1,{s},{s}",
+                        fn=lambda x, ctx, s=s: F.interpolate(x, scale_factor=(1, s, s), mode="nearest"))
+        low.folds[out] = ("channels", up, 0, 0, (b, t, c, h * s, w * s), fold)
+    else:
+        return False
+    return True
 
 
 def batch(low: Lowering, node: int, name: str, first: tuple) -> None:
@@ -191,5 +221,6 @@ def _flattens(low: Lowering, i: int, call: Call) -> bool:
     readers = [c for c in low.cap.calls[i + 1 :] if node in c.refs()]
     if len(readers) != 1 or readers[0].name not in RESHAPES | {"flatten"} or len(readers[0].outs) != 1:
         return False
-    shape = tuple(low.cap.values[node].shape)
-    return tuple(low.cap.values[readers[0].outs[0]].shape) == (shape[0] * shape[1], *shape[2:])
+    shape, made = tuple(low.cap.values[node].shape), tuple(low.cap.values[readers[0].outs[0]].shape)
+    b, t, c, h, w = shape  # (into the batch, or into the channels: `_channels`)
+    return made == (b * t, c, h, w) or made == (b, t * c, h, w) and readers[0].name in RESHAPES

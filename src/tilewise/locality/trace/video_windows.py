@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .capture import Call, Ref
 from .state import Lowering, arg_of
+from .video_writes import as_fronted
 
 CATS = ("cat", "concat", "concatenate")
 ALIASES = ("to", "contiguous", "clone", "detach", "float")
@@ -69,7 +70,10 @@ def window_conv(low: Lowering, i: int, call: Call) -> bool | str:
             return False
         src, a, b = ref[:3]
     readers = [c for c in low.cap.calls[i + 1 :] if call.outs[0] in c.refs()]
-    if len(readers) != 1 or readers[0].name not in CATS or arg_of(readers[0], 1, "dim", 0) not in (2, -3):
+    written = len(readers) == 1 and readers[0].name == "__setitem__" and \
+        arg_of(readers[0], 2, "") == Ref(call.outs[0])  # (into a buffer's frames, `video_writes`)
+    if not written and (len(readers) != 1 or readers[0].name not in CATS
+                        or arg_of(readers[0], 1, "dim", 0) not in (2, -3)):
         if x.node not in low.windows:
             return False
         return ("a 3-D convolution of a window of frames read other than concatenated along time with the "
@@ -80,41 +84,66 @@ def window_conv(low: Lowering, i: int, call: Call) -> bool | str:
 
 def windows_cat(low: Lowering, call: Call, tensors) -> Call | str | None:
     """The concatenation along time of every window's convolution of one value, in order: the conv3d
-    call over the whole value that computes it (stride s in time), or why it is not one (None: it is no
-    concatenation of windows)."""
+    call over the whole value that computes it, or why it is not one (None: it is no concatenation of
+    windows). Windows of one frame each (Magvit's loop): stride in time their starts' step; windows of
+    several (KVAE's first frames and the others, `video_writes`): the convolution's own stride, each
+    window starting where the one before stopped reading."""
     found = [low.window_convs.get(t.node) if isinstance(t, Ref) else None for t in tensors]
     if not found or all(f is None for f in found):
         return None
     if any(f is None for f in found):
         return "a concatenation along time of a convolution's windows with other values"
+    if len({f[1] for f in found}) > 1:  # (windows of a value and of it with its first frame in front)
+        found = [(f[0], *as_fronted(low, f[1:])) for f in found]
     convs, srcs = [f[0] for f in found], {f[1] for f in found}
-    keys = {_key(c) for c in convs}
-    if len(srcs) != 1 or len(keys) != 1:
+    if len(srcs) != 1 or len({_key(c) for c in convs}) != 1:
         return "a concatenation along time of windows of different values or different convolutions"
     src = srcs.pop()
     frames = int(low.cap.values[src].shape[2])
     spans = [(range(frames)[f[2] : f[3]]) for f in found]
-    k, starts = len(spans[0]), [s.start if len(s) else -1 for s in spans]
-    if k == 0 or any(len(s) != k for s in spans):
-        return f"a convolution's windows of frames {[(s.start, s.stop) for s in spans]} (not of one size)"
-    if len(starts) < 2:
-        return "a convolution's loop over one window of frames (it does not show its stride)"
-    stride_t = starts[1] - starts[0]
-    if stride_t < 1 or starts != list(range(0, frames - k + 1, stride_t)):
-        return (f"a convolution's windows from frames {starts} of {frames} (every window of its input in "
-                "order, one stride apart, is placed)")
     conv = convs[0]
-    weight = arg_of(conv, 1, "weight")
-    dilation = _triple(arg_of(conv, 5, "dilation", 1))
-    if (int(low.cap.values[weight.node].shape[2]) - 1) * dilation[0] + 1 != k:
-        return f"a convolution's windows of {k} frames, not its kernel's extent in time"
-    if any(int(low.cap.values[t.node].shape[2]) != 1 for t in tensors):
-        return "a convolution's windows that give more than one frame each"
+    weight, dilation = arg_of(conv, 1, "weight"), _triple(arg_of(conv, 5, "dilation", 1))
+    k = (int(low.cap.values[weight.node].shape[2]) - 1) * dilation[0] + 1
+    outs = [int(low.cap.values[t.node].shape[2]) for t in tensors]
+    if len(spans) < 2 and not call.kwargs.get("written"):  # (a loop: its stride shows in two windows)
+        return "a convolution's loop over one window of frames (it does not show its stride)"
+    if all(o == 1 for o in outs) and all(len(s) == k for s in spans) and len(spans) > 1:
+        stride_t = _one_frame_stride(spans, frames, k)
+    else:
+        stride_t = _tiled_stride(spans, outs, frames, k, _triple(arg_of(conv, 3, "stride", 1))[0])
+    if isinstance(stride_t, str):
+        return stride_t
     stride = (stride_t, *_triple(arg_of(conv, 3, "stride", 1))[1:])
     args = (Ref(src), weight, arg_of(conv, 2, "bias"), stride, arg_of(conv, 4, "padding", 0), dilation,
             arg_of(conv, 6, "groups", 1))
     return Call(func=conv.func, args=args, kwargs={}, outs=list(call.outs), structure="tensor",
                 where=conv.where)
+
+
+def _one_frame_stride(spans: list[range], frames: int, k: int) -> int | str:
+    """The stride in time of windows of k frames (one output each): their starts' step, where they are
+    every window of the value in order; else why not."""
+    starts = [s.start for s in spans]
+    stride_t = starts[1] - starts[0]
+    if stride_t < 1 or starts != list(range(0, frames - k + 1, stride_t)):
+        return (f"a convolution's windows from frames {starts} of {frames} (every window of its input in "
+                "order, one stride apart, is placed)")
+    return stride_t
+
+
+def _tiled_stride(spans: list[range], outs: list[int], frames: int, k: int, s: int) -> int | str:
+    """The stride s of windows of a convolution of stride s in time (extent k) whose outputs together
+    are its outputs over the whole value: each window starting s frames a output past the one before,
+    the first at frame 0, as many outputs as fit; else why not."""
+    start, why = 0, ""
+    for span, o in zip(spans, outs, strict=True):
+        if span.start != start or o != (len(span) - k) // s + 1:
+            why = f"windows of frames {[(r.start, r.stop) for r in spans]} giving {outs} frames"
+        start += s * o
+    if why or sum(outs) != (frames - k) // s + 1:
+        return (f"a convolution's {why or 'windows'} (of stride {s} over {frames} frames: windows end to end "
+                "from frame 0 that give every output are placed)")
+    return s
 
 
 def _key(c: Call) -> tuple:
