@@ -69,8 +69,9 @@ def _settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool
 
 def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
     """`settle` on a GPU: the fitting plan of least estimated time, from the biggest tile down to the
-    biggest that fits with each staging (smaller tiles only add launches and halo work); row bands
-    (BAND_BYTES) only when no whole-tile plan fits."""
+    biggest that fits with each staging (smaller tiles only add launches and halo work; in fast mode no
+    further than half the tile of the first that fits, FAST_DESCENT); row bands (BAND_BYTES) only when no
+    whole-tile plan fits."""
     side = max(job.program.shapes(tuple(shape[-2:]))[job.ref])
     tiles = [side] + [s for s in GPU_TILES if s < side]
     mixed = settings.mode is Mode.EXACT and settings.process_group is None
