@@ -37,8 +37,9 @@ def test_fast_plan_samples_what_fits_on_the_device_when_cheaper_than_staging_ove
     default_device, default_host = _plans(fast_sample=0.5)  # (the default sample, given: no fewer)
     assert any(q.kind is PassKind.SAMPLED_STAGED for q in default_host.passes)
     assert default_host.h2d + default_host.d2h > 0 and default_device.peak > BUDGET
-    # the plan samples fewer tiles, together on the device: no bytes cross the link, within the budget
-    assert device.choices.fast_most > 0 and device.peak <= BUDGET and device.h2d + device.d2h == 0
+    # the plan samples fewer tiles, together on the device: no value crosses the link (only the statistics'
+    # merge weights, 8 B a merged tile, go to the device), within the budget
+    assert device.choices.fast_most > 0 and device.peak <= BUDGET and device.d2h == 0 and device.h2d < 4096
     assert not any(q.kind is PassKind.SAMPLED_STAGED for q in device.passes)
     assert device.seconds < default_host.seconds
     # ... but at least FEWEST of the tiles (the estimator's measured error: BENCHMARKS.md #31)

@@ -173,6 +173,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     cost.add(_segment_once(seg, scope, parts))
     for v, n in probed.items():  # (each probed value's merge, once per group count)
         cost.launches += len(tracked[v]) * merge_launches(n, s)
+        cost.h2d += len(tracked[v]) * merge_bytes(n, s)
     return cost
 
 
@@ -205,6 +206,11 @@ def merge_launches(parts: int, s: Setting) -> int:
     return MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
 
 
+def merge_bytes(parts: int, s: Setting) -> int:
+    """Host->device bytes of GroupStats merging `parts` tiles' moments: the merge's float64 weights."""
+    return 8 * parts if s.gpu and parts > 1 else 0
+
+
 def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s: Setting,
                       adjusted: bool) -> Cost:
     """What fast mode's sampled tiles add for their statistics when they run together
@@ -221,6 +227,7 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
                 cost.launches += moments(core, chans[v], s)
                 n += 1
         cost.launches += merge_launches(n, s) + ADJUST * adjusted
+        cost.h2d += merge_bytes(n, s)
     return cost
 
 
@@ -398,7 +405,7 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
             cost.launches += merge + s.run.check_finite  # and one sum of both into the finite check
-            cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
+            cost.h2d += merge_bytes(parts, s)
             sums = True
     if sums and s.run.check_finite:
         cost.launches += CHECK
