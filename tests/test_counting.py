@@ -279,6 +279,9 @@ def test_gpu_fast_plan_counts_the_estimators_statistics(kind, fast_low, budget):
     assert (budget is not None) == ("sampled tiles, staged" in names)
     assert abs(plan.launches - c.launches) <= 0.03 * c.launches
     assert abs(plan.flops - c.flops) <= 1e-3 * c.flops and plan.syncs == c.syncs
+    # what the plan prints crossing the link, to the byte (the statistics' merge weights included)
+    assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h)
+    assert (budget is not None) == (c.h2d > 0 and c.d2h > 0)
     assert c.device_peak("meta") <= plan.peak <= 1.15 * c.device_peak("meta")
     assert budget is None or plan.peak <= budget
 

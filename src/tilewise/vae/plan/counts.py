@@ -140,7 +140,8 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
     cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
-    like = _Translations(seg, shapes, by_axis=regions is None and not probes)
+    like = _Translations(seg, shapes, by_axis=regions is None)
+    boxes = _ProbeBoxes(probes, scope) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
@@ -150,9 +151,11 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
             key = like.remember(tile.core, bands, needs, lambda b=bands, n=needs: _tile_cost(
                 seg, b, n, scope, last, fixed) if b else None)
             reps.setdefault(key, (bands, needs))
+        elif boxes is not None:  # (a tile of a class counted before: its cores, for its probes' adds)
+            bands = tile_bands(tile.core, seg.outputs, shapes, ref, rows)
         items.append((tile, key))
-        for cores in bands if probes else ():
-            cost.launches += _probe_adds(cores, probes, scope, probed)
+        for cores in bands if boxes is not None else ():
+            cost.launches += boxes.adds(cores, probed)
     for key, times in Counter(key for _, key in items).items():  # (each class of tiles counted once)
         n, tile_cost = like.memo[key]
         if n:
@@ -170,28 +173,42 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     cost.add(_segment_once(seg, scope, parts))
     for v, n in probed.items():  # (each probed value's merge, once per group count)
         cost.launches += len(tracked[v]) * merge_launches(n, s)
+        cost.h2d += len(tracked[v]) * merge_bytes(n, s)
     return cost
 
 
-def _probe_adds(cores, probes, scope: Scope, probed: dict) -> int:
-    """Kernels of the executor's probe statistics for one band's cores: a GroupStats.add for each probe
-    box meeting a tracked core, per group count; `probed` (value -> adds) is updated."""
-    shapes, chans, ref, tracked, s = scope.shapes, scope.chans, scope.ref, scope.tracked, scope.s
-    launches = 0
-    for v, core in cores.items():
-        for pb in probes if v in tracked else ():
-            b = map_box(pb, shapes[ref], shapes[v])
-            b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
-            if b[0] < b[1] and b[2] < b[3]:
-                probed[v] = probed.get(v, 0) + 1
-                launches += len(tracked[v]) * moments(b, chans[v], s)
-    return launches
+class _ProbeBoxes:
+    """The probes of a pass (reference boxes: fast mode's low pass) mapped to each tracked value once,
+    and the executor's probe statistics for one band's cores: a GroupStats.add for each probe box meeting
+    a tracked core, per group count."""
+
+    def __init__(self, probes, scope: Scope):
+        self.scope = scope
+        self.mapped = {v: [map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes]
+                       for v in scope.tracked}
+
+    def adds(self, cores, probed: dict) -> int:
+        """Kernels of one band's probe statistics; `probed` (value -> adds) is updated."""
+        chans, tracked, s = self.scope.chans, self.scope.tracked, self.scope.s
+        launches = 0
+        for v, core in cores.items():
+            for b in self.mapped.get(v, ()):
+                b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
+                if b[0] < b[1] and b[2] < b[3]:
+                    probed[v] = probed.get(v, 0) + 1
+                    launches += len(tracked[v]) * moments(b, chans[v], s)
+        return launches
 
 
 def merge_launches(parts: int, s: Setting) -> int:
     """Kernels of GroupStats merging `parts` tiles' moments when read (`stats.GroupStats._merge`)."""
     widen = s.run.stats_chunk == 0 and s.item < 8  # (torch.var_mean's float32 moments)
     return MERGE + widen if parts > 1 else 1 + widen  # (one part: stacked only)
+
+
+def merge_bytes(parts: int, s: Setting) -> int:
+    """Host->device bytes of GroupStats merging `parts` tiles' moments: the merge's float64 weights."""
+    return 8 * parts if s.gpu and parts > 1 else 0
 
 
 def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s: Setting,
@@ -210,6 +227,7 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
                 cost.launches += moments(core, chans[v], s)
                 n += 1
         cost.launches += merge_launches(n, s) + ADJUST * adjusted
+        cost.h2d += merge_bytes(n, s)
     return cost
 
 
@@ -237,7 +255,8 @@ class _Translations:
     a row interval and a column interval, and every op maps rows to rows and columns to columns, so the
     class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
     each learned once per interval (`by_axis`; without it, from each tile's own boxes: fast mode's
-    regions and probes, and a tile where a value's box is empty)."""
+    staged sampled tiles' regions, and a tile where a value's box is empty; a pass's probes are counted
+    from each tile's own cores, beside its class)."""
 
     def __init__(self, seg, shapes, by_axis: bool):
         self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
@@ -386,7 +405,7 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
     for v in seg.outputs:
         for _ in tracked.get(v, ()):
             cost.launches += merge + s.run.check_finite  # and one sum of both into the finite check
-            cost.h2d += 8 * parts if s.gpu and parts > 1 else 0  # (the merge's weights, float64)
+            cost.h2d += merge_bytes(parts, s)
             sums = True
     if sums and s.run.check_finite:
         cost.launches += CHECK

@@ -231,7 +231,7 @@ class _FastPlan:
         else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
             stats = sample_stats_cost(part, grid, sampled, pc.shapes, part.channels(), pc.ref, s,
                                       bool(self.settings.fast.low))
-            sp = sp.replace(launches=sp.launches + stats.launches)
+            sp = sp.replace(launches=sp.launches + stats.launches, h2d=sp.h2d + stats.h2d)
         out_hw = sp.output_shape[-2:]
         kept = sum(math.prod(sp.output_shape[:2]) * box_area(map_box(t.core, pc.hw, out_hw)) * s.item
                    for t in grid if t.index in sampled)

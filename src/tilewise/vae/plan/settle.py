@@ -32,6 +32,12 @@ STREAM_CHUNKS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 64)
 # smallest first: each a launch per operator for the batch instead of per tile, for a working set as
 # many times bigger.
 TILE_BATCHES = (2, 4, 8, 16, 32, 64)
+# FAST_DESCENT: a fast GPU plan tries the stagings that do not fit yet down to half the tile of the first
+# that fits, no further. Its device-staged plans fit, if at all, at the tile where the sampled tiles first
+# run together on the device (SD decode at 4096 px in 4 GiB: host fits at 128, device at 64); below that
+# each smaller tile only adds halo work and launches, and counting a fast plan's sampled tiles costs
+# CPU time with the number of tiles (SDXL decode at 4096 px within 1,686 MiB: device staging, which
+# never fits there, was tried down to tiles of 4 latent px, over 15 minutes of planning).
 
 
 def settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool = False) -> Plan:
@@ -63,8 +69,9 @@ def _settle(settings: Settings, job: Job, shape: tuple[int, ...], streamed: bool
 
 def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
     """`settle` on a GPU: the fitting plan of least estimated time, from the biggest tile down to the
-    biggest that fits with each staging (smaller tiles only add launches and halo work); row bands
-    (BAND_BYTES) only when no whole-tile plan fits."""
+    biggest that fits with each staging (smaller tiles only add launches and halo work; in fast mode no
+    further than half the tile of the first that fits, FAST_DESCENT); row bands (BAND_BYTES) only when no
+    whole-tile plan fits."""
     side = max(job.program.shapes(tuple(shape[-2:]))[job.ref])
     tiles = [side] + [s for s in GPU_TILES if s < side]
     mixed = settings.mode is Mode.EXACT and settings.process_group is None
@@ -73,6 +80,8 @@ def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
     for bands in (None, BAND_BYTES):
         fits, settled = [], set()  # stagings that fit at a bigger tile, or at none
         for tile in tiles:
+            if settings.mode is Mode.FAST and fits and 2 * tile < max(q.tile_size for q in fits):
+                break  # (FAST_DESCENT)
             for st in stagings:
                 if st not in settled:
                     search.visit(tile, st, bands, fits, settled)
