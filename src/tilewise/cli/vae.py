@@ -69,11 +69,11 @@ def decode(
     from ..pipelines import VaeFileOptions, load_vae, run_decode_file
     from ..pipelines.folders import scheduler_sigma_data
 
-    _check_decode_input(latents, out, model, config, bits, no_clobber, decode_chunk_size)
     checks.report_folder(report)
     checks.budget(budget)
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
+    _check_decode_input(latents, out, model, config, bits, no_clobber, decode_chunk_size)
     group, rank = join_ranks(nproc)
     job = VaeFileOptions(str(latents), str(out), tile_size=tile, mode=mode.value, budget=budget,
                          staging=staging.value, bits=bits, progress=not (quiet or rank != 0),
