@@ -43,6 +43,7 @@ from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
+from .video_frames import frame_slice
 from .video_pools import columns_rule, repeat_interleave_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
@@ -145,30 +146,13 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     part = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b))
     if part is not None:  # (a value's first frame or the others: parts that may concatenate back)
         low.frame_parts[call.outs[0]] = (x.node, part, 2)
-    fn, frames_fn = _frames(a, b)
+    fn, frames_fn = frame_slice(a, b)
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
                      label=f"frames {_span(a, b)}")
     low.set(call.outs[0], out)
     if first:
         low.squeezed.add(call.outs[0])
     return True
-
-
-def _frames(a, b):
-    """(fn, frames_fn) of the frames a:b of a value. A value's first frame (:1) and the others (1:) are the
-    first step's: after it, none and all (a chunked program traced on its first call, `VideoProgram.
-    chunked`: its later calls take the branch without the first frame apart; a one-step program has
-    step 0 only)."""
-    if (a, b) in ((None, 1), (0, 1), (1, None)):
-        def fn(t, ctx, a=a, b=b):  # (ctx None: run outside a run, as the plan measures it: a first step)
-            first = ctx is None or getattr(ctx, "step", 0) == 0
-            return t[:, :, a:b] if first else t[:, :, t.shape[2] if a is None or a == 0 else 0:]
-
-        def frames_fn(t, step, a=a, b=b):
-            return len(range(t)[a:b]) if step == 0 else 0 if b == 1 else t
-
-        return fn, frames_fn
-    return (lambda t, ctx, a=a, b=b: t[:, :, a:b]), (lambda t, step, a=a, b=b: len(range(t)[a:b]))
 
 
 def _repeat(low: Lowering, i: int, call: Call) -> bool | str:
@@ -283,7 +267,7 @@ def _split(low: Lowering, i: int, call: Call) -> bool | str:
     for k, (n, (a, b)) in enumerate(zip(call.outs, spans, strict=True)):
         low.frame_refs[n] = (x.node, a, b, 1)
         low.frame_parts[n] = (x.node, k, len(spans))
-        fn, frames_fn = _frames(a, b)
+        fn, frames_fn = frame_slice(a, b)
         out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, f"frames {_span(a, b)}"), fn=fn,
                          frames_fn=frames_fn, label=f"frames {_span(a, b)}")
         low.set(n, out)

@@ -7,8 +7,8 @@
   (B T, C / g, g, H, W), reduced by `mean(dim=2)`: the mean of each group of channels (a `Rearrange`);
 - with its positions in the batch for a computation along time, `x.permute(0, 3, 4, 1, 2).reshape(B H W,
   C, T)` (each position's frames in a row): its frames sliced (`[..., a:b]`: a value's first frame and
-  the others are the first step's, `video._frames`; the first squeezed, `[..., 0]`, and back, `[..., None]`:
-  CogVideoX's), averaged in windows of k frames (`avg_pool1d` of
+  the others are the first step's, `video_frames.frame_slice`; the first squeezed, `[..., 0]`, and
+  back, `[..., None]`: CogVideoX's), averaged in windows of k frames (`avg_pool1d` of
   kernel = stride k: a `Rearrange` of the frames, t -> t // k), concatenated back in order (the parts
   of one split of frames: a `FrameCat`) and `.view(B, H, W, C, T').permute(0, 3, 4, 1, 2)` back to the
   video value. Any other call on such a value is refused by name, finally.
@@ -22,6 +22,7 @@ from ..ops3d import Rearrange, fold, unfold
 from ..ops3d_sync import FrameCat
 from .capture import Call, Ref
 from .state import Lowering, arg_of, op_name, permutation, refused
+from .video_frames import frame_slice
 
 COLUMNS = (0, 3, 4, 1, 2)  # (B, C, T, H, W) -> (B, H, W, C, T)
 RESHAPES = ("reshape", "view")
@@ -126,7 +127,6 @@ def _placed(low: Lowering, i: int, node: int) -> bool:
 
 def column_call(low: Lowering, i: int, call: Call) -> None:
     """A call on a video value's columns (module docstring); LoweringError for any other."""
-    from .video import _frames  # (the first step's frame slices)
 
     nodes = [n for n in call.refs() if n in low.columns]
     name, layout = low.columns[nodes[0]]
@@ -136,14 +136,14 @@ def column_call(low: Lowering, i: int, call: Call) -> None:
         low.columns[out] = (name, "rows")
     elif layout == "rows" and call.name == "__getitem__" and _span(arg_of(call, 1, "indices")) is not None:
         a, b = _span(arg_of(call, 1, "indices"))
-        fn, frames_fn = _frames(a, b)
+        fn, frames_fn = frame_slice(a, b)
         made = low.b.emit(Rearrange, (name,), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
                           label=f"frames {'' if a is None else a}:{'' if b is None else b}")
         low.columns[out] = (made, "rows")
         if (a, b) in ((None, 1), (0, 1), (1, None)):
             low.frame_parts[out] = (nodes[0], 0 if b == 1 else 1, 2)
     elif layout == "rows" and call.name == "__getitem__" and arg_of(call, 1, "indices") == (Ellipsis, 0):
-        fn, frames_fn = _frames(None, 1)  # (the first frame, squeezed: CogVideoX's downsampler's)
+        fn, frames_fn = frame_slice(None, 1)  # (the first frame, squeezed: CogVideoX's downsampler's)
         made = low.b.emit(Rearrange, (name,), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
                           label="frames :1")
         low.columns[out] = (made, "squeezed")
