@@ -177,20 +177,26 @@ def encode(
         return
     if ray is not None:
         raise BadRequest("--ray applies to encode DATASET --buckets MANIFEST")
+    _encode_file(image, out, model, config, device, nproc, no_clobber, tile_size=tile, mode=mode.value,
+                 budget=budget, staging=staging.value, quiet=quiet)
+
+
+def _encode_file(image: Path, out: Path, model: Path | None, config: Path | None, device: str, nproc: int,
+                 no_clobber: bool, *, quiet: bool, **settings) -> None:
+    """encode of one image or video to a latents file: its checks before the model loads, then the run
+    (`settings`: VaeFileOptions' tile_size, mode, budget and staging)."""
     from ..pipelines import VaeFileOptions, load_vae, run_encode_file
+    from ..pipelines.folders import scheduler_sigma_data
 
     checks.output(out, suffixes=(".safetensors",), no_clobber=no_clobber)
     checks.model_paths(model, config, vae_folder=True)
     _check_encode_input(image, model, config)
-    checks.budget(budget)
+    checks.budget(settings["budget"])
     device = options.resolve_device(device)
     checks.ranks(nproc, device)
     group, rank = join_ranks(nproc)
-    from ..pipelines.folders import scheduler_sigma_data
-
-    job = VaeFileOptions(str(image), str(out), tile_size=tile, mode=mode.value, budget=budget,
-                         staging=staging.value, progress=not (quiet or rank != 0), process_group=group,
-                         replace=not no_clobber, sigma_data=scheduler_sigma_data(model))
+    job = VaeFileOptions(str(image), str(out), **settings, progress=not (quiet or rank != 0),
+                         process_group=group, replace=not no_clobber, sigma_data=scheduler_sigma_data(model))
     vae = load_vae(model, config=config, device=device)
     plan = run_encode_file(vae, job)
     if rank != 0:
@@ -293,10 +299,16 @@ def plan(
     lat = (height // f, width // f)
     _check_ranks(ranks, lat, p.tile_size, width, height, kind)
     owner = _rank_owners(tv, shape, ranks, kind, p.tile_size, lat) if ranks > 1 else None
-    run_dir = run_folder(report, {"command": "plan", "size": [width, height], "kind": kind})
+    _plan_outputs(p, report, image, over, kind, (width, height), lat, f, owner)
+
+
+def _plan_outputs(p, report: Path | None, image: Path | None, over: Path | None, kind: str,
+                  size: tuple[int, int], lat: tuple[int, int], f: int, owner: dict | None) -> None:
+    """plan's files: the tile grid drawn to --image and to the report's tiles.png, and the report."""
+    run_dir = run_folder(report, {"command": "plan", "size": list(size), "kind": kind})
     pictures = [q for q in (image, run_dir / "tiles.png" if run_dir else None) if q is not None]
     if pictures:
-        _draw_plan(pictures, over, (width, height), lat, p.tile_size, f, owner)
+        _draw_plan(pictures, over, size, lat, p.tile_size, f, owner)
     write_plan(run_dir, p)
     finish_report(run_dir)
 
