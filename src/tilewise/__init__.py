@@ -36,8 +36,8 @@ _EXPORTS: dict[str, str] = {
     "format_bytes": "memory",
     "tensor_bytes": "memory",
     "measure_peak": "memory",
-    # locality
-    "analyze": "locality",
+    # locality (analyze: a whole VAE's decode / encode program, else a module's, vae.analysis)
+    "analyze": "vae.analysis",
     "probe_receptive_field": "locality",
     "lower": "locality",
     # vae
@@ -87,9 +87,10 @@ if TYPE_CHECKING:  # pragma: no cover  (every name of _EXPORTS, from the module 
     from .jobs.loaders import LatentDataset, ManifestDataset  # noqa: F401
     from .jobs.manifest import read_manifest  # noqa: F401
     from .jobs.sampler import BucketBatchSampler  # noqa: F401
-    from .locality import analyze, lower, probe_receptive_field  # noqa: F401
+    from .locality import lower, probe_receptive_field  # noqa: F401
     from .memory import format_bytes, measure_peak, parse_bytes, tensor_bytes  # noqa: F401
     from .metrics import compare, psnr, seam_score, tone_drift  # noqa: F401
     from .sinks import MemmapSink, PNGSink, TensorSink, TIFFSink, open_sink  # noqa: F401
     from .sinks.video import open_video_sink  # noqa: F401
     from .vae import TiledVAE  # noqa: F401
+    from .vae.analysis import analyze  # noqa: F401

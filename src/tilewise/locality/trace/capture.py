@@ -226,7 +226,8 @@ def capture(root: torch.nn.Module, run: Callable, examples: tuple[torch.Tensor, 
             h.remove()
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the computation of {type(root).__name__} returned {type(out).__name__}, not a "
-                        "tensor")
+                        "tensor (a whole VAE, or a decoder returning its caches beside its frames: analyze "
+                        "the VAE, tw.analyze(vae), which takes its decode / encode as TiledVAE runs them)")
     cap.output = st.node(out)
     return cap
 

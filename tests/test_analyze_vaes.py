@@ -1,0 +1,59 @@
+"""`tw.analyze` of a whole VAE: its decode / encode program as the TiledVAE runs it (a diffusers VAE's forward
+returns a DecoderOutput, and Mochi's and CogVideoX's decoders return their caches beside their frames, so
+neither lowers as a module); a refused family raises its reason by name."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vae_support import kl_vae  # noqa: E402
+from video_vae_support import cogvideox_vae, latent, mochi, refused_family  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.locality import LoweringError  # noqa: E402
+from tilewise.locality.analysis import analyze_program  # noqa: E402
+
+
+def _same(a, b) -> None:
+    assert a.name == b.name and a.segments == b.segments and a.sync_ops == b.sync_ops
+    assert (a.local_halo, a.align, a.scale, a.verdict()) == (b.local_halo, b.align, b.scale, b.verdict())
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_a_whole_image_vae_is_analysed_as_its_tiled_program(kind):
+    vae = kl_vae("sd")
+    report = tw.analyze(vae, kind=kind)
+    _same(report, analyze_program(tw.TiledVAE(vae, progress=False).program(kind), (64 * report.align,) * 2))
+    assert report.name == f"AutoencoderKL.{kind}" and report.sync_ops and not report.exact_tileable
+    assert ("exact_tileable: no, global ops: GroupNorm" in str(report)) and report.segments[0].halo > 0
+    _same(tw.analyze(tw.TiledVAE(vae, progress=False), kind=kind), report)  # (a TiledVAE: its VAE's)
+    assert tw.analyze(vae.decoder).name == "Decoder"  # (a part of it: lowered from its forward, as before)
+    with pytest.raises(ValueError, match="kind must be 'decode' or 'encode', got 'decoder'"):
+        tw.analyze(vae, kind="decoder")
+
+
+def test_a_video_vae_whose_decoder_returns_its_caches_is_analysed_whole():
+    vae = mochi()
+    with pytest.raises(LoweringError, match=r"returned tuple.*tw\.analyze\(vae\)"):
+        tw.analyze(vae.decoder)  # (the decoder alone: its frames and its caches)
+    report = tw.analyze(vae)
+    assert report.name == "AutoencoderKLMochi.decode" and report.sync_ops and report.segments
+    assert all(kind == "group_norm" for _, kind in report.sync_ops)
+
+
+def test_a_chunked_video_vae_is_analysed_for_the_frames_of_its_example():
+    vae = cogvideox_vae()
+    tv = tw.TiledVAE(vae, progress=False)
+    z = latent(5, 12, 10, channels=vae.config.latent_channels)
+    report = tw.analyze(vae, z)
+    _same(report, analyze_program(tv.program("decode", 5), (64 * report.align,) * 2))
+    assert len(report.segments) == len(tw.analyze(tv.program("decode", 5)).segments)
+
+
+def test_a_refused_family_is_refused_by_name_with_its_reason():
+    with pytest.raises(LoweringError, match="TiledVAE cannot tile AutoencoderKLCogVideoX.*odd call"):
+        tw.analyze(refused_family("cogvideox-odd-calls"))
