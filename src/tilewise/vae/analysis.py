@@ -25,8 +25,6 @@ def analyze(module, example_input=None, kind: str = "decode") -> Report:
     engine refuses raises its reason, by name (LoweringError / ValueError from TiledVAE)."""
     if isinstance(module, Program) or not (isinstance(module, TiledVAE) or _is_vae(module)):
         return analyze_module(module, example_input)
-    if kind not in ("decode", "encode"):
-        raise ValueError(f"kind must be 'decode' or 'encode', got {kind!r}")
     tv = module if isinstance(module, TiledVAE) else TiledVAE(module, progress=False)
     frames = int(example_input.shape[2]) if example_input is not None and example_input.ndim == 5 else None
     program = tv.program(kind, frames)

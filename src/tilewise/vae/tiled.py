@@ -23,20 +23,16 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from ..distributed import rank_world, resolve_group
 from ..locality.program import Program
 from ..wrapper import ModelWrapper
-from . import frames, gradient, runner
-from .checks import check_fits, check_input, check_vae, check_video_fits
+from . import frames, gradient, planning, runner
+from .checks import check_input, check_vae
 from .devices import DeviceProfile, profile, vae_device
 from .families import bind, encode_output, family_of, lower_calls, lower_family
-from .plan.make import make_plan, request
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
-from .plan.settle import settle
-from .settings import Attention, FastSettings, Job, Kind, Mode, Place, Settings
-from .video import backward as video_backward
+from .settings import Attention, FastSettings, Job, Kind, Mode, Settings
 from .video import batch
 from .video import face as video
 from .video import gradient as video_gradient
-from .video.plan import make_video_plan
 
 logger = logging.getLogger(__name__)
 
@@ -336,38 +332,15 @@ class TiledVAE(ModelWrapper):
         the backward's peaks fit it).
         """
         job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
-        if self._video(job.kind):
-            if len(shape) != 5:
-                raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
-                                 f"shapes, got {tuple(shape)}")
-            if backward:
-                return video_backward.plan(self.settings, job, tuple(shape), self.vae, tile_size, staging)
-            return make_video_plan(self.settings, job, tuple(shape), tile_size, staging, to_sink=streamed,
-                                   sequential=sequential)
-        if family_of(self.vae).frame:
-            shape = frames.image_shape(shape)
-        if backward:
-            return gradient.plan(self.settings, job, tuple(shape), tile_size, staging)
-        if tile_size is None and staging is None and self.memory_budget is not None:
-            return settle(self.settings, job, tuple(shape), streamed=streamed)
-        place = None if staging is None else Place.parse(staging, "staging")
-        return make_plan(self.settings, job, tuple(shape), request(self.settings, job, tile_size, place))
+        return planning.plan(self.settings, job, self.vae, tuple(shape), self._video(job.kind), tile_size,
+                             staging, streamed=streamed, sequential=sequential, backward=backward)
 
     def preflight(self, shape: tuple[int, ...], kind: str = "decode", streamed: bool = False) -> Plan:
         """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
         memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
         job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
-        if self._video(job.kind):
-            if len(shape) != 5:
-                raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) "
-                                 f"shapes, got {tuple(shape)}")
-            plan = make_video_plan(self.settings, job, tuple(shape), to_sink=streamed)
-            check_video_fits(job, plan)
-            return plan
-        shape = frames.image_shape(shape) if family_of(self.vae).frame else shape
-        plan = settle(self.settings, job, tuple(shape), streamed=streamed)
-        check_fits(job, tuple(shape), plan, streamed, self.stage_dir)
-        return plan
+        return planning.preflight(self.settings, job, self.vae, tuple(shape), self._video(job.kind),
+                                  streamed, self.stage_dir)
 
     def _ran(self, result: tuple):
         """The output of a run, keeping its staged peak (`last_staged_peak`; an untiled run has none)."""
