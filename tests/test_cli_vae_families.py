@@ -222,7 +222,7 @@ def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys, m
     assert all(name in FAMILIES and not FAMILIES[name].refused for name in PYTHON_ONLY)
     monkeypatch.setitem(PYTHON_ONLY, "AutoencoderKLExample", "its latents are not tried through the CLI yet")
     save_file({"latents": torch.randn(1, 4, 2, 6, 8)}, str(tmp_path / "z.safetensors"))
-    for name, why in PYTHON_ONLY.items():  # (KVAE video's and Kandinsky 6 SR's too)
+    for name, why in PYTHON_ONLY.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"_class_name": name}))
         err = _fails(capsys, "decode", tmp_path / "z.safetensors", "--model", tmp_path / name, "--out",

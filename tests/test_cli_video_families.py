@@ -4,7 +4,9 @@ Magvit and CogVideoX VAEs saved with save_pretrained; decode and encode equal th
 encode of the same latents (fp32, <= 1e-4), SVD's in calls of --decode-chunk-size frames as its pipeline's
 decode_latents, Cosmos' scaled per channel and frame and by its scheduler's sigma_data, the other three by
 scaling_factor alone as their pipelines' decode steps; bad input refused naming the value, with its exit
-code."""
+code. KVAE video's raw latents (no scaling: no pipeline uses it yet) and Kandinsky 6 SR's (z * scaling_factor,
+its pixels / 128 - 1 as Kandinsky6SRPipeline's) go through the other video VAEs' route.
+"""
 
 import copy
 import json
@@ -12,13 +14,14 @@ import json
 import faults_support
 import numpy as np
 import pytest
+from PIL import Image
 
 torch = pytest.importorskip("torch")
 
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-from video_vae_support import cogvideox_vae, magvit, video_vae  # noqa: E402
+from video_vae_support import cogvideox_vae, kandinsky6_sr, kvae_video, magvit, video_vae  # noqa: E402
 
 from tilewise.cli import app  # noqa: E402
 from tilewise.errors import BadInputFile, BadRequest, ModelProblem  # noqa: E402
@@ -254,3 +257,73 @@ def test_what_the_scaled_families_cannot_take_is_refused_naming_it(scaled, tmp_p
                  tmp_path / "x.npy", code=ModelProblem.exit_code)
     assert "TiledVAE cannot tile AutoencoderKLMagvit: its GroupNorms (spatial_group_norm=False)" in err
     assert not any(p.name.startswith(("e.", "x.")) for p in tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    """The tiny KVAE video and Kandinsky 6 SR VAEs of their Python tests, saved as VAE folders."""
+    root = tmp_path_factory.mktemp("chunked")
+    vaes = {"kvae": kvae_video(), "k6sr": kandinsky6_sr()}
+    for name, vae in vaes.items():
+        vae.save_pretrained(root / name)
+    return {name: (root / name, vae) for name, vae in vaes.items()}
+
+
+def test_a_kvae_video_folder_encodes_and_decodes_its_raw_latents(chunked, tmp_path, capsys):
+    """5 frames of 24x40 -> the posterior's mean, (1, 4, 2, 3, 5) in 2x3 tiles (no scaling_factor in its
+    config: z as the VAE decodes it); 3 latent frames decoded as vae.decode(z); an encode of 4 frames refused
+    from the file's header (its encode takes 1 + 4 k), nothing written."""
+    folder, vae = chunked["kvae"]
+    video = np.random.default_rng(5).uniform(-1, 1, (5, 24, 40, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", folder, "--out", tmp_path / "e.safetensors", "--tile", 2,
+         "--quiet")
+    with torch.no_grad():
+        want = vae.encode(torch.from_numpy(video).permute(3, 0, 1, 2)[None]).latent_dist.mode()
+    got = load_file(str(tmp_path / "e.safetensors"))["latents"]
+    assert got.shape == want.shape == (1, 4, 2, 3, 5) and (got - want).abs().max() <= TOL
+    z = torch.randn(1, 4, 3, 3, 5, generator=torch.Generator().manual_seed(6))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    text = _run("decode", tmp_path / "z.safetensors", "--model", folder, "--out", tmp_path / "x.npy",
+                "--bits", 32, "--tile", 2, "--quiet")
+    assert "tiles: 2x3" in text
+    with torch.no_grad():
+        want = vae.decode(z).sample[0].permute(1, 2, 3, 0).numpy()
+    got = np.load(tmp_path / "x.npy")
+    assert got.shape == want.shape == (9, 24, 40, 3) and np.abs(got - want).max() <= TOL
+    np.save(tmp_path / "v4.npy", np.zeros((4, 24, 40, 3), np.float32))
+    err = _fails(capsys, "encode", tmp_path / "v4.npy", "--model", folder, "--out",
+                 tmp_path / "f.safetensors", code=BadInputFile.exit_code)
+    assert "v4.npy' has 4 frames: " in err and "1 + 4" in err
+    assert not (tmp_path / "f.safetensors").exists()
+
+
+def test_a_kandinsky6_sr_folder_reads_and_writes_pixels_as_its_pipeline(chunked, tmp_path):
+    """8-bit frames p are encoded as Kandinsky6SRPipeline.encode_video encodes them (its K-VAE's p / 128 - 1),
+    z * scaling_factor; its latents decode to 8-bit frames round((v + 1) * 128), clamped, as its
+    decode_latents and the video processor give them, and to float frames as the VAE's own values."""
+    folder, vae = chunked["k6sr"]
+    sf = float(vae.config.scaling_factor)
+    pixels = np.random.default_rng(7).integers(0, 256, (5, 24, 40, 3), dtype=np.uint8)
+    for t in range(5):
+        Image.fromarray(pixels[t]).save(tmp_path / f"f{t:02d}.png")
+    _run("encode", tmp_path / "f{:02d}.png", "--model", folder, "--out", tmp_path / "e.safetensors", "--tile",
+         2, "--quiet")
+    x = torch.from_numpy(pixels.astype(np.float32)).permute(3, 0, 1, 2)[None]
+    with torch.no_grad():
+        want = vae.encode(x / 128 - 1).latent_dist.mode() * sf
+        other = vae.encode(x / 127.5 - 1).latent_dist.mode() * sf  # (VideoProcessor's alone)
+    got = load_file(str(tmp_path / "e.safetensors"))["latents"]
+    assert got.shape == want.shape == (1, 4, 2, 3, 5) and (got - want).abs().max() <= TOL
+    assert (other - want).abs().max() > 1e-3  # (the rescale is seen)
+    _run("decode", tmp_path / "e.safetensors", "--model", folder, "--out", tmp_path / "o{:02d}.png", "--tile",
+         2, "--quiet")
+    with torch.no_grad():
+        v = vae.decode(got / sf).sample
+    want8 = ((v + 1) * 128).round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 3, 0).numpy()
+    back = np.stack([np.asarray(Image.open(tmp_path / f"o{t:02d}.png")) for t in range(5)])
+    assert back.shape == want8.shape == (5, 24, 40, 3)
+    assert np.abs(back.astype(int) - want8.astype(int)).max() <= 1  # (float rounding at a half level)
+    _run("decode", tmp_path / "e.safetensors", "--model", folder, "--out", tmp_path / "o.npy", "--bits", 32,
+         "--tile", 2, "--quiet")
+    assert np.abs(np.load(tmp_path / "o.npy") - v[0].permute(1, 2, 3, 0).numpy()).max() <= TOL

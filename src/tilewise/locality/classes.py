@@ -62,11 +62,6 @@ REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
 BATCHED_VAES = ("AutoencoderKLTemporalDecoder",)
 
 # tiled exactly from Python (tw.TiledVAE) but not taken by the CLI's decode / encode yet, with what is missing
-# (HunyuanVideo 1.5, Magvit and CogVideoX are taken now: `pipelines.video_latents`)
-PYTHON_ONLY: dict[str, str] = {
-    "AutoencoderKLKVAEVideo": "its programs depend on each call's first chunk (lowered per frame count) and "
-                              "its latents files and folders are not tried through the CLI's video decode / "
-                              "encode yet (no test builds one)",
-    "Kandinsky6SRVAE": "its latents files and folders are not tried through the CLI's video decode / encode "
-                       "yet (no test builds one)",
-}
+# (none now: KVAE video and Kandinsky 6 SR were the last, taken since with their latents files tested through
+# the CLI, tests/test_cli_video_families.py)
+PYTHON_ONLY: dict[str, str] = {}

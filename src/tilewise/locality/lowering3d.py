@@ -247,7 +247,7 @@ def _patch(b: Builder, x: str, p: int, channels: int, inverse: bool) -> str:
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video",
               "AutoencoderKLHunyuanImageRefiner", "AutoencoderKLHunyuanVideo", "AutoencoderKLMochi",
               "AutoencoderKLCosmos", "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
-              "AutoencoderKLCogVideoX")
+              "AutoencoderKLCogVideoX", "AutoencoderKLKVAEVideo", "Kandinsky6SRVAE")
 HAND_MODULES = ("WanEncoder3d", "WanDecoder3d", "QwenImageEncoder3d", "QwenImageDecoder3d")
 
 

@@ -156,8 +156,12 @@ def _frames_of(path: str):
     return read_image(path).pixels[None]
 
 
-def load_video(path: str | os.PathLike, multiple: int = 8, channels: int = 3):
-    """A video (or one image) as a (1, C, T, H, W) float tensor in [-1, 1]; sides multiples of `multiple`."""
+def load_video(path: str | os.PathLike, multiple: int = 8, channels: int = 3, scale: str = "max"):
+    """A video (or one image) as a (1, C, T, H, W) float tensor in [-1, 1]; sides multiples of `multiple`.
+    Integer pixels p: p / (max / 2) - 1 (`scale` "max", VideoProcessor's), or p / 2^(bits - 1) - 1
+    ("levels": Kandinsky 6 SR's pipeline, `video_latents.pixel_scale`); float frames as they are."""
+    if scale not in ("max", "levels"):
+        raise ValueError(f"scale must be 'max' or 'levels', got {scale!r}")
     import numpy as np
     import torch
 
@@ -171,10 +175,10 @@ def load_video(path: str | os.PathLike, multiple: int = 8, channels: int = 3):
         raise BadInputFile(f"{path!r} is {w}x{h}; both sides must be multiples of {multiple} to encode "
                            f"(crop to {w - w % multiple or multiple}x{h - h % multiple or multiple} or pad)")
     check_memory(2 * a.size * 4, f"video {path!r} ({t} frames of {w}x{h}) as float32")
-    if a.dtype == np.uint8:  # (np.array: a writable copy, also of a read-only memmap)
-        x = torch.from_numpy(np.array(a, dtype=np.float32)) / 127.5 - 1
-    elif a.dtype == np.uint16:
-        x = torch.from_numpy(np.array(a, dtype=np.float32)) / 32767.5 - 1
+    if a.dtype in (np.uint8, np.uint16):  # (np.array: a writable copy, also of a read-only memmap)
+        bits = 8 if a.dtype == np.uint8 else 16
+        half = ((1 << bits) - 1) / 2 if scale == "max" else float(1 << (bits - 1))
+        x = torch.from_numpy(np.array(a, dtype=np.float32)) / half - 1
     elif np.issubdtype(a.dtype, np.floating):
         x = torch.from_numpy(np.array(a, dtype=np.float32))
         _check_float_range(x, path)

@@ -43,10 +43,10 @@ def latent_norm(vae) -> tuple[Any, Any, float]:
     if "latents_mean" in buffers:
         mean, std = buffers["latents_mean"], buffers["latents_std"]
     else:
-        c = next((int(cfg[k]) for k in ("z_dim", "latent_channels") if cfg.get(k)), None)
+        c = next((int(cfg[k]) for k in ("z_dim", "latent_channels", "z_channels") if cfg.get(k)), None)
         if c is None:
             raise ValueError(f"{type(vae).__name__}'s config names no latent channels (z_dim, "
-                             "latent_channels)")
+                             "latent_channels, z_channels)")
         mean = torch.tensor(cfg.get("latents_mean") or [0.0] * c)
         std = torch.tensor(cfg.get("latents_std") or [1.0] * c)
     shape = (1, -1, 1, 1, 1)
@@ -188,8 +188,8 @@ def decode_to_file(tv, z, out: str, *, bits: int = 8, replace: bool = True,
                 tv.decode_to(z[:, :, a:b], None)
         return tv.plan(shapes[0], streamed=True, sequential=True)
     image = t == 1 and "{" not in out
-    sink = (open_sink(out, h, w, c, bits=bits, replace=replace) if image
-            else open_video_sink(out, t, h, w, c, bits=bits, replace=replace))
+    kw = dict(bits=bits, replace=replace, value_range=vl.value_range(tv.vae, bits))
+    sink = open_sink(out, h, w, c, **kw) if image else open_video_sink(out, t, h, w, c, **kw)
     existing = getattr(sink, "existing", [])
     if existing:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
@@ -225,7 +225,8 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
 
     _check_frames(vae, path, check_video(path)[0])  # (from the headers, before the VAE is lowered)
     tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
-    x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels).to(vae.device, vae.dtype)
+    x = load_video(path, tv.factor("encode"), tv.program("encode").in_channels, vl.pixel_scale(vae))
+    x = x.to(vae.device, vae.dtype)
     name = type(vae).__name__
     if name == vl.SVD:  # (its 2-D encoder: frame by frame)
         plan = tv.plan((1, *x.shape[1:2], *x.shape[3:]), kind="encode")

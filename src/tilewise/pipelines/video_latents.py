@@ -25,6 +25,12 @@
   patch_size_t - T % patch_size_t frames at the start and drop them before the decode step, but
   output_type="latent" returns them padded: a file holds the frames the decode step takes.
 
+Pixels: integer frames are read and written as the family's pipeline converts them. Most pipelines
+(VideoProcessor) take pixels / (max / 2) - 1; Kandinsky6SRPipeline's K-VAE was trained on pixels / 128 - 1
+(its encode_video rescales VideoProcessor's frames by 127.5 / 128, its decode_latents back, clamped), so its
+8-bit pixels are read as p / 128 - 1 and written as round((v + 1) * 128), clamped (16-bit: 32768). Float
+frames (.npy, 32-bit TIFF) hold the VAE's own values, as for every family.
+
 torch is imported inside the functions (see `pipelines.video`).
 """
 
@@ -39,9 +45,26 @@ logger = logging.getLogger(__name__)
 
 COSMOS, SVD = "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder"
 # the classes whose pipelines scale their latents by scaling_factor alone (whatever else the config names)
-SCALED = (SVD, "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit", "AutoencoderKLCogVideoX")
+SCALED = (SVD, "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit", "AutoencoderKLCogVideoX",
+          "Kandinsky6SRVAE")
 OWN_LAYOUT = (COSMOS, *SCALED)  # the classes whose latents files this module lays out
+# the classes whose pipelines map integer pixels p to p / 2^(bits - 1) - 1 (module docstring)
+LEVEL_PIXELS = ("Kandinsky6SRVAE",)
 SIGMA_DATA = 0.5  # EDMEulerScheduler's default sigma_data, that of the Cosmos 1.0 pipelines' scheduler
+
+
+def pixel_scale(vae) -> str:
+    """How the family's pipeline reads integer pixels: "max" (p / (max / 2) - 1) or "levels" (p /
+    2^(bits - 1) - 1: `LEVEL_PIXELS`), as `frames.load_video` takes it."""
+    return "levels" if type(vae).__name__ in LEVEL_PIXELS else "max"
+
+
+def value_range(vae, bits: int) -> tuple[float, float]:
+    """The values an integer sink of `bits` maps to its pixels 0 .. max for the family (`pixel_scale`):
+    (-1, 1), or (-1, max / 2^(bits - 1) - 1), whose pixels are round((v + 1) 2^(bits - 1)), clamped."""
+    if pixel_scale(vae) == "max" or bits not in (8, 16):
+        return -1.0, 1.0
+    return -1.0, ((1 << bits) - 1) / (1 << (bits - 1)) - 1
 
 
 def has_own_layout(vae) -> bool:
