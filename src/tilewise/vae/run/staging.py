@@ -35,15 +35,19 @@ TRIM_FREE = 192 << 20
 
 _LIBC = None
 _MALLINFO2 = None
+_FLOOR = 0  # the heap's free bytes after the last trim, lowered as they are reused (trim_heap)
 
 
 def trim_heap(min_free: int = 0) -> None:
     """Return freed heap memory to the OS (glibc malloc_trim): tile-sized buffers otherwise stay resident.
 
-    With min_free, only when the heap holds at least that many free bytes (glibc mallinfo2): freed
-    pages that are reused soon cost a page fault each after a trim, so the per-op trims of disk staging
-    act only once fragmentation has grown."""
-    global _LIBC, _MALLINFO2
+    With min_free, only once at least that many bytes were freed since the last trim (glibc mallinfo2:
+    the free bytes above their lowest since then): freed pages that are reused soon cost a page fault each
+    after a trim, so the per-op trims of disk staging act only once fragmentation has grown. The free bytes
+    a trim leaves (pages returned to the OS still count as free) are the floor: without it a fragmented
+    heap, a long-lived process's, trimmed on every op, each trim walking the whole heap (measured: 1.2 GB
+    of scattered free chunks, 123 ms a trim, 3,326 trims of two small disk-staged runs 409 s)."""
+    global _LIBC, _MALLINFO2, _FLOOR
     if _LIBC is None:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -57,9 +61,14 @@ def trim_heap(min_free: int = 0) -> None:
             _MALLINFO2 = None
     if not _LIBC:
         return
-    if min_free and _MALLINFO2 is not None and _MALLINFO2().fordblks < min_free:
-        return
+    if min_free and _MALLINFO2 is not None:
+        free = _MALLINFO2().fordblks
+        _FLOOR = min(_FLOOR, free)
+        if free - _FLOOR < min_free:
+            return
     _LIBC.malloc_trim(0)
+    if _MALLINFO2 is not None:
+        _FLOOR = _MALLINFO2().fordblks
 
 
 def _mallinfo2_struct():
