@@ -1,7 +1,8 @@
 """Benchmark: exact tiled decode / encode of a 3-D causal VAE against untiled and diffusers' enable_tiling.
 
 --family: the seeded VAEs of `benchmarks/vae3d_models.py` (Wan, Qwen-Image, LTX-Video, LTX-2, HunyuanVideo
-1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder; fp32, widths scaled by --base-dim).
+1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder, KVAE video, Kandinsky 6 SR; fp32, widths
+scaled by --base-dim).
 Every variant runs in its own subprocess (fresh peak RSS); errors are against the untiled output.
 Variants:
 

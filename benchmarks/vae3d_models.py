@@ -25,7 +25,13 @@
   frames a decode call) at --base-dim / 128 of its widths (128, 256, 256, 512);
 - svd: AutoencoderKLTemporalDecoder (SVD; latent 4, 8x spatial, no temporal compression: its decode
   takes the frames in the batch, decode(z, num_frames)) at --base-dim / 128 of its widths (128, 256, 512,
-  512); no spatial tiling of its own, so no 'diffusers' variant.
+  512); no spatial tiling of its own, so no 'diffusers' variant;
+- kvae: AutoencoderKLKVAEVideo (latent 16, 8x spatial, 4x temporal, its chunked loop of 5 then 4 latent
+  frames a decode call, GroupNorms over each call's frames) at --base-dim / 128 of its width (ch 128,
+  ch_mult 1, 2, 4, 8); no spatial tiling of its own (use_tiling is a flag its decode never reads);
+- k6sr: Kandinsky6SRVAE (latent 64, 16x spatial, 4x temporal, RMS norms, cached causal convolutions) at
+  --base-dim / 128 of its widths (encoder 16, 128, 256, 512, 1024; decoder 16, 256, 512, 1024, 2048); no
+  spatial tiling of its own.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenIm
             "cosmos": ("AutoencoderKLCosmos", 16, 8, 8),
             "hunyuan15": ("AutoencoderKLHunyuanVideo15", 32, 4, 16),
             "magvit": ("AutoencoderKLMagvit", 16, 4, 8), "cogvideox": ("AutoencoderKLCogVideoX", 16, 4, 8),
-            "svd": ("AutoencoderKLTemporalDecoder", 4, 1, 8)}
+            "svd": ("AutoencoderKLTemporalDecoder", 4, 1, 8), "kvae": ("AutoencoderKLKVAEVideo", 16, 4, 8),
+            "k6sr": ("Kandinsky6SRVAE", 64, 4, 16)}
 # families whose stock VAE has no spatial tiling of its own to compare with (Cosmos' enable_tiling sets
-# use_tiling, which its _decode never reads; SVD's temporal decoder has none)
-NO_OWN_TILING = ("cosmos", "svd")
+# use_tiling, which its _decode never reads; SVD's temporal decoder, KVAE video's and Kandinsky 6 SR's have
+# none)
+NO_OWN_TILING = ("cosmos", "svd", "kvae", "k6sr")
 
 
 def _widths(base_dim: int, full: tuple[int, ...], least: int = 32) -> tuple[int, ...]:
@@ -78,8 +86,8 @@ def build_vae(family: str, base_dim: int):
 
 
 def _build_more(family: str, cls, base_dim: int):
-    """The families added for #28's second table (HunyuanVideo 1.5, Magvit, CogVideoX, SVD), and Wan /
-    Qwen-Image."""
+    """The families added for #28's second table (HunyuanVideo 1.5, Magvit, CogVideoX, SVD, KVAE video,
+    Kandinsky 6 SR), and Wan / Qwen-Image."""
     if family == "hunyuan15":
         widths = _widths(base_dim, (128, 256, 512, 1024, 1024))
         return cls(block_out_channels=widths, layers_per_block=1).eval()
@@ -90,6 +98,13 @@ def _build_more(family: str, cls, base_dim: int):
     if family == "svd":
         return cls(block_out_channels=_widths(base_dim, (128, 256, 512, 512)), layers_per_block=1,
                    down_block_types=("DownEncoderBlock2D",) * 4).eval()
+    if family == "kvae":
+        return cls(ch=max(32, base_dim // 32 * 32), ch_mult=(1, 2, 4, 8), num_res_blocks=1).eval()
+    if family == "k6sr":
+        enc, dec = ((max(8, c * base_dim // 128) for c in full)
+                    for full in ((16, 128, 256, 512, 1024), (16, 256, 512, 1024, 2048)))
+        return cls(encoder_block_out_channels=tuple(enc), decoder_block_out_channels=tuple(dec),
+                   layers_per_block=1).eval()
     return cls(base_dim=base_dim, z_dim=16).eval()
 
 

@@ -69,3 +69,18 @@ def test_decode_gradients_equal_the_stock_decodes(vae, tv):
     (vae.decode(z1).sample * w).sum().backward()
     (tv.decode(z2).sample * w).sum().backward()
     assert ((z1.grad - z2.grad).abs().max() / z1.grad.abs().max()).item() <= 1e-4
+
+
+def test_decode_of_the_real_latent_width_its_zq_interpolated_in_channel_chunks():
+    # (64 latent channels, as Kandinsky 6 SR's config: its spatial norms interpolate zq's frames after the
+    # first in chunks of 32 channels, concatenated back, then the first frame in front: parts of one split
+    # of frames through a channel split and concatenation)
+    torch.manual_seed(0)
+    import diffusers as d
+
+    vae = d.Kandinsky6SRVAE(latent_channels=64, encoder_block_out_channels=(8, 16, 16),
+                            decoder_block_out_channels=(8, 16, 16), layers_per_block=1).eval()
+    z = torch.randn(1, 64, 3, 3, 5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = vae.decode(z).sample, tw.TiledVAE(vae, tile_size=2, progress=False).decode(z).sample
+    assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-4

@@ -103,10 +103,11 @@ def _keep_parts(low: Lowering, call: Call) -> None:
     """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
     channels = call.name in ("split", "chunk", "cat", "concat", "concatenate") and channel_dim(
         arg_of(call, 2 if call.name in ("split", "chunk") else 1, "dim", 0), 5)  # (of its channels)
-    if (call.name in KEEP_PARTS or channels) and len(call.outs) == 1:
+    if (call.name in KEEP_PARTS and len(call.outs) == 1) or channels:  # (a split's every output: a part)
         parts = {low.frame_parts[n] for n in call.refs() if n in low.frame_parts}
         if len(parts) == 1:
-            low.frame_parts[call.outs[0]] = parts.pop()
+            part = parts.pop()
+            low.frame_parts.update({n: part for n in call.outs})
 
 
 def _alias(low: Lowering, i: int, call: Call) -> bool:
