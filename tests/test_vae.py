@@ -209,8 +209,8 @@ def _record_stages_and_runs(monkeypatch) -> tuple[list, list]:
     return staged, returned
 
 
-@pytest.mark.parametrize("fast_low", [2, 0])
-@pytest.mark.parametrize("staging", ["host", "disk"])
+@pytest.mark.parametrize("fast_low,staging", [(2, "host"), (0, "host"), (0, "disk"),
+                                               pytest.param(2, "disk", marks=pytest.mark.slow)])  # (~35 s)
 def test_fast_decode_plan_lists_the_passes_and_the_values_a_run_stages(monkeypatch, fast_low, staging):
 
     vae = kl_vae("sd")

@@ -50,8 +50,8 @@ def test_pieces_are_cut_at_the_resolution_changes_and_rejoin_the_part(kind):
                       flux.settings.fast) == ()
 
 
-@pytest.mark.parametrize("kind", ["decode", "encode"])
-@pytest.mark.parametrize("staging", ["device", "disk"])
+@pytest.mark.parametrize("kind,staging", [("decode", "device"), ("encode", "device"), ("decode", "disk"),
+                                          pytest.param("encode", "disk", marks=pytest.mark.slow)])  # (~50 s)
 def test_fast_mode_in_pieces_computes_what_one_piece_does(kind, staging):
     vae = kl_vae("sd")
     t = structured_latent(1, 4, 32, 24) if kind == "decode" else structured_latent(1, 3, 256, 192)
