@@ -49,7 +49,7 @@ def batch_call(low: Lowering, i: int, call: Call, two_d: Callable, elementwise: 
         raise refused(low, call, (placed or "no rule places it") + " (on a video value's frames folded "
                       "into the batch: placed are conv2d, group_norm, nearest interpolation, diffusers' "
                       "Attention, elementwise functions, channel slices and concatenations, rows of the "
-                      "batch and the reshapes back to (B, T, ...))", final=True)
+                      "batch and the reshapes back to (B, T, ...))")
     for n in call.outs:  # (what the 2-D rules made of it: its frames are still in the batch)
         made = low.spatial(n) is not None or n in low.pads
         if made and n not in low.folds and low.cap.values[n].ndim == 4:
