@@ -14,7 +14,11 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
   frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
   `interpolate` by integer factors in time and space, `unsqueeze(2)`), concatenated back in order: a
-  `FrameCat` (HunyuanVideo's upsampler);
+  `FrameCat` (HunyuanVideo's upsampler); likewise a value's first k frames and the others
+  (`x[:, :, :k]`, `x[:, :, k:]`: VidTok's temporal upsamplers);
+- trilinear interpolation by a scale factor in time, 1 in space (VidTok's): a `Rearrange` of the frames;
+  `avg_pool3d` over windows of frames (kernel and stride (k, 1, 1), maybe padded in time: VidTok's
+  downsampler): a `Rearrange` of the frames (`video_pools`);
 - `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
   step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
 - HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);

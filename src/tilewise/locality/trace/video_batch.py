@@ -13,7 +13,9 @@ and means over groups of channels (`video_pools`); elementwise functions,
 sums and channel slices / concatenations by the 2-D rules (`two_d`: a replayed call that reads other
 tensors runs with the frames folded back around it, `frames.carry`). Its rows sliced or split (chunks of
 frames) and its reshapes back to (B, T, ...) or x[None, :] go to `video_fold`. Any other call on it is
-refused by name, finally (no measurement may place it: its module would run on the video value).
+refused by name, unless the module around it is measured (`measured.opaque`: run with the frames folded
+back around it, `frames.carry`; VidTok's LayerNorms over the channels through a permute, position by
+position).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Samplings of a video value computed as KVAE video's and Kandinsky 6 SR's samplers compute them:
 
 - `x.repeat_interleave(n, dim=2)`: every frame n times in a row (a `Rearrange` of the frames);
+- `avg_pool3d` of windows of frames (kernel and stride (k, 1, 1); an F.pad in time before it merged:
+  VidTok's downsampler): a `Rearrange` of the frames;
 
 - with its frames in the batch (`video_batch`), `pixel_unshuffle` / `pixel_shuffle` of every frame (a
   `Rearrange` of space and channels), and a view of its channels into groups,

@@ -1,11 +1,14 @@
 """A video value's tokens on their way to and from `scaled_dot_product_attention` (Cosmos'
-CosmosCausalAttention processors): the calls between (permute, flatten, unflatten, transpose, aliases)
-are followed by the axes they leave, each a group of the video value's axes (B, C, T, H, W; C split into
-heads N and head channels D). At the attention, queries, keys and values must be one layout of three
-values: (B T, N, H W, D) (each frame's tokens: a `FrameSDPA`, its queries, keys and values 1x1x1
-projections of one value) or (B H W, N, T, D) (each position's frames: a `ColumnSDPA`, no mask or the
-causal one, tril of ones over the frames, read from the calls that make it). Its output is followed the
-same way until a permute gives back (B, C, T, H, W). Any other call on the tokens is refused by name.
+CosmosCausalAttention processors; VidTok's attention block): the calls between (permute, flatten,
+unflatten, transpose, aliases, a reshape merging adjacent axes or splitting a group back) are followed by
+the axes they leave, each a group of the video value's axes (B, C, T, H, W; C split into heads N and head
+channels D). At the attention, queries, keys and values must be one layout of three values, up to the
+order of the dims before the last two (all batch dims to the attention: VidTok's (B, T, H W, C) is one
+head of each frame's tokens): (B T, N, H W, D) (each frame's tokens: a `FrameSDPA`, its queries, keys
+and values 1x1x1 projections of one value) or (B H W, N, T, D) (each position's frames: a `ColumnSDPA`,
+no mask or the causal one, tril of ones over the frames, read from the calls that make it). Its output is
+followed the same way until a permute gives back (B, C, T, H, W). Any other call on the tokens is refused
+by name.
 """
 
 from __future__ import annotations
