@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vae_support import kl_vae  # noqa: E402
-from video_vae_support import cogvideox_vae, latent, mochi, refused_family  # noqa: E402
+from video_vae_support import cogvideox_vae, latent, mochi, refused_family, vidtok  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
@@ -52,6 +52,17 @@ def test_a_chunked_video_vae_is_analysed_for_the_frames_of_its_example():
     report = tw.analyze(vae, z)
     _same(report, analyze_program(tv.program("decode", 5), (64 * report.align,) * 2))
     assert len(report.segments) == len(tw.analyze(tv.program("decode", 5)).segments)
+
+
+def test_vidtok_is_analysed_as_its_tiled_program():
+    """VidTok's decode (its 1-D resnet halves on each position's frames one op each): its one sync op the
+    mid-block's attention over each frame's tokens."""
+    vae = vidtok()
+    report = tw.analyze(vae)
+    program = tw.TiledVAE(vae, progress=False).program("decode")
+    _same(report, analyze_program(program, (64 * report.align,) * 2))
+    assert report.name == "AutoencoderVidTok.decode" and len(report.sync_ops) == 1
+    assert tw.analyze(vae, kind="encode").name == "AutoencoderVidTok.encode"
 
 
 def test_a_refused_family_is_refused_by_name_with_its_reason():

@@ -214,7 +214,7 @@ def test_a_class_no_tile_program_reproduces_is_refused_by_name_with_the_reason(t
 
 def test_a_class_tiled_from_python_only_is_refused_saying_so(tmp_path, capsys, monkeypatch):
     """Every class of PYTHON_ONLY is one TiledVAE tiles; a folder of such a class (here one put in the table
-    for the test: the CLI takes every video VAE tiled from Python now) is refused from its config.json,
+    for the test besides VidTok, the one the CLI does not take yet) is refused from its config.json,
     saying what is missing, before anything loads."""
     from tilewise.locality.classes import PYTHON_ONLY
     from tilewise.vae.families import FAMILIES

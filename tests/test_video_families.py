@@ -36,7 +36,6 @@ BY_NAME = {
     "MMAudioVAE": "an audio VAE", "LongCatAudioDiTVae": "an audio VAE",
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT",
     "AutoencoderRAE": "its encoder is a pretrained ViT",
-    "AutoencoderVidTok": "without its own use_tiling its decode and encode are one pass",
     "LTX2VideoDiffusionDecoderModel": "it is a diffusion decoder",
 }
 

@@ -279,3 +279,26 @@ def kandinsky6_sr(seed: int = 0):
     torch.manual_seed(seed)
     return _gains(d.Kandinsky6SRVAE(latent_channels=4, encoder_block_out_channels=(8, 16, 16, 32),
                                     decoder_block_out_channels=(8, 16, 16, 32), layers_per_block=1))
+
+
+def vidtok(seed: int = 0, **config):
+    """A tiny seeded VidTok VAE (4x in space, 4x in time, causal; `config` overrides: regularizer="fsq",
+    is_causal=False, ...): its resnets' 2-D and 1-D halves, LayerNorms over the channels (their weights
+    and biases randomised so a wrong normalisation cannot hide), temporal samplers mixing a pooled /
+    interpolated path and a convolution (their mix factors randomised) and a mid-block attention."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(seed)
+    kw = dict(ch=8, ch_mult=[1, 2, 2], z_channels=4, num_res_blocks=1)
+    if config.get("regularizer") == "fsq":
+        kw.update(codebook_size=8**4, double_z=False)
+    vae = d.AutoencoderVidTok(**{**kw, **config})
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.bias") or name.endswith("mix_factor"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return vae.eval()

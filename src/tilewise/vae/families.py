@@ -80,6 +80,14 @@ from .video_calls import (
     svd_decode,
     svd_inputs,
 )
+from .video_vidtok import (
+    vidtok_check,
+    vidtok_decode,
+    vidtok_encode,
+    vidtok_frames,
+    vidtok_note,
+    vidtok_output,
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,10 @@ class Family:
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
     frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
     # it is not: the frame counts the wrapped VAE's own decode / encode take)
+    decoded: str = "output"  # what decode returns: "output" (DecoderOutput, or a tuple), "frames" (its
+    # frames tensor itself: VidTok's)
+    output: Callable | None = None  # output(vae, h) -> what encode returns where its configuration decides
+    # (VidTok's: a posterior, or its FSQ latent and indices); else by `encoded`
     chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
     # takes (CogVideoX's frame_batch_size; the first call also the remainder), or (lead, every): the first
     # call lead frames, the last the remainder (KVAE's): decode / encode are one call, traced on the
@@ -171,6 +183,13 @@ FAMILIES: dict[str, Family] = {
     # convolution's frames over (one convolution over every frame; its norms RMS over the channels), its
     # first segment's first frame apart; encode takes 1 + 4 k frames (`frames`)
     "Kandinsky6SRVAE": Family(decode=k6_decode, encode=k6_encode, video=True, frames=k6_frames),
+    # the whole video in one pass, as its untiled decode / encode compute it (`video_vidtok`): its 1-D
+    # resnet halves on each position's frames (`trace.video_rows`), trilinear interpolation in time and
+    # avg_pool3d over frames; decode returns the frames tensor, encode a posterior or its FSQ latent and
+    # indices; encode takes r frames or more (`frames`); non-causal configurations refused (`check`)
+    "AutoencoderVidTok": Family(decode=vidtok_decode, encode=vidtok_encode, video=True, check=vidtok_check,
+                                frames=vidtok_frames, note=vidtok_note, decoded="frames",
+                                output=vidtok_output),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     "AutoencoderKLHunyuanImageRefiner": VIDEO,
     # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
@@ -215,8 +234,10 @@ ENCODED = {
 }
 
 
-def encode_output(family: Family, h, return_dict: bool):
+def encode_output(family: Family, h, return_dict: bool, vae=None):
     """An encode's result as the wrapped class returns it, from its program's output h."""
+    if family.output is not None:
+        return family.output(vae, h)
     cls, field, wrap = ENCODED[family.encoded]
     value = h if wrap is None else wrap(h)
     return cls(**{field: value}) if return_dict else (value,)

@@ -139,6 +139,10 @@ class TiledVAE(ModelWrapper):
         family = family_of(self.vae)
         call = bind(type(self.vae).forward, self.vae, (sample, *args), kwargs,
                     {"sample_posterior": False, "return_dict": True, "generator": None, **_inputs(family)})
+        if family.decoded != "output" or family.output is not None:
+            raise NotImplementedError(f"TiledVAE.forward() for {type(self.vae).__name__}: its forward pads "
+                                      "the video in time first, which the tiled path does not follow; call "
+                                      "tv.encode and tv.decode")
         z = self.encode(sample, return_dict=False)[0]
         if family.quantize:  # VQModel.forward: encode, decode (quantised)
             dec = self.decode(z)
@@ -205,6 +209,8 @@ class TiledVAE(ModelWrapper):
             with self._bound(job, temb, z, graph):
                 sample = self._ran(self._run_video(job, z, graph))
             sample = batch.as_rows(sample) if family.batched else sample
+            if family.decoded == "frames":  # (VidTok's decode returns its frames)
+                return sample
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)
         if family.frame:  # (an image in a video's layout: the program runs its one frame)
             z = frames.one_frame(job, z)
@@ -231,7 +237,7 @@ class TiledVAE(ModelWrapper):
             check_input(job, x)
             h = self._ran(self._run(job, x))
             h = h.unsqueeze(2) if family.frame else h
-        return encode_output(family, h, call["return_dict"])
+        return encode_output(family, h, call["return_dict"], self.vae)
 
     def _run_video(self, job: Job, t, graph: bool | None = None) -> tuple:
         """A 3-D decode or encode: with a graph (`video.gradient`: the causal steps recomputed last to

@@ -38,7 +38,7 @@ def lower_traced(root: torch.nn.Module, run: Callable, example: torch.Tensor, un
                             "tilewise.probe_receptive_field(module, example) to measure its locality "
                             "empirically.") from None
     low = Lowering(cap, root)
-    live = needed(cap)
+    live = low.live = needed(cap)
     low.per_call = per_call(cap, live, tuple(inputs))
     if low.per_call is not None:  # (the example's values: the measured ops run on them)
         low.per_call.current = low.per_call.evaluate(*inputs.values())

@@ -17,22 +17,28 @@ from ..ops_traced import Local, Whole
 from .capture import Call, Ref
 from .frames import carry
 from .state import Lowering, op_name, refused
+from .video_frames import KEEP_PARTS
 
 
 def inline_region(low: Lowering, i: int) -> int | None:
     """Calls i.. of one spatial value that leave the spatial layout and come back to it (a view and a
     mean over channel groups in a forward, ...), placed as one op by their measured locality (their
-    recorded sizes of the value's height, width and batch follow the box they run on). The index after
-    them, or None where they are not such a run or are not local."""
+    recorded sizes of the value's height, width and batch follow the box they run on; calls of constants
+    between them are left to the replay, `Lowering.value`). The index after them, or None where they are
+    not such a run or are not local."""
     cap = low.cap
     first = cap.calls[i]
     srcs = [n for n in first.refs() if low.spatial(n) is not None]
     if len(set(srcs)) != 1:
         return None
     x, region, nodes = srcs[0], [], set()
-    for k in range(i, min(i + 16, len(cap.calls))):
+    for k in range(i, len(cap.calls)):
         call = cap.calls[k]
+        if len(region) == 16:  # (a run of at most 16 calls)
+            return None
         reads = set(call.refs())
+        if k > i and not reads & nodes and not reads & low.tainted:
+            continue  # (a constant's call between, FSQ's levels: the replay computes it as it reads it)
         if k > i and not reads & nodes or any(low.spatial(n) is not None and n != x for n in reads):
             return None
         region.append(call)
@@ -43,6 +49,7 @@ def inline_region(low: Lowering, i: int) -> int | None:
             break
     else:
         return None
+    end = k + 1
     fn = carry(low, [x], region[-1].outs[0], _replay_calls(low, region, x))
     module = next((m for p, m in low.root.named_modules() if p == first.where), low.root)
     found = measure(module, fn, low.carried(x), scale)
@@ -55,7 +62,9 @@ def inline_region(low: Lowering, i: int) -> int | None:
     name = _emit(low, (low.spatial(x),), op_name(first, "calls"), fn, found, scale, low.carried(x), out,
                  label, len(region), frames)
     low.set(region[-1].outs[0], name)
-    return i + len(region)
+    if x in low.frame_parts and all(c.name in KEEP_PARTS for c in region):  # (still the part of a split)
+        low.frame_parts[region[-1].outs[0]] = low.frame_parts[x]
+    return end
 
 
 def _emit(low: Lowering, src: tuple, where: str, fn: Callable, halo: int, scale: Fraction, x, out,
@@ -289,6 +298,8 @@ def opaque(low: Lowering, span, cause: Call) -> None:
                                                "would not be memory-bounded")
         raise refused(low, cause, f"{around} is {why}")
     low.set(span.outs[0], name)
+    if spatial[0] in low.batched and low.cap.values[span.outs[0]].ndim == 4:  # (still in the batch)
+        low.batched[span.outs[0]] = low.batched[spatial[0]]
 
 
 def _smallest(low: Lowering, like: torch.Tensor) -> bool:

@@ -15,9 +15,10 @@ from .capture import Call, Ref, capture, needed
 from .frames import FRAME_RULES, carry
 from .layers import LAYER_RULES
 from .state import Lowering, arg_of, channel_dim, is_attention, op_name, refused
-from .video import KEEP_PARTS, SQUEEZED_RULES, VIDEO_RULES
+from .video import SQUEEZED_RULES, VIDEO_RULES
 from .video_batch import batch_call
 from .video_fold import fold_call
+from .video_frames import KEEP_PARTS
 from .video_pools import column_call, group_call
 from .video_sdpa import sdpa_call
 from .video_tokens import token_call
@@ -39,6 +40,8 @@ IN_PLACE_FORM = {"silu": "silu_", "relu": "relu_", "mish": "mish_"}  # (activati
 
 def lower_call(low: Lowering, i: int, call: Call) -> None:
     """Place one recorded call (module docstring); LoweringError for one no rule places."""
+    if i in low.skip:  # (a call of a run one op placed: `video_rows`)
+        return
     if any(n in low.tokens for n in call.refs()):  # (a video value's tokens, to or from an Attention)
         token_call(low, i, call)
         return
@@ -100,7 +103,7 @@ def _two_d(low: Lowering, i: int, call: Call) -> bool | str:
 
 
 def _keep_parts(low: Lowering, call: Call) -> None:
-    """A call that keeps its input a part of a split of frames (`trace.video.KEEP_PARTS`) passes it on."""
+    """A call that keeps its input a part of a split of frames (`video_frames.KEEP_PARTS`) passes it on."""
     channels = call.name in ("split", "chunk", "cat", "concat", "concatenate") and channel_dim(
         arg_of(call, 2 if call.name in ("split", "chunk") else 1, "dim", 0), 5)  # (of its channels)
     if (call.name in KEEP_PARTS and len(call.outs) == 1) or channels:  # (a split's every output: a part)
@@ -283,7 +286,7 @@ def _inline(low: Lowering, module: torch.nn.Module, nodes: list[int]) -> str:
     inner = Lowering(cap, module, low.b)
     for n, outer in zip(cap.inputs, nodes, strict=True):
         inner.set(n, low.spatial(outer))
-    live = needed(cap)
+    live = inner.live = needed(cap)
     for k, c in enumerate(cap.calls):
         if k in live:
             for r in c.refs():

@@ -74,6 +74,8 @@ class Lowering:
     # one-frame values of a 2-D program ((B, C, 1, H, W) as captured, carried as (B, C, H, W): an image VAE
     # in a video's layout, `trace.frames`)
     framed: set[int] = field(default_factory=set)
+    live: set[int] = field(default_factory=set)  # the calls the output depends on (`capture.needed`)
+    skip: set[int] = field(default_factory=set)  # calls an op placed already placed (`trace.video_rows`)
     per_call: Any = None  # values the call computes from its other inputs (`percall.CallValues`), or None
 
     def spatial(self, node: int) -> str | None:
@@ -89,11 +91,40 @@ class Lowering:
         """A non-spatial node's tensor when an op runs: a per-call value of the running call, or the
         captured constant."""
         pc = self.per_call
-        return pc.value(node) if pc is not None and node in pc.nodes else self.cap.values[node]
+        if pc is not None and node in pc.nodes:
+            return pc.value(node)
+        t = self.cap.values[node]
+        return self._computed(node) if t.device.type == "meta" and node in self.cap.producer else t
+
+    def _computed(self, node: int) -> torch.Tensor:
+        """A constant a recorded call made from parameters and buffers (`sigmoid(mix_factor)`: no value
+        of it was recorded, the trace ran on meta tensors): its calls replayed as the op runs, so it
+        follows the parameters (and their gradients) as the module would."""
+        call = self.cap.calls[self.cap.producer[node]]
+        device = next((p.device for p in self.root.parameters()), torch.device("cpu"))
+
+        def bind(obj):
+            if isinstance(obj, Ref):
+                return self.value(obj.node)
+            if isinstance(obj, torch.device) and obj.type == "meta":
+                return device
+            if isinstance(obj, dict):
+                return {k: bind(v) for k, v in obj.items()}
+            if isinstance(obj, list | tuple):
+                return type(obj)(bind(v) for v in obj)
+            return obj
+
+        out = call.func(*bind(call.args), **bind(call.kwargs))
+        outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+        return outs[call.outs.index(node)]
 
     def carried(self, node: int) -> torch.Tensor:
-        """A node's captured value as the program carries it (a one-frame value without its frame)."""
+        """A node's captured value as the program carries it (a one-frame value without its frame, a video
+        value's frames in the batch as that video value)."""
         t = self.cap.values[node]
+        if node in self.batched:  # (a video value's frames in the batch: the video value it is)
+            (b, f), (_, c, h, w) = self.batched[node], t.shape
+            return torch.empty((b, c, f, h, w), device="meta", dtype=t.dtype)
         return t.squeeze(2) if node in self.framed or self.one_frame(t) else t
 
     def one_frame(self, t: torch.Tensor) -> bool:

@@ -14,7 +14,11 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - `split((1, T - 1), dim=2)` (a value's first frame and the others, or the others and its last): a
   frame slice per part; the parts, each maybe resampled apart (`squeeze(2)` of the one frame, nearest
   `interpolate` by integer factors in time and space, `unsqueeze(2)`), concatenated back in order: a
-  `FrameCat` (HunyuanVideo's upsampler);
+  `FrameCat` (HunyuanVideo's upsampler); likewise a value's first k frames and the others
+  (`x[:, :, :k]`, `x[:, :, k:]`: VidTok's temporal upsamplers);
+- trilinear interpolation by a scale factor in time, 1 in space (VidTok's): a `Rearrange` of the frames;
+  `avg_pool3d` over windows of frames (kernel and stride (k, 1, 1), maybe padded in time: VidTok's
+  downsampler): a `Rearrange` of the frames (`video_pools`);
 - `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
   step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
 - HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
@@ -44,7 +48,8 @@ from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_fold import fold_rule
 from .video_frames import frame_slice
-from .video_pools import columns_rule, repeat_interleave_rule
+from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
+from .video_rows import permute_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
@@ -143,9 +148,13 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
         return f"frames indexed by {sl!r} (only a slice of frames, or the first frame, is placed)"
     a, b = sl.start, sl.stop
     low.frame_refs[call.outs[0]] = (x.node, a, b, 1)
-    part = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b))
+    part, key = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b)), x.node
+    if part is None and a in (None, 0) and isinstance(b, int) and b > 1:  # (its first b frames, the rest)
+        part, key = 0, (x.node, b)
+    elif part is None and isinstance(a, int) and a > 1 and b is None:
+        part, key = 1, (x.node, a)
     if part is not None:  # (a value's first frame or the others: parts that may concatenate back)
-        low.frame_parts[call.outs[0]] = (x.node, part, 2)
+        low.frame_parts[call.outs[0]] = (key, part, 2)
     fn, frames_fn = frame_slice(a, b)
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
                      label=f"frames {_span(a, b)}")
@@ -281,6 +290,8 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool | str:
     if not isinstance(x, Ref) or low.spatial(x.node) is None:
         return False
     mode = arg_of(call, 3, "mode", "nearest")
+    if mode in ("linear", "trilinear"):
+        return _linear_in_time(low, call, x)
     if mode != "nearest" or arg_of(call, 7, "antialias", False):
         return f"interpolate mode={mode!r} of a video value (nearest by integer factors is placed)"
     src, dst = low.cap.values[x.node].shape[2:], low.cap.values[call.outs[0]].shape[2:]
@@ -300,6 +311,34 @@ def _interpolate(low: Lowering, i: int, call: Call) -> bool | str:
 
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "interpolate"), fn=fn, up=fh,
                      frames_fn=lambda t, step, ft=ft: t * ft, label=f"nearest x{ft},{fh},{fw}")
+    low.set(call.outs[0], out)
+    return True
+
+
+def _linear_in_time(low: Lowering, call: Call, x: Ref) -> bool | str:
+    """Trilinear interpolation of a video value by a scale factor in time and 1 in space (VidTok's
+    temporal upsampler): each output frame a blend of two neighbouring input frames, position by position
+    (a one-step program holds every frame): a Rearrange of the frames, the call replayed on the box."""
+    src, dst = low.cap.values[x.node].shape, low.cap.values[call.outs[0]].shape
+    sf, ac = arg_of(call, 2, "scale_factor"), arg_of(call, 4, "align_corners")
+    sf = tuple(sf) if isinstance(sf, list | tuple) else (sf,) * 3
+    if len(src) != 5 or len(sf) != 3 or src[3:] != dst[3:] or any(float(s) != 1.0 for s in sf[1:]) or \
+            arg_of(call, 1, "size") is not None or arg_of(call, 5, "recompute_scale_factor"):
+        return (f"interpolate mode={arg_of(call, 3, 'mode')!r} of a video value from {tuple(src[2:])} to "
+                f"{tuple(dst[2:])} (placed: by a scale factor in time only, space kept)")
+    ft = float(sf[0])
+    if ft != int(ft) or ft < 1:
+        return f"trilinear interpolation of a video value's frames by {ft} (an integer factor is placed)"
+
+    mode = arg_of(call, 3, "mode")
+
+    def fn(t, ctx, sf=sf, ac=ac, mode=mode):
+        if not t.shape[2]:  # (no frames: a first frames' others, of a short video)
+            return t.new_empty((*t.shape[:2], 0, *t.shape[3:]))
+        return torch.nn.functional.interpolate(t, scale_factor=list(sf), mode=mode, align_corners=ac)
+
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "interpolate"), fn=fn,
+                     frames_fn=lambda t, step, ft=int(ft): t * ft, label=f"trilinear x{int(ft)} in time")
     low.set(call.outs[0], out)
     return True
 
@@ -362,7 +401,7 @@ def _permute(low: Lowering, i: int, call: Call) -> bool | str:
     """A video value's frames folded into the batch for a GroupNorm of each frame (`video_fold`), or its
     tokens on their way to an Attention (`video_tokens`); False for another permute."""
     return (fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
-            or sdpa_rule(low, i, call) or columns_rule(low, i, call))
+            or sdpa_rule(low, i, call) or columns_rule(low, i, call) or permute_rule(low, i, call))
 
 
 def _span(a, b) -> str:
@@ -374,7 +413,8 @@ def _triple(v) -> tuple[int, int, int]:
 
 
 VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat,
-               "repeat_interleave": repeat_interleave_rule, "cat": _frames_cat,
+               "repeat_interleave": repeat_interleave_rule, "avg_pool3d": avg_pool3d_rule,
+               "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
                "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
@@ -385,6 +425,3 @@ VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat
 SQUEEZED_RULES = {"interpolate": _interpolate, "unsqueeze": _unsqueeze, "__getitem__": _squeezed_item,
                   "contiguous": _squeezed_unary,
                   "clone": _squeezed_unary, "detach": _squeezed_unary}
-# calls whose output is still the part of a split of frames their input is (`frame_parts`)
-KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float",
-              "__getitem__"}

@@ -13,7 +13,9 @@ and means over groups of channels (`video_pools`); elementwise functions,
 sums and channel slices / concatenations by the 2-D rules (`two_d`: a replayed call that reads other
 tensors runs with the frames folded back around it, `frames.carry`). Its rows sliced or split (chunks of
 frames) and its reshapes back to (B, T, ...) or x[None, :] go to `video_fold`. Any other call on it is
-refused by name, finally (no measurement may place it: its module would run on the video value).
+refused by name, unless the module around it is measured (`measured.opaque`: run with the frames folded
+back around it, `frames.carry`; VidTok's LayerNorms over the channels through a permute, position by
+position).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def batch_call(low: Lowering, i: int, call: Call, two_d: Callable, elementwise: 
         raise refused(low, call, (placed or "no rule places it") + " (on a video value's frames folded "
                       "into the batch: placed are conv2d, group_norm, nearest interpolation, diffusers' "
                       "Attention, elementwise functions, channel slices and concatenations, rows of the "
-                      "batch and the reshapes back to (B, T, ...))", final=True)
+                      "batch and the reshapes back to (B, T, ...))")
     for n in call.outs:  # (what the 2-D rules made of it: its frames are still in the batch)
         made = low.spatial(n) is not None or n in low.pads
         if made and n not in low.folds and low.cap.values[n].ndim == 4:

@@ -30,6 +30,7 @@ from ..ops3d import Rearrange
 from ..ops3d_sync import ColumnAttention, FrameGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, reaches, refused
+from .video_rows import rows_rule
 
 ALIASES = {"contiguous", "clone", "detach"}
 RESHAPES = {"reshape", "view"}
@@ -130,6 +131,8 @@ def fold_call(low: Lowering, i: int, call: Call) -> None:
             put(out, "batch", name, parts[0][2], parts[-1][3])
     elif fold is FRAMES and layout in ("first", "channels") and _channels(low, call, layout, first):
         pass  # (its frames in the channels, for a nearest interpolation of each channel: `_channels`)
+    elif layout == "first" and call.name == "permute" and rows_rule(low, i, call, name, fold.into):
+        pass  # (its positions in the batch for a computation along time, `video_rows`)
     elif layout == "batch" and (a, b) == (0, n) and shape == first and (
             call.name in RESHAPES or call.name == "unflatten" and arg_of(call, 1, "dim") in (0, -len(flat))):
         put(out, "first", name, 0, 0)

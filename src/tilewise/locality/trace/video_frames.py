@@ -3,6 +3,10 @@ frame-slice rules of `video` and `video_pools`."""
 
 from __future__ import annotations
 
+# calls whose output is still the part of a split of frames their input is (`Lowering.frame_parts`)
+KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float",
+              "__getitem__"}
+
 
 def frame_slice(a, b):
     """(fn, frames_fn) of the frames a:b of a value. A value's first frame (:1) and the others (1:) are the

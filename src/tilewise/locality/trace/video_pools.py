@@ -1,6 +1,8 @@
 """Samplings of a video value computed as KVAE video's and Kandinsky 6 SR's samplers compute them:
 
 - `x.repeat_interleave(n, dim=2)`: every frame n times in a row (a `Rearrange` of the frames);
+- `avg_pool3d` of windows of frames (kernel and stride (k, 1, 1); an F.pad in time before it merged:
+  VidTok's downsampler): a `Rearrange` of the frames;
 
 - with its frames in the batch (`video_batch`), `pixel_unshuffle` / `pixel_shuffle` of every frame (a
   `Rearrange` of space and channels), and a view of its channels into groups,
@@ -44,6 +46,39 @@ def repeat_interleave_rule(low: Lowering, i: int, call: Call) -> bool | str:
                      label=f"frames each x{n}")
     low.set(call.outs[0], out)
     return True
+
+
+def avg_pool3d_rule(low: Lowering, i: int, call: Call) -> bool | str:
+    """avg_pool3d of a video value (maybe padded in time, an F.pad before it) over windows of frames only
+    (kernel and stride (k, 1, 1), no padding of its own: VidTok's temporal downsampler): position by
+    position, a Rearrange of the frames, t -> (t + padding - k) // s + 1."""
+    x = arg_of(call, 0, "input")
+    if not isinstance(x, Ref) or low.spatial(x.node) is None and x.node not in low.pads:
+        return False
+    src, pad, mode = low.pads.get(x.node, (x.node, (0,) * 6, "zeros"))
+    k, s = _triple(arg_of(call, 1, "kernel_size")), arg_of(call, 2, "stride", None)
+    s = k if s is None or s == [] else _triple(s)
+    padding, ceil = _triple(arg_of(call, 3, "padding", 0)), arg_of(call, 4, "ceil_mode", False)
+    pad = (*pad, 0, 0)[:6]
+    if k[1:] != (1, 1) or s[1:] != (1, 1) or any(padding) or ceil or any(pad[:4]) or low.spatial(src) is None:
+        return (f"avg_pool3d of a video value with kernel {k}, stride {s}, padding {padding}, an F.pad {pad} "
+                "before it (placed: windows of frames, kernel and stride (k, 1, 1), padded in time only)")
+    if arg_of(call, 6, "divisor_override") is not None:
+        return "avg_pool3d with a divisor_override"
+    front, back, mode = pad[4], pad[5], "constant" if mode == "zeros" else mode
+
+    def fn(t, ctx, k=k, s=s, pad=pad, mode=mode):
+        return F.avg_pool3d(F.pad(t, pad, mode=mode) if any(pad) else t, k, s)
+
+    out = low.b.emit(Rearrange, (low.spatial(src),), op_name(call, "avg_pool"), fn=fn,
+                     frames_fn=lambda t, step, k=k[0], s=s[0], p=front + back: (t + p - k) // s + 1,
+                     label=f"mean of {k[0]} frames, stride {s[0]}")
+    low.set(call.outs[0], out)
+    return True
+
+
+def _triple(v) -> tuple[int, int, int]:
+    return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),) * 3
 
 
 def shuffle_batched(low: Lowering, i: int, call: Call, src: int) -> bool | str:

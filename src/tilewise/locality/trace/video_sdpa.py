@@ -1,14 +1,19 @@
 """A video value's tokens on their way to and from `scaled_dot_product_attention` (Cosmos'
-CosmosCausalAttention processors): the calls between (permute, flatten, unflatten, transpose, aliases)
-are followed by the axes they leave, each a group of the video value's axes (B, C, T, H, W; C split into
-heads N and head channels D). At the attention, queries, keys and values must be one layout of three
-values: (B T, N, H W, D) (each frame's tokens: a `FrameSDPA`, its queries, keys and values 1x1x1
-projections of one value) or (B H W, N, T, D) (each position's frames: a `ColumnSDPA`, no mask or the
-causal one, tril of ones over the frames, read from the calls that make it). Its output is followed the
-same way until a permute gives back (B, C, T, H, W). Any other call on the tokens is refused by name.
+CosmosCausalAttention processors; VidTok's attention block): the calls between (permute, flatten,
+unflatten, transpose, aliases, a reshape merging adjacent axes or splitting a group back) are followed by
+the axes they leave, each a group of the video value's axes (B, C, T, H, W; C split into heads N and head
+channels D). At the attention, queries, keys and values must be one layout of three values, up to the
+order of the dims before the last two (all batch dims to the attention: VidTok's (B, T, H W, C) is one
+head of each frame's tokens): (B T, N, H W, D) (each frame's tokens: a `FrameSDPA`, its queries, keys
+and values 1x1x1 projections of one value) or (B H W, N, T, D) (each position's frames: a `ColumnSDPA`,
+no mask or the causal one, tril of ones over the frames, read from the calls that make it). Its output is
+followed the same way until a permute gives back (B, C, T, H, W). Any other call on the tokens is refused
+by name.
 """
 
 from __future__ import annotations
+
+from math import prod
 
 from ..ops3d import CausalConv3d
 from ..ops3d_sync import ColumnSDPA, FrameSDPA
@@ -54,6 +59,8 @@ def sdpa_call(low: Lowering, i: int, call: Call) -> None:
         new = (*axes[:a], tuple(x for g in axes[a : b + 1] for x in g), *axes[b + 1 :])
     elif call.name == "unflatten":
         new = _unflatten(low, call, axes, sizes)
+    elif call.name in ("reshape", "view") and out is not None:
+        new = _reshaped(axes, sizes, tuple(low.cap.values[out].shape))
     elif call.name == SDPA:
         _attention(low, call, sizes)
         return
@@ -91,11 +98,36 @@ def _unflatten(low: Lowering, call: Call, axes: tuple, sizes: dict) -> tuple | N
     return (*axes[:dim], *parts, *axes[dim + 1 :])
 
 
+def _reshaped(axes: tuple, sizes: dict, shape: tuple) -> tuple | None:
+    """The axes a reshape to `shape` leaves: adjacent groups merged (their sizes' product one dim) or a
+    group split back into its axes (one dim each); None for any other reshape (one mixing axes)."""
+    size = lambda g: prod(sizes[a] for a in g)  # noqa: E731
+    new, k, dims = [], 0, list(shape)
+    while dims:
+        if k == len(axes):
+            return None
+        g, d = axes[k], dims[0]
+        if len(g) > 1 and sizes[g[0]] != size(g) and tuple(dims[: len(g)]) == tuple(sizes[a] for a in g):
+            new += [(a,) for a in g]  # (a group split back into its axes)
+            dims, k = dims[len(g) :], k + 1
+            continue
+        merged, j = axes[k], k + 1
+        while j < len(axes) and size(merged) < d:
+            merged, j = merged + axes[j], j + 1
+        while j < len(axes) and size(merged) == d and size(axes[j]) == 1 and len(dims) == 1:
+            merged, j = merged + axes[j], j + 1  # (trailing axes of one: the last dim takes them)
+        if size(merged) != d:
+            return None
+        new.append(merged)
+        dims, k = dims[1:], j
+    return tuple(new) if k == len(axes) else None
+
+
 def _attention(low: Lowering, call: Call, sizes: dict) -> None:
     """scaled_dot_product_attention of three values' tokens in one layout: a FrameSDPA or a ColumnSDPA."""
     args = [arg_of(call, k, key) for k, key in enumerate(("query", "key", "value"))]
     found = [low.sdpa.get(a.node) if isinstance(a, Ref) else None for a in args]
-    layouts = {f[1] if f is not None else None for f in found}
+    layouts = {_layout(f[1]) if f is not None else None for f in found}
     if len(layouts) != 1 or layouts.pop() not in (FRAME, COLUMN):
         raise refused(low, call, "an attention whose queries, keys and values are not one video value's "
                       "tokens of each frame (B T, N, H W, D) or of each position (B H W, N, T, D)",
@@ -105,7 +137,7 @@ def _attention(low: Lowering, call: Call, sizes: dict) -> None:
         raise refused(low, call, "an attention with dropout, is_causal, a scale or grouped keys", final=True)
     mask = arg_of(call, 3, "attn_mask")
     names, axes, heads = [f[0] for f in found], found[0][1], sizes.get("N", 1)
-    if axes == FRAME:
+    if _layout(axes) == FRAME:
         if mask is not None:
             raise refused(low, call, "an attention over each frame's tokens with a mask", final=True)
         n, proj = _projections(low, call, names)
@@ -114,6 +146,19 @@ def _attention(low: Lowering, call: Call, sizes: dict) -> None:
         causal = mask is not None and _causal(low, call, mask, sizes["T"])
         dst = low.b.emit(ColumnSDPA, tuple(names), call.where, heads=heads, causal=causal)
     low.sdpa[call.outs[0]] = (dst, axes, sizes)
+
+
+def _layout(axes: tuple) -> tuple:
+    """FRAME or COLUMN where the tokens are in one of them up to the order of the batch dims (every dim
+    but the last two: (B, T, H W, C) is (B T, 1 head, H W, C)); else the axes as they are."""
+    if len(axes) < 3:
+        return axes
+    batch, tokens, d = {a for g in axes[:-2] for a in g}, axes[-2], axes[-1]
+    heads = {"N"} if d == ("D",) else set() if d == ("C",) else None
+    for layout in (FRAME, COLUMN):
+        if heads is not None and tokens == layout[2] and batch == set(layout[0]) | heads:
+            return layout
+    return axes
 
 
 def _projections(low: Lowering, call: Call, names: list[str]) -> tuple[str, tuple]:
