@@ -107,6 +107,24 @@ def test_device_plus_host_staging_and_streamed_attention_with_late_copies_are_ex
         assert (out - vae.decoder(z)).abs().max() <= 1e-4
 
 
+def test_split_values_with_late_copies_are_exact(monkeypatch):
+    """Values split at a row (their first rows on the device, `staging.SplitValue`): a box's host rows are
+    written through the lane and read (or read ahead) after its copies, its device rows copied at once."""
+    lanes = _lane(monkeypatch, LateLane)
+    vae = kl_vae("sd")
+    z = structured_latent(1, 4, 9, 11)
+    p = lower(vae.decoder)
+    shapes = p.shapes((9, 11))
+    plan = tw.TiledVAE(vae, tile_size=5, progress=False, device_kind="cuda", staging="host").plan(z.shape)
+    split = tuple((s.value, shapes[s.value][0] // 2 + 1) for s in plan.stages)
+    with torch.no_grad():
+        out = Executor(p, 5, p.input, RunOptions(staging="device+host", split=split,
+                                                 progress=False)).run(z).output
+        assert (out - vae.decoder(z)).abs().max() <= 1e-4
+    lane = lanes[0]
+    assert lane.copies > 0 and lane.late == lane.copies and lane.fetches > 0 and lane.taken == lane.fetches
+
+
 def test_a_lane_that_does_not_wait_is_caught(monkeypatch):
     _lane(monkeypatch, SkippingLane)
     vae = kl_vae("sd")

@@ -76,7 +76,8 @@ def backward_plan(job: Job, shape: tuple[int, ...], choices: Choices, settings: 
     staged = sum(size[v] for v in first)
 
     def resident(v: str) -> bool:  # a staged value in the memory the peak counts (the device's)
-        place = Place.DEVICE if v in choices.on_device else choices.staging.home
+        place = Place.DEVICE if v in choices.on_device or v in dict(choices.split) else choices.staging.home
+        # (a split value counted whole: its device rows are an upper bound)
         return place is Place.DEVICE or (place is Place.HOST and not job.gpu)
     live, grads, top, work, attn, tiles, macs = {p.output}, 0, 0, 0, 0, 0, 0
     for i, seg in reversed(list(enumerate(segs))):

@@ -112,7 +112,8 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -
     only where it has an attention op)."""
     s, run = scope.s, scope.s.run
     mine = set(seg.inputs) | set(seg.outputs)
-    run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
+    run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine),
+                      split=tuple((v, r) for v, r in run.split if v in mine), progress=True,
                       stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
     # says what it recomputes: its ops, inputs, measured values)
     if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
@@ -140,7 +141,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
     cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
-    like = _Translations(seg, shapes, by_axis=regions is None)
+    like = _Translations(seg, shapes, by_axis=regions is None, split=s.run.device_rows if s.gpu else {})
     boxes = _ProbeBoxes(probes, scope) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
@@ -258,8 +259,9 @@ class _Translations:
     staged sampled tiles' regions, and a tile where a value's box is empty; a pass's probes are counted
     from each tile's own cores, beside its class)."""
 
-    def __init__(self, seg, shapes, by_axis: bool):
+    def __init__(self, seg, shapes, by_axis: bool, split: dict[str, int] | None = None):
         self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
+        self.split = {v: r for v, r in (split or {}).items() if v in set(seg.inputs) | self.outputs}
         self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
         self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
         self.period, self.reach = period_and_reach(seg.ops, shapes)
@@ -289,7 +291,11 @@ class _Translations:
 
     def _axis(self, bands, needs, a: int) -> tuple:
         """The class of a tile's boxes along one axis (a = 0: rows, 2: columns; `batches.axis_class`)."""
-        return axis_class(bands, needs, self.shapes, self.period, self.reach, a)
+        got = axis_class(bands, needs, self.shapes, self.period, self.reach, a)
+        if a == 0 and self.split:  # (a split value's box: how many of its rows are on the device)
+            got += tuple(tuple((v, max(0, min(b[1], self.split[v]) - b[0])) for v, b in d.items()
+                               if v in self.split) for d in (*bands, *needs))
+        return got
 
 
 def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
@@ -304,19 +310,21 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
     carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
     owned = {v for v in seg.inputs if s.run.staging is Place.DISK or s.off(v)}  # reads that copy
     if s.gpu and s.run.read_ahead and s.run.staging is not Place.DISK:  # host-staged first-band boxes
-        # read a tile ahead
-        cost.ahead = cost.fetched = sum(box_area(needs[0][v]) * chans[v] * unit
+        # read a tile ahead (a split value's: the box's host rows)
+        cost.ahead = cost.fetched = sum(s.host_area(v, needs[0][v]) * chans[v] * unit
                                         for v in owned - {program.input} if v in needs[0])
     for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
         ins = [v for v in seg.inputs if v in need]
+        copies = {v for v in owned if v not in s.run.device_rows or (v in need and s.host_area(v, need[v]))}
+        # (a split value's box in its device rows: a view)
         if s.gpu:  # the values the ops hold, op by op (a CPU plan keeps its three-largest estimate)
             stores = max((stats_copy(v, c, chans, s, tracked) for v, c in cores.items()), default=0)
-            mine = owned - {program.input} if n == 1 else set(ins)  # (stacked: copies of their own)
+            mine = copies - {program.input} if n == 1 else set(ins)  # (stacked: copies of their own)
             held = live_peak(seg.ops, need, Sizes(shapes, chans, n * unit), mine, cores, last, stores,
                              stream=streamed(s))
             if n > 1:  # stacking: every stacked input, and the tiles' reads of one that copies
                 size = {v: box_area(need[v]) * chans[v] * n * unit for v in ins}
-                copied = [size[v] for v in ins if v in owned and v != program.input]
+                copied = [size[v] for v in ins if v in copies and v != program.input]
                 held = max(held, sum(size.values()) + max(copied, default=0))
         else:
             held = working_bytes(need, chans, n * unit)
@@ -324,7 +332,8 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
         nxt = needs[j + 1] if j + 1 < len(needs) else {}
         for v in ins:
             if s.off(v) and v != program.input:  # (the input is staged as given)
-                band.h2d += box_area(need[v]) * chans[v] * n * unit
+                band.h2d += s.host_area(v, need[v]) * chans[v] * n * unit
+                band.launches += n * s.joins(v, need[v])  # (a split value's rows joined: a cat)
         for i, op in enumerate(seg.ops):
             d = op.dst
             if d not in need:
@@ -358,9 +367,11 @@ def _store_cost(v: str, core, scope: Scope, measured: bool = False) -> Cost:
         pass
     elif v == program.output:
         cost.launches += 1  # into the output tensor (decode_to: to the sink)
-    elif s.off(v):
-        cost.d2h += n
-        cost.d2h_side += n
+    elif s.off(v):  # (a split value: its device rows copied on the device, the others across)
+        across = s.host_area(v, core) * chans[v] * unit
+        cost.d2h += across
+        cost.d2h_side += across
+        cost.launches += across < n
     elif s.run.staging is Place.DISK:
         cost.launches += max(1, -(-n // (8 << 20)))  # channels-last copies of the file's rows
     else:

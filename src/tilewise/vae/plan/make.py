@@ -104,7 +104,7 @@ def _assemble(settings: Settings, job: Job, shape, choices: Choices, passes: lis
                 syncs=sum(q.syncs for q in passes), h2d=sum(q.h2d for q in passes),
                 d2h=sum(q.d2h for q in passes), seconds=sum(q.seconds for q in passes),
                 untiled_flops=untiled_flops, segment_bytes=last.segment_bytes, lifetimes=last.lifetimes,
-                staging_floor=floor)
+                readers=last.readers, staging_floor=floor)
 
 
 def _pass_slack(q: Pass, slack: int) -> int:

@@ -72,8 +72,23 @@ class Setting:
         return self.run.attention is Attention.GLOBAL
 
     def off(self, v: str) -> bool:
-        """Whether staged value v lives across the link (its reads and writes are transfers)."""
+        """Whether staged value v lives across the link, all of it or its rows past a split (its reads and
+        writes there are transfers)."""
         return self.gpu and self.run.place(v) is not Place.DEVICE
+
+    def host_area(self, v: str, box) -> int:
+        """Pixels of v's box that live across the link (a split value's: its rows past the split)."""
+        if not self.off(v):
+            return 0
+        rows = self.run.device_rows.get(v)
+        if rows is None:
+            return box_area(box)
+        return box_area((max(box[0], rows), box[1], box[2], box[3])) if box[1] > rows else 0
+
+    def joins(self, v: str, box) -> bool:
+        """Whether a read of v's box joins device rows to host rows (a split value's box over its split)."""
+        rows = self.run.device_rows.get(v) if self.off(v) else None
+        return rows is not None and box[0] < rows < box[1]
 
     def with_run(self, **changes) -> Setting:
         """The same count with some run options changed."""

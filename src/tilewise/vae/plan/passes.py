@@ -121,6 +121,13 @@ class _Walk:
     def nbytes(self, v: str) -> int:
         return self.spec.shape[0] * self.chans[v] * self.shapes[v][0] * self.shapes[v][1] * self.s.item
 
+    def device_bytes(self, v: str) -> int:
+        """Bytes of staged value v on the device: all of it, none, or a split value's first rows."""
+        place = self.s.run.place(v)
+        if place is Place.MIXED:
+            return self.nbytes(v) // self.shapes[v][0] * min(self.s.run.device_rows[v], self.shapes[v][0])
+        return self.nbytes(v) if place is Place.DEVICE else 0
+
     def segment(self, i: int, seg) -> None:
         """Segment i: its staged outputs made, what it dispatches and holds, the values it read last."""
         spec, s, b = self.spec, self.s, self.spec.shape[0]
@@ -149,7 +156,7 @@ class _Walk:
                          if op.kind is OpKind.GROUP_NORM and id(op) not in spec.fixed
                          and id(op) not in seg.again)
         self.held.append(c.working + c.ahead + kv + out_now + self.im2col + self.kept + SMALL_TENSORS)
-        on_device = sum(n for v, n in self.alive.items() if s.run.place(v) is Place.DEVICE)
+        on_device = sum(self.device_bytes(v) for v in self.alive)
         self.gpu_peak = max(self.gpu_peak, self.held[-1] + on_device)
         for v in [v for v, j in self.last.items() if j == i]:
             if self.alive.pop(v, None) is not None:

@@ -126,6 +126,7 @@ class Plan:
     untiled_flops: int = 0  # FLOPs of the untiled run, for the ratio
     segment_bytes: list[int] = field(default_factory=list)  # (its last pass's: see Pass)
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    readers: dict[str, frozenset[int]] = field(default_factory=dict)  # (its last pass's: see Pass)
     staging_floor: int | None = None  # exact tiled plans within a budget: `staging_floor`'s bytes
     backward: Any = None  # `plan.backward.BackwardPlan` when asked for (`TiledVAE.plan(backward=True)`)
 

@@ -10,7 +10,7 @@ where it does not ("device+host", `place`), in host memory, or on disk (which of
 from __future__ import annotations
 
 from ...locality.ops import OpKind
-from ...locality.program import recomputable
+from ...locality.program import SegmentKind, recomputable
 from ...memory import format_bytes
 from ..devices import BAND_BYTES
 from ..run.options import Choices
@@ -115,7 +115,9 @@ def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     that fit the budget (each a bigger working set) and launch less, the one of least estimated time (1:
     the plan)."""
     best = plan
-    one = plan.untiled or settings.process_group is not None  # (ranks run their tile rows one by one)
+    one = plan.untiled or settings.process_group is not None or bool(plan.choices.split)
+    # (ranks run their tile rows one by one; a split value's tiles of one class differ in their rows on
+    # the device)
     for n in TILE_BATCHES if not one else ():
         if n > plan.grid[0] * plan.grid[1]:
             break
@@ -229,19 +231,70 @@ def _stream(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
 
 def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
     """The "device+host" plan of some choices: some staged values on the device, the others in pinned
-    host memory; of two placements (`_shortest_first`, `_spill_longest`) the fitting one of least
-    estimated time. None when neither places some but not all on the device."""
-    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST))  # (every read a copy)
+    host memory; of two placements (`_shortest_first`, `_spill_longest`), each also with the room left
+    beside it given to the other values' first rows (`_split_rest`), the fitting one of least estimated
+    time. None when none places some but not all on the device."""
+    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST, split=()))  # (every read a copy)
     room = [settings.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
+    rows = {s.value: s.shape[-2] for s in host.stages}
+    whole = _whole_readers(job, settings, ask)
     plans, tried = [], []
     for chosen in (_shortest_first(host.lifetimes, size, room), _spill_longest(host.lifetimes, size, room)):
-        if chosen and len(chosen) < len(size) and chosen not in tried:  # (all of them: device staging)
-            tried.append(chosen)
-            plans.append(make_plan(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=chosen)))
+        split = () if ask.tile_batch > 1 else \
+            _split_rest(host.lifetimes, host.readers, size, rows, room, chosen, whole)
+        more = frozenset(v for v, r in split if r >= rows[v])  # (all its rows fit: whole on the device)
+        for on, sp in ((chosen, ()), (chosen | more, tuple((v, r) for v, r in split if v not in more))):
+            if on | {v for v, _ in sp} and len(on) < len(size) and (on, sp) not in tried:
+                tried.append((on, sp))
+                plans.append(_fitted(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=on,
+                                                                       split=sp)))
     if not plans:
         return None
     return min(plans, key=lambda q: (q.peak > settings.memory_budget, q.seconds))  # (a tie: the first)
+
+
+def _fitted(settings: Settings, job: Job, shape, ask: Choices) -> Plan:
+    """The plan of a placement; where its split values' device rows overrun the budget (the room was
+    measured on the all-host plan), the same with fewer of them (3/4, 1/2, 1/4, none)."""
+    plan = make_plan(settings, job, shape, ask)
+    for k in (3, 2, 1, 0):
+        if plan.peak <= settings.memory_budget or not ask.split:
+            return plan
+        split = tuple((v, r * k // 4) for v, r in ask.split if r * k // 4 > 0)
+        plan = make_plan(settings, job, shape, ask.replace(split=split))
+    return plan
+
+
+def _whole_readers(job: Job, settings: Settings, ask: Choices) -> frozenset:
+    """Staged values a segment reads whole (attention's keys and values, a module run whole): not split."""
+    segs = cut(job.program, {}, settings.attention, ask.recompute)
+    return frozenset(v for seg in segs if seg.kind in (SegmentKind.ATTENTION, SegmentKind.WHOLE)
+                     for v in seg.inputs)
+
+
+def _split_rest(lifetimes, readers, size, rows, room, chosen, whole) -> tuple[tuple[str, int], ...]:
+    """Split placement: the room each segment has left beside `chosen` (on the device whole) given, value
+    by value, to the first rows of the others (the least room over a value's lifetime, in whole rows);
+    the values that save the most per byte and segment held first (a byte on the device saves its
+    write out and its read back at each segment reading it)."""
+    left = list(room)
+    for v in chosen:
+        a, z = lifetimes[v]
+        for i in range(a, z + 1):
+            left[i] -= size[v]
+    rest = [v for v in lifetimes if v not in chosen and v not in whole]
+    rest.sort(key=lambda v: (-(1 + len(readers.get(v, ()))) / (lifetimes[v][1] - lifetimes[v][0] + 1), v))
+    split = []
+    for v in rest:
+        a, z = lifetimes[v]
+        row = size[v] // rows[v]
+        r = min(rows[v], max(0, min(left[a : z + 1])) // row)
+        if r:
+            split.append((v, r))
+            for i in range(a, z + 1):
+                left[i] -= r * row
+    return tuple(sorted(split))
 
 
 def _shortest_first(lifetimes, size, room) -> frozenset:

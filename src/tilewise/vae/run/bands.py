@@ -86,7 +86,7 @@ def run_bands(seg: Segment, stage: Staging, ctx, bands: list, shapes, last: dict
             vals = {v: (stage.read(v, need[v]), need[v]) for v in seg.inputs if v in need}
             # views of staged memory (host / device staging, the program input) are never overwritten; a
             # box read from disk is this band's own copy, which an op may overwrite where it dies
-            staged = [t for v, (t, _) in vals.items() if not stage.reads_copy(v)]
+            staged = [t for v, (t, b) in vals.items() if not stage.reads_copy(v, b)]
         for i, op in enumerate(seg.ops):
             d = op.dst
             if d not in need:

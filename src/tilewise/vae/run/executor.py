@@ -99,7 +99,7 @@ class _TileRun:
 
     def go(self) -> RunResult:
         p, o = self.ex.program, self.o
-        stage = Staging(o.staging.home, self.ex.device, o.stage_dir, o.heap_slack, o.on_device)
+        stage = Staging(o.staging.home, self.ex.device, o.stage_dir, o.heap_slack, o.on_device, o.device_rows)
         try:
             stage.put(p.input, self.x)
             self._finish_stats(p.input, self.x)

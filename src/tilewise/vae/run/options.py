@@ -24,6 +24,8 @@ class Choices:
     staging: Place
     band_bytes: int | None = None  # exact segments' big tiles in row bands of this
     on_device: frozenset = frozenset()  # MIXED staging: the values staged on the device
+    split: tuple[tuple[str, int], ...] = ()  # MIXED staging: (value, rows) held split, its first rows on
+    # the device, the rest in host memory (`staging.SplitValue`)
     kv_chunk: int = 0  # streamed global attention: keys / values read this many tokens at a time ...
     query_rows: int = 0  # ... by queries in row bands of this many latent rows (0: in the tiles)
     read_ahead: bool = True  # host staging reads the next tile's inputs while a tile runs (`copies`)
@@ -38,6 +40,7 @@ class Choices:
     def __post_init__(self):
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
         _check_batch(self.tile_batch)
+        _check_split(self.split, self.staging)
 
     def replace(self, **changes) -> Choices:
         """A copy with some choices changed."""
@@ -51,6 +54,7 @@ class RunOptions:
     attention: Attention = Attention.GLOBAL  # global (exact) or tile-local attention
     staging: Place = Place.DEVICE  # where staged values live (MIXED: `on_device` there, the rest host)
     on_device: frozenset = frozenset()  # MIXED: the values staged on the device
+    split: tuple[tuple[str, int], ...] = ()  # MIXED: (value, rows) with its first rows on the device
     band_bytes: int | None = BAND_BYTES  # local segments stream bigger tiles in row bands (None: whole)
     kv_chunk: int = 0  # global attention: keys / values in host memory, streamed this many tokens a time
     query_rows: int = 0  # global attention: queries in row bands of this many reference rows (0: tiles)
@@ -75,20 +79,29 @@ class RunOptions:
         object.__setattr__(self, "attention", Attention.parse(self.attention, "attention"))
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
         _check_batch(self.tile_batch)
+        _check_split(self.split, self.staging)
 
     def replace(self, **changes) -> RunOptions:
         """A copy with some options changed."""
         return replace(self, **changes)
 
     def place(self, value: str) -> Place:
-        """Where staged value `value` lives."""
-        return Place.DEVICE if value in self.on_device else self.staging.home
+        """Where staged value `value` lives (MIXED: split, its first rows on the device)."""
+        if value in self.on_device:
+            return Place.DEVICE
+        return Place.MIXED if value in self.device_rows else self.staging.home
+
+    @property
+    def device_rows(self) -> dict[str, int]:
+        """Split values: value -> its first rows held on the device."""
+        return dict(self.split)
 
 
 def pass_options(settings: Settings, profile: DeviceProfile, choices: Choices, **changes) -> RunOptions:
     """The options of a pass that follows `choices` under `settings` on `profile` (with `changes`)."""
     base = RunOptions(attention=settings.attention, staging=choices.staging, on_device=choices.on_device,
-                      band_bytes=choices.band_bytes, kv_chunk=choices.kv_chunk, query_rows=choices.query_rows,
+                      split=choices.split, band_bytes=choices.band_bytes, kv_chunk=choices.kv_chunk,
+                      query_rows=choices.query_rows,
                       read_ahead=choices.read_ahead, query_chunk=settings.query_chunk,
                       conv_workspace=profile.conv_workspace, stats_chunk=profile.stats_chunk,
                       stage_dir=settings.stage_dir, progress=settings.progress, tile_batch=choices.tile_batch,
@@ -99,3 +112,16 @@ def pass_options(settings: Settings, profile: DeviceProfile, choices: Choices, *
 def _check_batch(n) -> None:
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
         raise ValueError(f"tile_batch must be an int >= 1 (tiles run at a time), got {n!r}")
+
+
+def _check_split(split, staging: Place) -> None:
+    if not split:
+        return
+    if staging is not Place.MIXED:
+        raise ValueError(f"split values {split!r} are held on the device and in host memory: staging must be "
+                         f"{Place.MIXED.value!r}, got {staging.value!r}")
+    for item in split:
+        ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) \
+            and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0
+        if not ok:
+            raise ValueError(f"split must be (value name, device rows >= 0) pairs, got {item!r} in {split!r}")

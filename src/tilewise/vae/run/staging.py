@@ -135,18 +135,53 @@ class DiskValue:
         os.unlink(self.path)
 
 
+class SplitValue:
+    """One staged value held split at a row: rows [0, rows) on the device (`top`), the rest in host memory
+    (`bottom`, pinned on CUDA). A box is read and written on both where it straddles the split row: its
+    device rows a view, its host rows copied across (a straddling read joins the two, one `cat`)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, device, rows: int):
+        h = shape[-2]
+        if not 0 <= rows <= h:
+            raise ValueError(f"a split value of {h} rows keeps 0 to {h} of them on the device, got {rows}")
+        self.shape, self.dtype, self.rows = tuple(shape), dtype, rows
+        pin = torch.device(device).type == "cuda"
+        self.top = torch.empty((*shape[:-2], rows, shape[-1]), dtype=dtype, device=device)
+        self.bottom = torch.empty((*shape[:-2], h - rows, shape[-1]), dtype=dtype, pin_memory=pin)
+
+    def host_box(self, box: Box) -> Box | None:
+        """The part of a box in host memory, in the value's rows (None: all of it on the device)."""
+        y0, y1, x0, x1 = box
+        return (max(y0, self.rows), y1, x0, x1) if y1 > self.rows else None
+
+    def device_view(self, box: Box):
+        """The device rows of a box (a view of `top`)."""
+        y0, y1, x0, x1 = box
+        return self.top[..., y0 : min(y1, self.rows), x0:x1]
+
+    def host_view(self, box: Box):
+        """The host rows of a box (a view of `bottom`)."""
+        y0, y1, x0, x1 = box
+        return self.bottom[..., max(y0, self.rows) - self.rows : y1 - self.rows, x0:x1]
+
+
 class Staging:
     """Full-size tensors between segments, held on the device, in host memory or in disk files.
 
     `heap_slack`: freed heap that disk staging keeps resident for reuse (see `trim`). `on_device`: values
-    held on the device whatever `where` says (a GPU plan's "device+host" staging)."""
+    held on the device whatever `where` says (a GPU plan's "device+host" staging); `split`: value -> rows,
+    values held with those first rows on the device and the rest in host memory (`SplitValue`)."""
 
     def __init__(self, where: str | Place, device, directory: str | None = None, heap_slack: int = TRIM_FREE,
-                 on_device=frozenset()):
+                 on_device=frozenset(), split: dict[str, int] | None = None):
         if where not in STAGINGS:
             raise ValueError(f"staging must be one of {STAGINGS}, got {where!r}")
         self.where = Place(where)
         self.device, self.heap_slack, self.on_device = device, heap_slack, on_device
+        self.split = dict(split or {})
+        if self.split and self.where is not Place.HOST:
+            raise ValueError(f"split values {sorted(self.split)} keep their other rows in host memory: "
+                             f"staging must be 'host' (with on_device / split), got {self.where.value!r}")
         self.dir = None
         if self.where is Place.DISK:
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
@@ -167,7 +202,9 @@ class Staging:
         size = torch.empty((), dtype=dtype).element_size()
         self.sizes[name] = size * math.prod(shape)
         self.peak = max(self.peak, sum(self.sizes.values()))
-        if self.where is Place.DEVICE or name in self.on_device:
+        if name in self.split and rows is None and len(shape) == 4:
+            self.tensors[name] = SplitValue(shape, dtype, self.device, self.split[name])
+        elif self.where is Place.DEVICE or name in self.on_device:
             self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
         elif self.where is Place.HOST or len(shape) != 4:
             pin = torch.device(self.device).type == "cuda"
@@ -187,6 +224,8 @@ class Staging:
         if isinstance(t, DiskValue):
 
             return t.shape, t.dtype, torch.device("cpu")
+        if isinstance(t, SplitValue):
+            return t.shape, t.dtype, t.top.device
         return tuple(t.shape), t.dtype, t.device
 
     def read(self, name: str, box: Box):
@@ -196,11 +235,28 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
+        if isinstance(t, SplitValue):
+            return self._read_split(name, t, tuple(box))
         handle = self.fetched.pop((name, tuple(box)), None)
         if handle is not None:
             return self.lane.take(handle)
         self.lane.ready(name)
         return t[..., y0 - off : y1 - off, x0:x1].to(self.device, non_blocking=True)
+
+    def _read_split(self, name: str, t: SplitValue, box: Box):
+        """A box of a split value: its device rows a view, its host rows copied (or read ahead), joined."""
+        lo = t.host_box(box)
+        if lo is None:
+            return t.device_view(box)
+        handle = self.fetched.pop((name, lo), None)
+        if handle is not None:
+            bottom = self.lane.take(handle)
+        else:
+            self.lane.ready(name)
+            bottom = t.host_view(box).to(self.device, non_blocking=True)
+        if lo[0] == box[0]:  # (every row in host memory)
+            return bottom
+        return torch.cat([t.device_view(box), bottom], dim=-2)
 
     def prefetches(self, name: str) -> bool:
         """Whether boxes of `name` are read ahead (`prefetch`): host-staged values, with a lane that does."""
@@ -211,19 +267,32 @@ class Staging:
         """Start reading a box of a host-staged value onto the device; `read(name, box)` takes it."""
         y0, y1, x0, x1 = box
         off = self.offsets.get(name, 0)
-        src = self.tensors[name][..., y0 - off : y1 - off, x0:x1]
+        t = self.tensors[name]
+        if isinstance(t, SplitValue):  # (its host rows only; none: the box is a view on the device)
+            lo = t.host_box(tuple(box))
+            if lo is not None:
+                self.fetched[(name, lo)] = self.lane.fetch(name, t.host_view(box), self.device)
+            return
+        src = t[..., y0 - off : y1 - off, x0:x1]
         self.fetched[(name, tuple(box))] = self.lane.fetch(name, src, self.device)
 
     def drop_fetched(self) -> None:
         """Forget boxes read ahead that no tile took."""
         self.fetched.clear()
 
-    def reads_copy(self, name: str) -> bool:
-        """Whether read(name, ...) returns a new tensor of its own (disk, or host memory read onto an
-        accelerator), not a view of staged memory."""
+    def reads_copy(self, name: str, box: Box | None = None) -> bool:
+        """Whether read(name, box) returns a new tensor of its own (disk, or host memory read onto an
+        accelerator; a split value's box with host rows), not a view of staged memory (without `box`:
+        any box)."""
         t = self.tensors.get(name)
         if isinstance(t, DiskValue):
             return True
+        if isinstance(t, SplitValue):  # (a straddling box is joined: a copy; one in host rows, across)
+            across = t.bottom.device.type != torch.device(self.device).type
+            if box is None:
+                return 0 < t.rows or across
+            lo = t.host_box(tuple(box))
+            return lo is not None and (lo[0] > box[0] or across)
 
         return t is not None and t.device.type != torch.device(self.device).type
 
@@ -234,6 +303,12 @@ class Staging:
         t = self.tensors[name]
         if isinstance(t, DiskValue):
             t.write(y0 - off, y1 - off, x0, x1, value)
+        elif isinstance(t, SplitValue):  # its device rows, then its host rows through the lane
+            k = max(0, min(y1, t.rows) - y0)
+            if k:
+                t.device_view(box).copy_(value[..., :k, :], non_blocking=True)
+            if k < y1 - y0:
+                self.lane.copy(name, t.host_view(box), value[..., k:, :])
         elif self.where is Place.HOST and name not in self.on_device:  # into host memory: the lane's copy
             self.lane.copy(name, t[..., y0 - off : y1 - off, x0:x1], value)
         else:
