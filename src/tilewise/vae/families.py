@@ -242,8 +242,8 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
     with decode's per-call inputs, `Family.inputs`; a causal loop's first and a later call, `Family.loop`,
     merged into one program); a chunked family's (`Family.chunk`) for an input of `frames` frames: its
     first call traced, the calls its steps (default: the steady calls' frame count, as every call after
-    the first). Lowered once per VAE state and first call. LoweringError naming the VAE, the call and its module path, for one
-    the lowering cannot place."""
+    the first). Lowered once per VAE state and first call. LoweringError naming the VAE, the call and its
+    module path, for one the lowering cannot place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")

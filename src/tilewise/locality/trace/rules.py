@@ -64,9 +64,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads or n in low.windows
-               or n in low.window_convs or n in low.fronts or n in low.writes or n in low.caches]  # (paddings,
-    # windows of frames: `video_windows`; a first frame repeated, a buffer written in part: `video_writes`;
-    # a causal cache read: `video_caches`)
+               or n in low.window_convs or n in low.fronts or n in low.writes or n in low.caches]
+    # (paddings, windows of frames: `video_windows`; a first frame repeated, a buffer written in part:
+    # `video_writes`; a causal cache read: `video_caches`)
     if any(n in low.writes for n in call.refs()) and call.name != "__setitem__":
         raise refused(low, call, "a read of a buffer of video frames written in part")
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
