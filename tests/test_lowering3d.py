@@ -248,6 +248,7 @@ def test_analyze_reports_segments_halos_sync_points_and_verdict(name):
         else:
             assert [s.kind for s in report.segments] == ["local", "attention", "local"]
             where = ("decoder." if report is dec else "encoder.") if name == "wan2.2" else ""
-            assert report.sync_ops == [(f"{where}mid_block.attentions.0", "attention")] and report.halo is None
+            assert report.sync_ops == [(f"{where}mid_block.attentions.0", "attention")]
+            assert report.halo is None
             assert report.segments[0].halo > 0 and report.segments[2].halo > 0
             assert "exact_tileable: no, global ops: attention" in text

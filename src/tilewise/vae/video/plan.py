@@ -103,8 +103,9 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     grid = tile_grid(shapes[ref], tile)
     units = layout(segs, shapes, grid, ref)
     per_unit, macs, working = _units(p, segs, units, shapes, chans, chunks, frames, staging, b, item)
-    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst][getattr(op, "since", 0):]),  # (an op from a step
-                                  shapes[op.dst][0] * shapes[op.dst][1]) * b for op in p.ops)  # on: `ops_steps`)
+    # (an op from a step on, `ops_steps`, computes nothing before it)
+    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst][getattr(op, "since", 0):]),
+                                  shapes[op.dst][0] * shapes[op.dst][1]) * b for op in p.ops)
     tiles_of: dict[int, int] = {}
     for (_, t), n in per_unit.items():
         tiles_of[t] = tiles_of.get(t, 0) + n
