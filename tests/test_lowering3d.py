@@ -1,5 +1,6 @@
-"""Video tile programs: the lowered 3-D causal VAEs equal the modules step by step; LTX-Video's traced
-programs are its hand lowering's (`hand_lowering_ltx`, the oracle); the static analysis agrees with the
+"""Video tile programs: the lowered 3-D causal VAEs equal the modules step by step; LTX-Video's, Wan's and
+Qwen-Image's traced programs are their hand lowerings' (`hand_lowering_ltx`, `hand_lowering_wan`, the
+oracles); the static analysis agrees with the
 empirical probe."""
 
 import pytest
@@ -7,12 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hand_lowering_ltx import lower_ltx  # noqa: E402
+from hand_lowering_wan import lower_video_vae  # noqa: E402
 from video_vae_support import factor, ltx, video_vae, wan  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError, analyze, lower, probe_receptive_field  # noqa: E402
 from tilewise.locality.analysis import analyze_program  # noqa: E402
-from tilewise.locality.lowering3d import lower_video_vae  # noqa: E402
 from tilewise.locality.ops import OpKind  # noqa: E402
 from tilewise.locality.program import split_segments  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_lowered_encode_equals_the_vae(name, frames):
 
 
 def test_causal_steps_are_the_models_chunks():
-    dec, enc = lower_video_vae(video_vae("wan2.1"), "decode"), lower_video_vae(video_vae("wan2.1"), "encode")
+    dec, enc = _program(video_vae("wan2.1"), "decode"), _program(video_vae("wan2.1"), "encode")
     assert dec.chunks(3) == [(0, 1), (1, 2), (2, 3)]
     assert enc.chunks(7) == [(0, 1), (1, 5)]  # frames 5, 6 are not encoded (AutoencoderKLWan._encode)
     assert enc.chunks(9) == [(0, 1), (1, 5), (5, 9)]
@@ -82,7 +83,7 @@ def test_wan_decoder_without_attention_static_halo_equals_probe():
     graph (convolutions, resampling, caches) equals the one measured by perturbing a latent pixel."""
     vae = wan("2.1")
     vae.decoder.mid_block.attentions = torch.nn.ModuleList()
-    program = lower_video_vae(vae, "decode")
+    program = _program(vae, "decode")
     report = analyze(program)
     assert report.exact_tileable
     z = _latent(2, 27, 27, seed=3)
@@ -150,6 +151,59 @@ def test_ltx_traced_programs_are_the_hand_lowerings(name):
             assert torch.equal(traced.run_steps(t), hand.run_steps(t)), kind
 
 
+def _caches(program, frames):
+    """The frames each causal cache holds after each step of a video of `frames` (of one pixel and
+    channel), for every op keeping one (sorted)."""
+    steps = len(program.chunks(frames))
+    held = [tuple(op.cache_elems((0, 1, 0, 1), [(1, 1)], 1, k) for k in range(steps))
+            for op in program.ops if hasattr(op, "cache_elems")]
+    return sorted(h for h in held if any(h))
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2", "qwen"])
+def test_wan_traced_programs_are_the_hand_lowerings(name):
+    """The traced decode and encode of Wan 2.1 / 2.2 and Qwen-Image (their first and a later loop call,
+    merged) have the hand lowering's convolutions (the time resamplers' as causal convolutions there),
+    segments, halos, sync points, frames per step and causal caches' frames, and compute the same."""
+    vae = video_vae(name)
+    f = factor(vae)
+    z, x = _latent(3), torch.rand(1, 3, 9, 2 * f, 3 * f, generator=torch.Generator().manual_seed(1))
+    for kind, t, frames, hw in (("decode", z, (1, 3, 4), (13, 11)),
+                                ("encode", x, (1, 5, 9, 11), (13 * f, 11 * f))):
+        traced, hand = _program(vae, kind), lower_video_vae(vae, kind)
+        hand3 = _as_convs(hand)
+        a, b = _structure(traced, frames, hw), _structure(hand3, frames, hw)
+        assert a[:1] + a[2:] == b[:1] + b[2:] and _scales(traced) == _scales(hand3), kind
+        assert [_caches(traced, n) for n in frames] == [_caches(hand, n) for n in frames], kind
+        with torch.no_grad():
+            assert (traced.run_steps(t) - hand.run_steps(t)).abs().max() <= 1e-5, kind
+
+
+def _scales(program):
+    """The spatial scales of a program's resamplings in order: a rearrangement's (down, up), a per-frame
+    nearest upsampling's (1, scale) (the hand lowering's FrameUpsample, the traced one's Rearrange)."""
+    return [(op.down, op.up) if op.kind is OpKind.REARRANGE else (1, op.scale) for op in program.ops
+            if op.kind is OpKind.UPSAMPLE or op.kind is OpKind.REARRANGE and op.down * op.up > 1]
+
+
+def _as_convs(program):
+    """The hand lowering with its TimeUp / TimeDown ops as the causal convolutions they compute (kernel 3x1x1,
+    cache 2 / stride 2 and cache 1), as the traced lowering reads them, for `_structure`'s conv list."""
+    from tilewise.locality.ops3d import CausalConv3d
+
+    ops = []
+    for op in program.ops:
+        if op.kind in (OpKind.TIME_UP, OpKind.TIME_DOWN):
+            up = op.kind is OpKind.TIME_UP
+            conv = CausalConv3d(src=op.src, dst=op.dst, name=op.name, weight=op.weight, bias=op.bias,
+                                stride_t=1 if up else 2, pad_t=2 if up else 1)
+            conv.frames = op.frames  # (the frames the op makes: the interleave's, the first step's too)
+            ops.append(conv)
+        else:
+            ops.append(op)
+    return type(program)(**{**program.__dict__, "ops": ops})
+
+
 @pytest.mark.parametrize("option,match", [
     ({"decoder_inject_noise": (True, False, False, False, False)},
      r"its decoder injects noise \(decoder_inject_noise=\(True, False, False, False, False\)")])
@@ -169,9 +223,9 @@ def test_unknown_3d_module_names_it_and_points_to_probe():
         lower(vae)
 
 
-# (decoder scale, encoder align): the decoder alone of Wan 2.2 makes 8x (its unpatchify is the VAE's),
-# and its encoder takes the patchified video (8x below it)
-ANALYSIS = {"qwen": (8, 8), "wan2.1": (8, 8), "wan2.2": (8, 8), "ltx0.9.0": (8, 8), "ltx0.9.5": (16, 16)}
+# (decoder scale, encoder align); Wan 2.2's whole VAE (its decoder alone, without the loop's caches, does
+# not run: its DupUp3D shortcuts double the frames its uncached upsamplers keep), its (un)patchify 2x
+ANALYSIS = {"qwen": (8, 8), "wan2.1": (8, 8), "wan2.2": (16, 16), "ltx0.9.0": (8, 8), "ltx0.9.5": (16, 16)}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -181,7 +235,10 @@ def test_analyze_reports_segments_halos_sync_points_and_verdict(name):
     along one path (a downsampler and its parallel shortcut count once)."""
     vae = video_vae(name)
     scale, align = ANALYSIS[name]
-    dec, enc = analyze(vae.decoder), analyze(vae.encoder)
+    if name == "wan2.2":
+        dec, enc = tw.analyze(vae), tw.analyze(vae, kind="encode")
+    else:
+        dec, enc = analyze(vae.decoder), analyze(vae.encoder)
     assert dec.scale == scale and enc.scale == 1 / align and enc.align == align and dec.align == 1
     for report in (dec, enc):
         text = str(report)
@@ -190,6 +247,8 @@ def test_analyze_reports_segments_halos_sync_points_and_verdict(name):
             assert report.halo == report.local_halo > 0 and f"halo {report.halo} input px" in text
         else:
             assert [s.kind for s in report.segments] == ["local", "attention", "local"]
-            assert report.sync_ops == [("mid_block.attentions.0", "attention")] and report.halo is None
+            where = ("decoder." if report is dec else "encoder.") if name == "wan2.2" else ""
+            assert report.sync_ops == [(f"{where}mid_block.attentions.0", "attention")]
+            assert report.halo is None
             assert report.segments[0].halo > 0 and report.segments[2].halo > 0
             assert "exact_tileable: no, global ops: attention" in text

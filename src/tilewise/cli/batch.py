@@ -93,7 +93,7 @@ def image_vae(model: Path | None) -> None:
     """The latent cache's --model holds a 2-D image VAE: a video VAE is refused from its JSON, before it
     loads (`jobs.cache` refuses it again on a VAE given in Python)."""
     from ..locality.classes import BATCHED_VAES, IMAGE_VAES
-    from ..locality.lowering3d import VIDEO_VAES
+    from ..locality.video_classes import VIDEO_VAES
     from ..pipelines.loading import vae_class
 
     name = vae_class(model)

@@ -239,7 +239,7 @@ def _video_vae(model) -> bool:
     """Whether --model holds a video VAE: a 3-D VAE or SVD's temporal decoder (read from its JSON, nothing
     loaded)."""
     from ..locality.classes import BATCHED_VAES
-    from ..locality.lowering3d import VIDEO_VAES
+    from ..locality.video_classes import VIDEO_VAES
 
     return _vae_class(model) in (*VIDEO_VAES, *BATCHED_VAES)
 

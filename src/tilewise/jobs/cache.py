@@ -131,7 +131,7 @@ def _check_image_vae(vae: Any) -> None:
     """The latent cache holds image latents: a video VAE (3-D, or SVD's temporal decoder) is refused by
     name; the families the tile programs refuse are refused by TiledVAE, with the reason."""
     from ..locality.classes import BATCHED_VAES, IMAGE_VAES
-    from ..locality.lowering3d import is_video_vae
+    from ..locality.video_classes import is_video_vae
 
     name = type(vae).__name__
     if is_video_vae(vae) or name in BATCHED_VAES:

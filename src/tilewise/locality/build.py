@@ -1,7 +1,7 @@
 """What every lowering shares: the op builder, the error for unknown module types, activation functions.
 
-`lowering` (2-D VAEs: AutoencoderKL, AutoencoderTiny) and `lowering3d` (3-D causal video VAEs) both
-build their programs with these.
+`units` (the layers a traced lowering takes whole) and the hand lowerings the tests keep as oracles
+build their ops with these.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from .ops import Op, Pointwise
 
-KNOWN = ("AutoencoderKLQwenImage / AutoencoderKLWan (2.1, 2.2) encoders and decoders (by their structure; "
-         "the other families are traced from what they compute)")
+KNOWN = ("the layers a traced lowering takes whole (diffusers' Attention, the Qwen-Image and Wan attention "
+         "blocks, nn.Conv2d, nn.GroupNorm); everything else is traced from what it computes")
 
 
 class LoweringError(ValueError):

@@ -3,7 +3,7 @@ classes no tile program reproduces, each with the reason.
 
 `vae.families` builds its table from these (a refused class is a `Family(refused=REFUSED[name])`); the
 CLI reads them to refuse a model folder from its JSON, before anything loads (`pipelines.folders`). The
-3-D VAEs are `lowering3d.VIDEO_VAES`.
+3-D VAEs are `video_classes.VIDEO_VAES`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Lower a module into a tile program: from what it computes (`trace`), or for Wan's and Qwen-Image's
-3-D causal VAEs by their known structure (`lowering3d`: the traced lowering does not follow their
-temporal caches, which their forwards keep across the calls of a causal loop).
+"""Lower a module into a tile program from what it computes (`trace`). (A whole 3-D VAE's decode or encode,
+its causal loop with the caches its calls carry over, is its family's: `vae.families`; a Wan /
+Qwen-Image encoder or decoder module lowered here alone runs its frames in one call, without caches, as
+its forward does with feat_cache=None.)
 
 `lower(module, example)` traces a module (a diffusers Encoder, Decoder, EncoderTiny, DecoderTiny, an
 LTX-Video encoder or decoder, or any module made of the operators `trace` places) on an example input
@@ -17,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from .build import Builder, LoweringError
-from .lowering3d import is_hand_module, lower3d
 from .program import Program
 from .trace import lower_traced
 from .units import conv
@@ -48,10 +48,7 @@ def example_for(module, factor: int = 1) -> torch.Tensor:
 
 
 def lower(module, example: torch.Tensor | None = None) -> Program:
-    """Lower a module into a tile program: Wan's and Qwen-Image's 3-D encoders and decoders by their known
-    structure into video programs, any other from what it computes on `example` (module docstring)."""
-    if is_hand_module(module):
-        return lower3d(module)
+    """Lower a module into a tile program from what it computes on `example` (module docstring)."""
     if example is None or example.ndim == 5:  # (an encoder's example is image-sized; a video's frames are
         video = example_for(module, 64 if _downsamples(module) else 1)  # uncommon, as its sides are)
         example = video if example is None else video.new_empty((1, example.shape[1], *video.shape[2:]))

@@ -93,6 +93,7 @@ class CausalConv3d(Op):
     groups: int = 1
     fill_end: str = "last"
     padding_mode: str = "zeros"
+    cached: int = 0  # (of pad_t: frames the traced call of a causal loop read from an earlier call's cache)
     kind = OpKind.CONV3D
 
     @property

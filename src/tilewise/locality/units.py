@@ -6,6 +6,9 @@
 - `channel_attention`: Qwen-Image 2.1's `QwenImage21AttentionBlock` on its one frame (an RMS norm over
   channels, one head, q / k / v from one 1x1 convolution, a 1x1 output projection, the residual): the
   same `AttentionCore`.
+- `frame_attention`: Wan's / Qwen-Image's `WanAttentionBlock` / `QwenImageAttentionBlock` on a video value
+  (the same block over each frame's tokens, its RMS norm of each frame): a `FrameAttention` (a sync op
+  over one frame).
 - `conv`, `group_norm`: one nn.Conv2d with zero padding, one nn.GroupNorm.
 
 diffusers' classes are imported inside `attention` (importing diffusers takes ~4 s).
@@ -18,8 +21,10 @@ import torch.nn.functional as F
 
 from .build import Builder, unsupported
 from .ops import AttentionCore, Conv, GroupNorm, Pointwise
+from .ops3d import FrameAttention, fold, unfold
 
 CHANNEL_ATTENTION = ("QwenImage21AttentionBlock",)  # the blocks `channel_attention` lowers
+FRAME_ATTENTION = ("WanAttentionBlock", "QwenImageAttentionBlock")  # the blocks `frame_attention` lowers
 
 
 class ChannelSlice(nn.Module):
@@ -49,6 +54,20 @@ def channel_attention(b: Builder, a, x: str, where: str) -> str:
     return b.emit(AttentionCore, (n, x), where, heads=1, to_q=ChannelSlice(qkv, 0, c),
                   to_k=ChannelSlice(qkv, c, 2 * c), to_v=ChannelSlice(qkv, 2 * c, 3 * c),
                   to_out=nn.ModuleList([ChannelSlice(proj, 0, c), nn.Identity()]), residual=True, rescale=1.0)
+
+
+def frame_attention(b: Builder, a, x: str, where: str) -> str:
+    """WanAttentionBlock / QwenImageAttentionBlock (module docstring) on a (B, C, T, H, W) value: its RMS
+    norm of each frame, then one head over each frame's tokens (`FrameAttention`, the residual added)."""
+    c, qkv, proj, norm = a.dim, a.to_qkv, a.proj, a.norm
+    ok = (type(a).__name__ in FRAME_ATTENTION and norm.channel_first and norm.gamma.dim() == 3
+          and all(type(m) is nn.Conv2d and tuple(m.kernel_size) == (1, 1) and m.groups == 1
+                  and tuple(m.stride) == (1, 1) for m in (qkv, proj)) and qkv.out_channels == 3 * c)
+    if not ok:
+        raise unsupported(a, where)
+    n = b.emit(Pointwise, (x,), f"{where}.norm", fn=lambda t: unfold(norm(fold(t)), t.shape[0], t.shape[2]),
+               label="rms_norm over channels (frames folded)")
+    return b.emit(FrameAttention, (n, x), where, to_qkv=qkv, proj=proj)
 
 
 def conv(b: Builder, layer, x: str, where: str, padding: tuple[int, int, int, int] | None = None) -> str:

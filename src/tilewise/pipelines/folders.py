@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import BadRequest, ModelProblem, TilewiseError
 from ..locality.classes import BATCHED_VAES, IMAGE_VAES, PYTHON_ONLY, REFUSED
-from ..locality.lowering3d import VIDEO_VAES
+from ..locality.video_classes import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 from ..atomic import atomic_path
 from ..distributed import rank_world, resolve_group
 from ..errors import BadInputFile, BadRequest, WontFit
-from ..locality.lowering3d import is_video_vae
+from ..locality.video_classes import is_video_vae
 from ..sinks import open_sink
 from ..sources import read_image
 from .denoise import denoise, tiled_denoiser

@@ -45,9 +45,9 @@ from diffusers.models.autoencoders.vq_model import VQEncoderOutput
 from ..locality.build import LoweringError
 from ..locality.classes import REFUSED_IMAGE, REFUSED_VIDEO
 from ..locality.lowering import EXAMPLE_FRAMES, EXAMPLE_HW
-from ..locality.lowering3d import lower_video_vae
 from ..locality.program import Program
 from ..locality.trace import lower_traced
+from ..locality.trace.calls import merge_calls
 from .settings import Kind
 from .video_calls import (
     cog_chunk,
@@ -88,6 +88,7 @@ from .video_vidtok import (
     vidtok_note,
     vidtok_output,
 )
+from .wan_calls import wan_channels, wan_loop
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Family:
     encoded: str = "posterior"  # what encode returns (`ENCODED`): "posterior", "latents", "tiny", "latent",
     # "identity", "mean"
     quantize: bool = False  # decode quantises first (untiled: the latent is small), unless told not to
-    video: bool = False  # a 3-D VAE: (B, C, T, H, W) values (without decode / encode: `locality.lowering3d`)
+    video: bool = False  # a 3-D VAE: (B, C, T, H, W) values
     frame: bool = False  # an image VAE in a video's layout: (B, C, 1, H, W) calls, 2-D programs (`frames`)
     batched: bool = False  # a video's frames in the batch: decode(z, num_frames) of (B T, C, H, W) runs a
     # video program traced on (B, C, T, H, W) (`vae.video.batch`); encode is 2-D (each frame an image)
@@ -122,6 +123,10 @@ class Family:
     # takes (CogVideoX's frame_batch_size; the first call also the remainder), or (lead, every): the first
     # call lead frames, the last the remainder (KVAE's): decode / encode are one call, traced on the
     # call's first chunk, its causal convolutions' caches carried from step to step
+    loop: Callable | None = None  # loop(vae, kind, example) -> ((first, every, drop), [first call, a later
+    # call]): a causal loop whose calls read the caches the calls before left (Wan's feat_cache), its
+    # first and a later call traced and merged into one program (`locality.trace.calls`); example(frames)
+    # is a call's meta input
 
     def refuses(self, vae) -> str:
         """Why `vae` (of this family) is refused, or ""."""
@@ -145,8 +150,12 @@ FAMILIES: dict[str, Family] = {
                       encode=lambda vae, x: vae.encode(x).latents, encoded="latents", quantize=True),
     "AsymmetricAutoencoderKL": KL,  # (image and mask: refused by `bind`, the rest is a KL decode)
     "AutoencoderDC": Family(decode=_kl_decode, encode=lambda vae, x: vae.encode(x).latent, encoded="latent"),
-    "AutoencoderKLWan": Family(video=True),
-    "AutoencoderKLQwenImage": Family(video=True),
+    # Wan 2.1 / 2.2 and Qwen-Image: their causal loop as it runs (`Family.loop`, `wan_calls`): decode one
+    # latent frame a call, encode the first frame, then 4 a call (an incomplete last call's frames
+    # dropped); the first and a later call traced, each with the caches the calls before it left, the
+    # first call's skipped temporal resampling (its "Rep" markers) ops that start at step 1
+    "AutoencoderKLWan": Family(video=True, loop=wan_loop, channels=wan_channels),
+    "AutoencoderKLQwenImage": Family(video=True, loop=wan_loop, channels=wan_channels),
     "AutoencoderKLLTXVideo": Family(decode=ltx_decode, encode=_kl_encode, video=True, check=ltx_check,
                                     inputs=ltx_inputs),
     "AutoencoderKLLTX2Video": Family(decode=ltx_decode, encode=_kl_encode, video=True, check=ltx_check,
@@ -251,11 +260,11 @@ def family_of(vae) -> Family:
 
 def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> Program:
     """The tile program of a decode or encode of `vae`: its family's computation traced (`locality.trace`,
-    with decode's per-call inputs, `Family.inputs`; Wan's and Qwen-Image's causal VAEs by their known
-    structure); a chunked family's (`Family.chunk`) for an input of `frames` frames: its first call traced,
-    the calls its steps (default: the steady calls' frame count, as every call after the first). Lowered
-    once per VAE state and first call. LoweringError naming the VAE, the call and its module path, for one
-    the lowering cannot place."""
+    with decode's per-call inputs, `Family.inputs`; a causal loop's first and a later call, `Family.loop`,
+    merged into one program); a chunked family's (`Family.chunk`) for an input of `frames` frames: its
+    first call traced, the calls its steps (default: the steady calls' frame count, as every call after
+    the first). Lowered once per VAE state and first call. LoweringError naming the VAE, the call and its
+    module path, for one the lowering cannot place."""
     name = type(vae).__name__
     if family.refuses(vae):
         raise LoweringError(f"TiledVAE cannot tile {name}: {family.refuses(vae)}")
@@ -269,8 +278,8 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
     what = f"TiledVAE cannot tile {name} ({kind.value}{call})"
     steady = lower_family(vae, family, kind, every) if every and first > every and not lead else None
     try:
-        if family.video and family.decode is None:
-            program = lower_video_vae(vae, kind.value)
+        if family.loop is not None:
+            program = _lower_loop(vae, family, kind, f"{name}.{kind.value}")
         else:
             run = family.decode if kind is Kind.DECODE else family.encode
             inputs = family.inputs(vae) if family.inputs is not None and kind is Kind.DECODE else {}
@@ -286,6 +295,22 @@ def lower_family(vae, family: Family, kind: Kind, frames: int | None = None) -> 
         raise LoweringError(f"{what}: {e}") from None
     _CACHE.setdefault(vae, {})[kind, first] = (state, program)
     return program
+
+
+def _lower_loop(vae, family: Family, kind: Kind, name: str) -> Program:
+    """A causal loop's program (`Family.loop`): its first and a later call traced and merged
+    (`trace.calls.merge_calls`) with what runs on every frame before and after the loop (traced on a
+    video of EXAMPLE_FRAMES)."""
+    steps, calls, (before, after) = family.loop(vae, kind, lambda t: _example(vae, kind, family, t))
+    head, later = (lower_traced(vae, run, x, name=name) for run, x in calls)
+    video = _example(vae, kind, family)
+    dtype = video.dtype
+    if before is not None:
+        before = lower_traced(vae, before[0], video.new_empty((1, before[1], *video.shape[2:])), name=name)
+    if after is not None:
+        after = lower_traced(vae, after[0], torch.empty(1, after[1], EXAMPLE_FRAMES[0], *EXAMPLE_HW,
+                                                        device="meta", dtype=dtype), name=name)
+    return merge_calls(head, later, name, steps, before=before, after=after)
 
 
 def _check_later(program, steady) -> None:

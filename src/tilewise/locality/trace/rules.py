@@ -10,7 +10,13 @@ import torch
 from ..build import LoweringError
 from ..ops import Add, OpKind, Pointwise
 from ..ops_traced import Cat, Combine, Slice
-from ..units import CHANNEL_ATTENTION, attention, channel_attention
+from ..units import (
+    CHANNEL_ATTENTION,
+    FRAME_ATTENTION,
+    attention,
+    channel_attention,
+    frame_attention,
+)
 from .capture import Call, Ref, capture, needed
 from .frames import FRAME_RULES, carry
 from .layers import LAYER_RULES
@@ -61,8 +67,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)
         return
     spatial = [n for n in call.refs() if low.spatial(n) is not None or n in low.pads or n in low.windows
-               or n in low.window_convs or n in low.fronts or n in low.writes]  # (paddings, windows of
-    # frames: `video_windows`; a first frame repeated, a buffer written in part: `video_writes`)
+               or n in low.window_convs or n in low.fronts or n in low.writes or n in low.caches]
+    # (paddings, windows of frames: `video_windows`; a first frame repeated, a buffer written in part:
+    # `video_writes`; a causal cache read: `video_caches`)
     if any(n in low.writes for n in call.refs()) and call.name != "__setitem__":
         raise refused(low, call, "a read of a buffer of video frames written in part")
     if not spatial:  # (constants the forward made: sizes, masks, casts of parameters)
@@ -263,6 +270,12 @@ def _unit(low: Lowering, i: int, call: Call) -> bool:
         if not isinstance(x, Ref) or low.spatial(x.node) is None or len(call.refs()) != 1:
             return False
         low.set(call.outs[0], channel_attention(low.b, call.module, low.spatial(x.node), call.where))
+        return True
+    if type(call.module).__name__ in FRAME_ATTENTION:  # (on a video value: over each frame's tokens)
+        x = arg_of(call, 0, "x")
+        if not isinstance(x, Ref) or low.spatial(x.node) is None or len(call.refs()) != 1:
+            return False
+        low.set(call.outs[0], frame_attention(low.b, call.module, low.spatial(x.node), call.where))
         return True
     x = arg_of(call, 0, "hidden_states")
     if not isinstance(x, Ref) or low.spatial(x.node) is None or x.node in low.framed:

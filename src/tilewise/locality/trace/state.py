@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..build import Builder, LoweringError
-from ..units import CHANNEL_ATTENTION
+from ..units import CHANNEL_ATTENTION, FRAME_ATTENTION
 from .capture import Call, Capture, Ref
 
 
@@ -37,6 +37,9 @@ class Lowering:
     # times before it and its last back times after it (a causal convolution's padding, `trace.video`)
     frame_refs: dict[int, tuple] = field(default_factory=dict)
     tpads: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # node -> (source node, n): the source with n frames an earlier call of a causal loop cached in front
+    # (a convolution's causal padding read from the step before, `trace.video_caches`)
+    caches: dict[int, tuple[int, int]] = field(default_factory=dict)
     # node -> (source node, k, parts): part k of a split of the source's frames (its first frame and the
     # others), kept through calls that keep it a part (`trace.video`: such parts concatenate back)
     frame_parts: dict[int, tuple[int, int, int]] = field(default_factory=dict)
@@ -185,9 +188,10 @@ def channel_dim(dim, ndim: int) -> bool:
 
 
 def is_attention(m) -> bool:
-    """Whether a module is lowered as one unit (`units`): diffusers' Attention, Qwen-Image 2.1's block."""
+    """Whether a module is lowered as one unit (`units`): diffusers' Attention, Qwen-Image 2.1's, Wan's and
+    Qwen-Image's attention blocks."""
     return type(m).__module__.startswith("diffusers") and (
-        type(m).__name__ == "Attention" or type(m).__name__ in CHANNEL_ATTENTION)
+        type(m).__name__ == "Attention" or type(m).__name__ in CHANNEL_ATTENTION + FRAME_ATTENTION)
 
 
 def reaches(low: Lowering, i: int, node: int, name: str, depth: int = 4) -> bool:

@@ -46,8 +46,10 @@ from ..ops3d import CausalConv3d, Rearrange
 from ..ops3d_sync import FrameCat, VideoGroupNorm
 from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
+from .video_caches import cache_cat
 from .video_fold import fold_rule
 from .video_frames import frame_slice
+from .video_interleave import interleave_rule
 from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
 from .video_rows import permute_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
@@ -74,8 +76,11 @@ def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
     pt, ph, pw = _triple(padding)
     pad = _Padding([ph, ph, pw, pw], [pt, "zeros"], [pt, "zeros"], "zeros")
     src = x.node
-    while src in low.pads or src in low.tpads:
-        why = pad.merge_pad(*low.pads.pop(src)) if src in low.pads else pad.merge_frames(low.tpads[src])
+    while src in low.pads or src in low.tpads or src in low.caches:
+        if src in low.caches:  # (frames an earlier call of a causal loop cached, `video_caches`)
+            why = pad.merge_cache(*low.caches[src])
+        else:
+            why = pad.merge_pad(*low.pads.pop(src)) if src in low.pads else pad.merge_frames(low.tpads[src])
         if isinstance(why, str):
             return why
         src = why
@@ -86,7 +91,8 @@ def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
     out = low.b.emit(CausalConv3d, (name,), call.where, weight=const_value(low, w),
                      bias=const_value(low, arg_of(call, 2, "bias")), stride=stride[1:], stride_t=stride[0],
                      dilation_t=dilation[0], padding=tuple(pad.space), pad_t=front, pad_end=back, fill=fill,
-                     fill_end=fill_end, groups=int(arg_of(call, 6, "groups", 1)), padding_mode=pad.mode)
+                     fill_end=fill_end, groups=int(arg_of(call, 6, "groups", 1)), padding_mode=pad.mode,
+                     cached=pad.cached)
     low.set(call.outs[0], out)
     return True
 
@@ -97,8 +103,11 @@ class _Padding:
 
     def __init__(self, space, front, back, mode):
         self.space, self.front, self.back, self.mode = space, front, back, mode
+        self.cached = 0  # (frames in front an earlier call cached, behind the zeros)
 
     def _time(self, side: list, n: int, fill: str) -> str | None:
+        if n and self.cached and side is self.front:
+            return "a causal cache read behind other frames padded in front of it (zeros or frames)"
         if n and side[0] and side[1] != fill:
             return f"a convolution padded in time with both {side[1]} and {fill}"
         if n:
@@ -119,6 +128,13 @@ class _Padding:
         front, back = time or (0, 0)
         why = self._time(self.front, front, "zeros" if mode == "zeros" else "first")
         return why or self._time(self.back, back, "zeros" if mode == "zeros" else "last") or src
+
+    def merge_cache(self, src: int, n: int):
+        """n frames an earlier call cached in front (behind the zeros merged so far): its source node."""
+        if self.front[0] and self.front[1] != "zeros":
+            return f"a causal cache read behind frames padded with {self.front[1]}"
+        self.front[0], self.front[1], self.cached = self.front[0] + n, "zeros", self.cached + n
+        return src
 
     def merge_frames(self, tpad: tuple):
         """The first frame repeated in front and the last behind (a concatenation): its source node."""
@@ -198,6 +214,9 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     fronted = front_cat(low, call, tensors)  # (a padded value's first frame in front, `video_writes`)
     if fronted is not None:
         return fronted
+    cached = cache_cat(low, call, tensors)  # (frames an earlier call of a causal loop cached)
+    if cached is not None:
+        return cached
     parts, src = [], None
     sliced = {low.frame_refs[t.node][0] for t in tensors if t.node in low.frame_refs}
     for t in tensors:
@@ -417,7 +436,8 @@ VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat
                "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
-               "new_ones": new_ones_rule, "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
+               "new_ones": new_ones_rule, "reshape": interleave_rule, "view": interleave_rule,
+               "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
                "new_empty": empty_rule, "__setitem__": lambda low, i, c: write_rule(low, i, c, _frames_cat),
                **{a: pad_alias for a in ("to", "contiguous")}}
 # the calls placed on a one-frame video value squeezed to (B, C, H, W) (any other is refused: the 2-D rules

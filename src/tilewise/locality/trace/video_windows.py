@@ -42,9 +42,11 @@ def pad_alias(low: Lowering, i: int, call: Call) -> bool:
 
 
 def pad_of_pad(low: Lowering, i: int, call: Call) -> bool | str:
-    """F.pad of a padded video value: a padding of that padding (merged by the convolution, last first)."""
+    """F.pad of a padded video value (or of one with a causal cache in front, `video_caches`): a padding of
+    that padding (merged by the convolution, last first)."""
     x, pad = arg_of(call, 0, "input"), tuple(arg_of(call, 1, "pad"))
-    if not isinstance(x, Ref) or x.node not in low.pads or low.cap.values[x.node].ndim != 5:
+    if not isinstance(x, Ref) or x.node not in low.pads and x.node not in low.caches or \
+            low.cap.values[x.node].ndim != 5:
         return False
     mode, value = arg_of(call, 2, "mode", "constant"), arg_of(call, 3, "value", None)
     if len(pad) not in (4, 6) or any(p < 0 for p in pad) or mode == "constant" and (value or 0) != 0:

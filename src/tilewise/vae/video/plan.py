@@ -103,8 +103,9 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     grid = tile_grid(shapes[ref], tile)
     units = layout(segs, shapes, grid, ref)
     per_unit, macs, working = _units(p, segs, units, shapes, chans, chunks, frames, staging, b, item)
-    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst]), shapes[op.dst][0] * shapes[op.dst][1]) * b
-                       for op in p.ops)
+    # (an op from a step on, `ops_steps`, computes nothing before it)
+    macs_untiled = sum(_conv_macs(op, sum(frames[op.dst][getattr(op, "since", 0):]),
+                                  shapes[op.dst][0] * shapes[op.dst][1]) * b for op in p.ops)
     tiles_of: dict[int, int] = {}
     for (_, t), n in per_unit.items():
         tiles_of[t] = tiles_of.get(t, 0) + n
@@ -152,7 +153,7 @@ def _units(p, segs, units, shapes, chans, chunks, frames, staging: Place, b: int
         per_unit[i, t] = elems * b * item
         for k in range(len(chunks)):
             macs += sum(_conv_macs(op, frames[op.dst][k], box_area(need[op.dst])) * b
-                        for op in segs[i].ops if op.dst in need)
+                        for op in segs[i].ops if op.dst in need and getattr(op, "since", 0) <= k)
             # (tiles of one shape as far from the borders, in steps of as many frames, hold the same)
             key = (i, min(k, 2), k == last, tuple(frames[v][k] for v in need),
                    tuple(_shape_at(bx, shapes[v]) for v, bx in need.items()),

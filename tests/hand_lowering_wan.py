@@ -1,29 +1,27 @@
-"""Lower Qwen-Image's and Wan 2.1 / 2.2's 3-D causal VAEs into video tile programs by their known structure.
+"""The hand lowering of Qwen-Image's and Wan 2.1 / 2.2's 3-D causal VAEs into video programs, block by
+block, as tilewise lowered them before their traced lowering (`tilewise.vae.wan_calls` and
+`tilewise.locality.trace.calls` lower them from the traces of their own loop calls): kept here as the
+oracle of the traced programs' structure (`tests/test_lowering3d.py`), not used by the library.
 
-Kept by hand where the traced lowering (`trace`, which lowers LTX-Video's VAE and the 2-D families from
-what they compute) does not yet reach: these VAEs run their frames in a causal loop, one call per chunk
-of frames, each call reading the frames its convolutions cached in the call before (diffusers'
-`feat_cache`, with markers for the first chunk that skip the temporal up- and downsampling there). A
-trace of that loop specialises it to its chunks; reading the causal steps and their caches back out of
-it is not done yet, so each function here mirrors one block's forward. A causal 3-D convolution becomes a
-spatial convolution with its halo plus a temporal window over cached frames (`CausalConv3d`); the RMS
-norm normalises over channels, pointwise in space; the mid-block attention is a sync op over one frame;
-the resamplers scale the spatial grid (`FrameUpsample`, `FrameConv` with stride, `Rearrange` for
-AvgDown3D / DupUp3D / patchify) and the temporal one (`TimeUp`, `TimeDown`). `lower_video_vae` lowers a
-whole decode or encode as AutoencoderKLWan._decode / _encode run it: post_quant_conv, decoder,
-unpatchify and the clamp to [-1, 1]; patchify, encoder, quant_conv; and their causal steps.
-
-diffusers' modules are imported inside the functions that check for them (importing diffusers takes
-~4 s; the CLI reads `VIDEO_VAES` before any model loads).
+These VAEs run their frames in a causal loop, one call per chunk of frames, each call reading the frames
+its convolutions cached in the call before (diffusers' `feat_cache`, with markers for the first chunk
+that skip the temporal up- and downsampling there); each function here mirrors one block's forward. A
+causal 3-D convolution becomes a spatial convolution with its halo plus a temporal window over cached
+frames (`CausalConv3d`); the RMS norm normalises over channels, pointwise in space; the mid-block
+attention is a sync op over one frame; the resamplers scale the spatial grid (`FrameUpsample`,
+`FrameConv` with stride, `Rearrange` for AvgDown3D / DupUp3D / patchify) and the temporal one (`TimeUp`,
+`TimeDown`, ops kept in the library for this oracle). `lower_video_vae` lowers a whole decode or encode
+as AutoencoderKLWan._decode / _encode run it: post_quant_conv, decoder, unpatchify and the clamp to
+[-1, 1]; patchify, encoder, quant_conv; and their causal steps.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from .build import Activation, Builder, activation, mid_block, pointwise, unsupported
-from .ops import Add, Pointwise
-from .ops3d import (
+from tilewise.locality.build import Activation, Builder, activation, mid_block, pointwise, unsupported
+from tilewise.locality.ops import Add, Pointwise
+from tilewise.locality.ops3d import (
     CausalConv3d,
     FrameAttention,
     FrameConv,
@@ -34,7 +32,7 @@ from .ops3d import (
     fold,
     unfold,
 )
-from .program3d import VideoProgram
+from tilewise.locality.program3d import VideoProgram
 
 # AutoencoderKLWan._encode / tiled_encode run the first frame alone, then chunks of this many frames
 # (a literal there, whatever the temporal compression), and drop the frames of an incomplete last chunk
@@ -241,25 +239,6 @@ def _patch(b: Builder, x: str, p: int, channels: int, inverse: bool) -> str:
                       channels=channels // (p * p), label=f"unpatchify {p}")
     return b.emit(Rearrange, (x,), "patchify", fn=lambda t, ctx: patchify(t, p), down=p,
                   channels=channels * p * p, label=f"patchify {p}")
-
-
-# the 3-D VAEs tilewise tiles (`vae.families`), by name: the CLI reads this before any model loads
-VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video",
-              "AutoencoderKLHunyuanImageRefiner", "AutoencoderKLHunyuanVideo", "AutoencoderKLMochi",
-              "AutoencoderKLCosmos", "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
-              "AutoencoderKLCogVideoX", "AutoencoderKLKVAEVideo", "Kandinsky6SRVAE")
-HAND_MODULES = ("WanEncoder3d", "WanDecoder3d", "QwenImageEncoder3d", "QwenImageDecoder3d")
-
-
-def is_hand_module(module) -> bool:
-    """Whether `module` is the encoder or decoder of a 3-D VAE lowered here (Wan, Qwen-Image)."""
-    return type(module).__name__ in HAND_MODULES
-
-
-def is_video_vae(vae) -> bool:
-    """Whether `vae` is a 3-D VAE tilewise tiles (Wan, Qwen-Image, LTX-Video, LTX-2, HunyuanImage refiner,
-    HunyuanVideo 1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX)."""
-    return type(vae).__name__ in VIDEO_VAES
 
 
 def lower3d(module) -> VideoProgram:
