@@ -302,3 +302,20 @@ def vidtok(seed: int = 0, **config):
             elif name.endswith("norm.bias") or name.endswith("mix_factor"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return vae.eval()
+
+
+def allegro(seed: int = 0, blocks: int = 2):
+    """A tiny seeded Allegro VAE (AutoencoderKLAllegro; `blocks` 2: 2x in space, 4x in time, both blocks
+    resampling in time; 4: its default layout, 8x in space, 4x in time): 2-D resnets on the frames in the
+    batch, temporal convolutions with their edge frames repeated, GroupNorms over every frame, a mid-block
+    attention over each frame's tokens; its GroupNorms' weights and biases randomised."""
+    import torch
+    from diffusers import AutoencoderKLAllegro
+
+    torch.manual_seed(seed)
+    kw = dict(block_out_channels=(8, 16), temporal_downsample_blocks=(True, True),
+              temporal_upsample_blocks=(True, True), down_block_types=("AllegroDownBlock3D",) * 2,
+              up_block_types=("AllegroUpBlock3D",) * 2) if blocks == 2 else \
+        dict(block_out_channels=(8, 16, 16, 16))
+    vae = AutoencoderKLAllegro(latent_channels=4, layers_per_block=1, norm_num_groups=4, sample_size=32, **kw)
+    return _group_norms(vae, seed + 1)

@@ -22,9 +22,6 @@ REFUSED_VIDEO: dict[str, str] = {
         "its decoder is a ViT (MiniMaxH3VideoViTDecoder3d: full self-attention over every latent voxel of a "
         "clip, with register tokens), so each output pixel reads the whole clip: no tile program reproduces "
         "it; use the wrapped VAE"),
-    "AutoencoderKLAllegro": (
-        "its decode runs only through its own tiling (AutoencoderKLAllegro._decode raises without "
-        "enable_tiling); use the wrapped VAE"),
     "LTX2VideoDiffusionDecoderModel": (
         "it is a diffusion decoder (LTX-2.5: pixels denoised over steps from noise, conditioned on the "
         "latents, by LTX2VideoDiffusionDecodePipeline), not one pass of local operators: no tile program "
@@ -56,4 +53,5 @@ BATCHED_VAES = ("AutoencoderKLTemporalDecoder",)
 # (KVAE video and Kandinsky 6 SR were taken since with their latents files tested through the CLI,
 # tests/test_cli_video_families.py)
 PYTHON_ONLY: dict[str, str] = {
-    "AutoencoderVidTok": "its latents files and frame counts are not tried through the CLI yet"}
+    "AutoencoderVidTok": "its latents files and frame counts are not tried through the CLI yet",
+    "AutoencoderKLAllegro": "its latents files are not tried through the CLI yet"}

@@ -6,11 +6,12 @@ from __future__ import annotations
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video",
               "AutoencoderKLHunyuanImageRefiner", "AutoencoderKLHunyuanVideo", "AutoencoderKLMochi",
               "AutoencoderKLCosmos", "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
-              "AutoencoderKLCogVideoX", "AutoencoderKLKVAEVideo", "Kandinsky6SRVAE")
+              "AutoencoderKLCogVideoX", "AutoencoderKLKVAEVideo", "Kandinsky6SRVAE",
+              "AutoencoderKLAllegro")
 
 
 def is_video_vae(vae) -> bool:
     """Whether `vae` is a 3-D VAE tilewise tiles (`VIDEO_VAES`: Wan, Qwen-Image, LTX-Video, LTX-2, the
     HunyuanImage refiner, HunyuanVideo 1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, KVAE video,
-    Kandinsky 6 SR)."""
+    Kandinsky 6 SR, Allegro)."""
     return type(vae).__name__ in VIDEO_VAES

@@ -49,6 +49,7 @@ from ..locality.program import Program
 from ..locality.trace import lower_traced
 from ..locality.trace.calls import merge_calls
 from .settings import Kind
+from .video_allegro import allegro_decode, allegro_encode, allegro_example, allegro_frames, allegro_note
 from .video_calls import (
     cog_chunk,
     cog_decode,
@@ -117,6 +118,10 @@ class Family:
     # it is not: the frame counts the wrapped VAE's own decode / encode take)
     decoded: str = "output"  # what decode returns: "output" (DecoderOutput, or a tuple), "frames" (its
     # frames tensor itself: VidTok's)
+    example_frames: Callable | None = None  # example_frames(vae, kind) -> the frames of the example its
+    # trace runs on where EXAMPLE_FRAMES' are not a count it takes (Allegro's encode: a multiple of 4)
+    frames_first: bool = False  # decode returns (B, T, C, H, W), its program's (B, C, T, H, W) permuted
+    # (Allegro's `tiled_decode` permutes its video)
     output: Callable | None = None  # output(vae, h) -> what encode returns where its configuration decides
     # (VidTok's: a posterior, or its FSQ latent and indices); else by `encoded`
     chunk: Callable | None = None  # chunk(vae, kind) -> the frames one call of the model's chunked loop
@@ -199,6 +204,12 @@ FAMILIES: dict[str, Family] = {
     "AutoencoderVidTok": Family(decode=vidtok_decode, encode=vidtok_encode, video=True, check=vidtok_check,
                                 frames=vidtok_frames, note=vidtok_note, decoded="frames",
                                 output=vidtok_output),
+    # Allegro: the one pass its own tiling (cubes decoded / encoded alone, blended) approximates
+    # (`video_allegro`): its GroupNorms over every frame, its mid-block attention over each frame's tokens;
+    # decode returns (B, T, C, H, W); encode takes a multiple of 4 frames (`frames`)
+    "AutoencoderKLAllegro": Family(decode=allegro_decode, encode=allegro_encode, video=True,
+                                   frames=allegro_frames, example_frames=allegro_example, note=allegro_note,
+                                   frames_first=True),
     # traced as they compute; refused at construction where a call cannot be placed, with the reason
     "AutoencoderKLHunyuanImageRefiner": VIDEO,
     # the whole video in one pass: its chunked loop's causal caches are one convolution over every frame
@@ -375,12 +386,13 @@ def _same_state(a, b) -> bool:
 def _example(vae, kind: Kind, family: Family, frames: int | None = None):
     """The example a family's decode or encode is traced on (meta: nothing is computed): a latent of
     EXAMPLE_HW, or an image of EXAMPLE_HW times 64 (every downsampling of 2 up to 64 divides it) of
-    in_channels (or the family's `channels`); a video family's of EXAMPLE_FRAMES."""
+    in_channels (or the family's `channels`); a video family's of EXAMPLE_FRAMES (or its `example_frames`)."""
     cfg = vae.config
     h, w = EXAMPLE_HW
     dtype = next((p.dtype for p in vae.parameters()), torch.float32)
     video = family.video or family.batched and kind is Kind.DECODE
-    frames = ((frames or EXAMPLE_FRAMES[kind is Kind.ENCODE]),) if video else ()
+    own = family.example_frames(vae, kind) if family.example_frames is not None else None
+    frames = ((frames or own or EXAMPLE_FRAMES[kind is Kind.ENCODE]),) if video else ()
     if kind is Kind.DECODE:
         c = next((cfg[k] for k in ("latent_channels", "z_channels", "latent_dim", "z_dim") if k in cfg), None)
         if c is None:

@@ -209,6 +209,8 @@ class TiledVAE(ModelWrapper):
             with self._bound(job, temb, z, graph):
                 sample = self._ran(self._run_video(job, z, graph))
             sample = batch.as_rows(sample) if family.batched else sample
+            if family.frames_first:  # (Allegro's decode returns (B, T, C, H, W))
+                sample = sample.permute(0, 2, 1, 3, 4).contiguous()
             if family.decoded == "frames":  # (VidTok's decode returns its frames)
                 return sample
             return DecoderOutput(sample=sample) if call["return_dict"] else (sample,)

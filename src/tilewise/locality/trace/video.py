@@ -7,7 +7,8 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
   its input's first frame repeated in front and last frame behind (LTX-Video's causal padding);
 - a causal convolution looping over its padded input's windows of frames, the outputs concatenated along
   time (Magvit's): one `CausalConv3d` with the windows' stride in time (`video_windows`);
-- a slice of frames (`x[:, :, a:b]`; the first frame `x[:, :, 0]`, squeezed; a value's first frame and
+- a slice of frames (`x[:, :, a:b]`, or every s-th, `x[:, :, a:b:s]`: Allegro's; the first frame
+  `x[:, :, 0]`, squeezed; a value's first frame and
   the others are the first step's in a chunked program, `program3d.VideoProgram.chunked`), frames
   repeated (`x.repeat(1, 1, n, 1, 1)`) and frames of one
   value concatenated along time: a `Rearrange` of the frames, whose frame count the op knows;
@@ -48,7 +49,7 @@ from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_caches import cache_cat
 from .video_fold import fold_rule
-from .video_frames import frame_slice
+from .video_frames import frame_slice, strided_frames
 from .video_interleave import interleave_rule
 from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
 from .video_rows import permute_rule
@@ -160,8 +161,10 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     first = sl == 0 and not isinstance(sl, bool)
     if first:  # (x[:, :, 0]: the first frame, squeezed to (B, C, H, W))
         sl = slice(None, 1)
-    if not isinstance(sl, slice) or sl.step not in (None, 1):
+    if not isinstance(sl, slice) or not isinstance(sl.step, int | None) or (sl.step or 1) < 1:
         return f"frames indexed by {sl!r} (only a slice of frames, or the first frame, is placed)"
+    if sl.step not in (None, 1):  # (every s-th frame: Allegro's temporal downsampling shortcut)
+        return _strided_frames(low, call, x, sl)
     a, b = sl.start, sl.stop
     low.frame_refs[call.outs[0]] = (x.node, a, b, 1)
     part, key = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b)), x.node
@@ -177,6 +180,17 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     low.set(call.outs[0], out)
     if first:
         low.squeezed.add(call.outs[0])
+    return True
+
+
+def _strided_frames(low: Lowering, call: Call, x: Ref, sl: slice) -> bool:
+    """x[:, :, a:b:s] (every s-th frame of a video value): a Rearrange of its frames, run on each step's
+    frames as the traced call runs on its call's (never a part of a split or a padding: `frame_refs`
+    holds unit-step slices only)."""
+    fn, frames_fn = strided_frames(sl.start, sl.stop, sl.step)
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
+                     label=f"frames {_span(sl.start, sl.stop)} every {sl.step}")
+    low.set(call.outs[0], out)
     return True
 
 

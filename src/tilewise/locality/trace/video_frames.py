@@ -1,5 +1,5 @@
-"""A video value's frames a:b as a step of a chunked program computes them (`frame_slice`): read by the
-frame-slice rules of `video` and `video_pools`."""
+"""A video value's frames a:b as a step of a chunked program computes them (`frame_slice`), and every s-th
+of them (`strided_frames`): read by the frame-slice rules of `video` and `video_pools`."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def frame_slice(a, b):
 
         return fn, frames_fn
     return (lambda t, ctx, a=a, b=b: t[:, :, a:b]), (lambda t, step, a=a, b=b: len(range(t)[a:b]))
+
+
+def strided_frames(a, b, s: int):
+    """(fn, frames_fn) of every s-th frame of a value's frames a:b (`x[:, :, a:b:s]`)."""
+    return (lambda t, ctx: t[:, :, a:b:s]), (lambda t, step: len(range(t)[a:b:s]))

@@ -1,0 +1,65 @@
+"""Allegro's VAE (`AutoencoderKLAllegro`) through TiledVAE, traced from what it computes: its decode and
+encode equal the one pass its own tiling approximates (post_quant_conv of each frame, then the decoder on
+the whole latent; the encoder on the whole video, then quant_conv), fp32 max abs <= 1e-4; where its own
+tiling takes one cube (no blending) that is the stock decode / encode itself."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from video_vae_support import allegro, latent, video  # noqa: E402
+
+import tilewise as tw  # noqa: E402
+from tilewise.vae.video_allegro import allegro_decode, allegro_encode  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return allegro(blocks=4)
+
+
+def test_decode_is_the_one_pass_and_returns_frames_first(vae, caplog):
+    tv = tw.TiledVAE(vae, tile_size=3, progress=False)
+    z = latent(3, 5, 7, seed=1)
+    with torch.no_grad(), caplog.at_level("INFO", logger="tilewise"):
+        ref = allegro_decode(vae, z).permute(0, 2, 1, 3, 4)
+        out = tv.decode(z)
+    assert out.sample.shape == ref.shape == (1, 12, 3, 40, 56)  # ((B, T, C, H, W), as its decode)
+    assert (out.sample - ref).abs().max() <= TOL
+    assert tv.plan(tuple(z.shape)).grid == (2, 3)
+    assert caplog.text.count("decodes only through its own tiling") == 1
+
+
+def test_one_cube_of_its_own_tiling_is_the_tiled_decode_and_encode(vae):
+    """A latent of exactly one of its cubes ((24, 32, 32) px: (6, 4, 4) latent): its tiled_decode /
+    tiled_encode blend nothing, so the stock call is the one pass."""
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    vae.enable_tiling()
+    try:
+        z, x = latent(6, 4, 4, seed=2), video(24, 32, 32, seed=3)
+        with torch.no_grad():
+            ref, out = vae.decode(z).sample, tv.decode(z, return_dict=False)[0]
+            assert out.shape == ref.shape == (1, 24, 3, 32, 32)
+            assert (out - ref).abs().max() <= TOL
+            ref, got = vae.encode(x).latent_dist, tv.encode(x).latent_dist
+            assert got.mean.shape == ref.mean.shape == (1, 4, 6, 4, 4)
+            assert (got.parameters - ref.parameters).abs().max() <= TOL
+    finally:
+        vae.disable_tiling()
+
+
+def test_encode_is_the_one_pass(vae):
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    x = video(8, 40, 56, seed=4)
+    with torch.no_grad():
+        ref = allegro_encode(vae, x)
+        out = tv.encode(x).latent_dist
+    assert out.mean.shape == (1, 4, 2, 5, 7) and (out.parameters - ref).abs().max() <= TOL
+
+
+def test_a_frame_count_its_encoder_does_not_take_is_refused_at_the_call(vae):
+    tv = tw.TiledVAE(vae, progress=False)
+    with pytest.raises(ValueError, match=r"encodes a multiple of 4 frames.*fails on 6"):
+        tv.encode(video(6, 16, 16))
