@@ -26,7 +26,8 @@ from ..locality.video_classes import VIDEO_VAES
 
 logger = logging.getLogger(__name__)
 
-VAE_CLASSES = (*IMAGE_VAES, *VIDEO_VAES, *BATCHED_VAES)  # what a VAE folder (or a pipeline's vae/) may hold
+# what a VAE folder (or a pipeline's vae/) may hold: the classes tilewise tiles, less those only Python takes
+VAE_CLASSES = tuple(n for n in (*IMAGE_VAES, *VIDEO_VAES, *BATCHED_VAES) if n not in PYTHON_ONLY)
 # VAEs decode / encode load from a pipeline folder's vae/ alone (AutoencoderKL's and AutoencoderTiny's
 # pipelines load whole, as `generate` loads them)
 ALONE_VAES = tuple(name for name in VAE_CLASSES if name not in ("AutoencoderKL", "AutoencoderTiny"))
