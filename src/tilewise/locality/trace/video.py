@@ -49,7 +49,7 @@ from .capture import Call, Ref
 from .state import Lowering, arg_of, const_value, op_name, permutation, refused
 from .video_caches import cache_cat
 from .video_fold import fold_rule
-from .video_frames import frame_slice, strided_frames
+from .video_frames import frame_slice, span_label, strided_rule
 from .video_interleave import interleave_rule
 from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
 from .video_rows import permute_rule
@@ -164,7 +164,7 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
     if not isinstance(sl, slice) or not isinstance(sl.step, int | None) or (sl.step or 1) < 1:
         return f"frames indexed by {sl!r} (only a slice of frames, or the first frame, is placed)"
     if sl.step not in (None, 1):  # (every s-th frame: Allegro's temporal downsampling shortcut)
-        return _strided_frames(low, call, x, sl)
+        return strided_rule(low, call, x, sl)
     a, b = sl.start, sl.stop
     low.frame_refs[call.outs[0]] = (x.node, a, b, 1)
     part, key = {(None, 1): 0, (0, 1): 0, (1, None): 1}.get((a, b)), x.node
@@ -176,21 +176,10 @@ def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
         low.frame_parts[call.outs[0]] = (key, part, 2)
     fn, frames_fn = frame_slice(a, b)
     out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
-                     label=f"frames {_span(a, b)}")
+                     label=f"frames {span_label(a, b)}")
     low.set(call.outs[0], out)
     if first:
         low.squeezed.add(call.outs[0])
-    return True
-
-
-def _strided_frames(low: Lowering, call: Call, x: Ref, sl: slice) -> bool:
-    """x[:, :, a:b:s] (every s-th frame of a video value): a Rearrange of its frames, run on each step's
-    frames as the traced call runs on its call's (never a part of a split or a padding: `frame_refs`
-    holds unit-step slices only)."""
-    fn, frames_fn = strided_frames(sl.start, sl.stop, sl.step)
-    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
-                     label=f"frames {_span(sl.start, sl.stop)} every {sl.step}")
-    low.set(call.outs[0], out)
     return True
 
 
@@ -256,7 +245,7 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     def frames_fn(t, step, parts=tuple(parts)):
         return sum(len(range(t)[a:b]) * r for a, b, r in parts)
 
-    label = " + ".join(f"frames {_span(a, b)}" + (f" x{r}" if r > 1 else "") for a, b, r in parts)
+    label = " + ".join(f"frames {span_label(a, b)}" + (f" x{r}" if r > 1 else "") for a, b, r in parts)
     out = low.b.emit(Rearrange, (low.spatial(src),), op_name(call, "frames"), fn=fn, frames_fn=frames_fn,
                      label=label)
     low.set(call.outs[0], out)
@@ -310,8 +299,9 @@ def _split(low: Lowering, i: int, call: Call) -> bool | str:
         low.frame_refs[n] = (x.node, a, b, 1)
         low.frame_parts[n] = (x.node, k, len(spans))
         fn, frames_fn = frame_slice(a, b)
-        out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, f"frames {_span(a, b)}"), fn=fn,
-                         frames_fn=frames_fn, label=f"frames {_span(a, b)}")
+        label = f"frames {span_label(a, b)}"
+        out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, label), fn=fn, frames_fn=frames_fn,
+                         label=label)
         low.set(n, out)
     return True
 
@@ -435,10 +425,6 @@ def _permute(low: Lowering, i: int, call: Call) -> bool | str:
     tokens on their way to an Attention (`video_tokens`); False for another permute."""
     return (fold_rule(low, i, call, permutation(call)) or tokens_rule(low, i, call)
             or sdpa_rule(low, i, call) or columns_rule(low, i, call) or permute_rule(low, i, call))
-
-
-def _span(a, b) -> str:
-    return f"{'' if a is None else a}:{'' if b is None else b}"
 
 
 def _triple(v) -> tuple[int, int, int]:

@@ -1,7 +1,11 @@
 """A video value's frames a:b as a step of a chunked program computes them (`frame_slice`), and every s-th
-of them (`strided_frames`): read by the frame-slice rules of `video` and `video_pools`."""
+of them (`strided_rule`, a Rearrange): read by the frame-slice rules of `video` and `video_pools`."""
 
 from __future__ import annotations
+
+from ..ops3d import Rearrange
+from .capture import Call, Ref
+from .state import Lowering, op_name
 
 # calls whose output is still the part of a split of frames their input is (`Lowering.frame_parts`)
 KEEP_PARTS = {"contiguous", "clone", "detach", "squeeze", "unsqueeze", "interpolate", "to", "float",
@@ -25,6 +29,18 @@ def frame_slice(a, b):
     return (lambda t, ctx, a=a, b=b: t[:, :, a:b]), (lambda t, step, a=a, b=b: len(range(t)[a:b]))
 
 
-def strided_frames(a, b, s: int):
-    """(fn, frames_fn) of every s-th frame of a value's frames a:b (`x[:, :, a:b:s]`)."""
-    return (lambda t, ctx: t[:, :, a:b:s]), (lambda t, step: len(range(t)[a:b:s]))
+def strided_rule(low: Lowering, call: Call, x: Ref, sl: slice) -> bool:
+    """x[:, :, a:b:s] (every s-th frame of a video value): a Rearrange of its frames, run on each step's
+    frames as the traced call runs on its call's (never a part of a split or a padding: `frame_refs`
+    holds unit-step slices only)."""
+    a, b, s = sl.start, sl.stop, sl.step
+    out = low.b.emit(Rearrange, (low.spatial(x.node),), op_name(call, "frames"),
+                     fn=lambda t, ctx: t[:, :, a:b:s], frames_fn=lambda t, step: len(range(t)[a:b:s]),
+                     label=f"frames {span_label(a, b)} every {s}")
+    low.set(call.outs[0], out)
+    return True
+
+
+def span_label(a, b) -> str:
+    """a:b as a slice is written, its missing ends blank."""
+    return f"{'' if a is None else a}:{'' if b is None else b}"
