@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from video_vae_support import cogvideox_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.families import first_call  # noqa: E402
+from tilewise.vae.family_programs import first_call  # noqa: E402
 
 
 @pytest.fixture(scope="module")

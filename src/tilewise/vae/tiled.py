@@ -26,7 +26,8 @@ from ..wrapper import ModelWrapper
 from . import frames, gradient, planning, runner
 from .checks import check_input, check_vae
 from .devices import DeviceProfile, profile, vae_device
-from .families import bind, encode_output, family_of, lower_calls, lower_family
+from .families import bind, encode_output, family_of
+from .family_programs import lower_calls, lower_family
 from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
 from .settings import Attention, FastSettings, Job, Kind, Mode, Settings
