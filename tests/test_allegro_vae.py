@@ -63,3 +63,31 @@ def test_a_frame_count_its_encoder_does_not_take_is_refused_at_the_call(vae):
     tv = tw.TiledVAE(vae, progress=False)
     with pytest.raises(ValueError, match=r"encodes a multiple of 4 frames.*fails on 6"):
         tv.encode(video(6, 16, 16))
+
+
+@pytest.mark.slow  # (~40 s on 2 shared cores: 16 cube decodes / encodes, three whole passes)
+def test_its_own_blended_cubes_measured_against_the_one_pass(vae, capsys):
+    """What the stock VAE gives up: cubes of (8, 32, 32) video frames x px every (4, 16, 16) (latent (2, 4,
+    4) every (1, 2, 2): 2 x 2 x 2 cubes of a (3, 6, 6) latent, 12 x 48 x 48 px), decoded / encoded alone and
+    blended, against the one pass; tilewise's tiles against the same."""
+    kernel, stride = vae.kernel, vae.stride
+    vae.kernel, vae.stride = (8, 32, 32), (4, 16, 16)
+    vae.enable_tiling()
+    tv = tw.TiledVAE(vae, tile_size=2, progress=False)
+    try:
+        z, x = latent(3, 6, 6, seed=5), video(12, 48, 48, seed=6)
+        with torch.no_grad():
+            ref = allegro_decode(vae, z).permute(0, 2, 1, 3, 4)
+            stock, ours = vae.decode(z).sample, tv.decode(z).sample
+            ref_e = allegro_encode(vae, x)
+            stock_e, ours_e = vae.encode(x).latent_dist.parameters, tv.encode(x).latent_dist.parameters
+    finally:
+        vae.kernel, vae.stride = kernel, stride
+        vae.disable_tiling()
+    for what, s, o, r in (("decode", stock, ours, ref), ("encode", stock_e, ours_e, ref_e)):
+        assert s.shape == o.shape == r.shape
+        err_s, err_o = (s - r).abs(), (o - r).abs()
+        print(f"allegro {what}: its blended cubes max abs {err_s.max():.3g} mean abs {err_s.mean():.3g}; "
+              f"tilewise max abs {err_o.max():.3g} mean abs {err_o.mean():.3g} (against the one pass)")
+        assert err_o.max() <= TOL and err_s.max() > 100 * err_o.max()
+    assert tv.plan(tuple(z.shape)).grid == (3, 3)
