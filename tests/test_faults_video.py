@@ -115,8 +115,6 @@ CASES = {
     "stack-bits-7": ([], DEC + ["--out", "v.npy", "--bits", "7"], BAD_REQUEST, ["--bits 7"]),
     "video-to-one-png": ([], DEC + ["--out", "v.png"], BAD_REQUEST, ["makes 5 frames", "'v.png'"]),
     "video-no-suffix": ([], DEC + ["--out", "frames"], BAD_REQUEST, ["'frames'", "no suffix"]),
-    "video-staging-disk": ([], DEC + ["--out", "v.tif", "--staging", "disk"], BAD_REQUEST,
-                           ["--staging disk is not available", "AutoencoderKLWan"]),
     "video-budget": ([], DEC + ["--out", "v.npy", "--budget", "lots"], BAD_REQUEST, ["--budget 'lots'"]),
     "video-out-is-folder": (["dir/x"], DEC + ["--out", "dir"], BAD_REQUEST, ["'dir'"]),
     # latents of a video decode

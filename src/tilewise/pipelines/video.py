@@ -66,9 +66,6 @@ def tiled_vae(vae, **settings):
 
 
 def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=None):
-    if staging == "disk":
-        raise BadRequest(f"--staging disk is not available for {type(vae).__name__} (a 3-D VAE stages its "
-                         f"values on the device or the host): use auto, device or host")
     return tiled_vae(vae, tile_size=tile_size, mode=mode, memory_budget=budget, staging=staging,
                      progress=progress, process_group=process_group)
 

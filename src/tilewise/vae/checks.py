@@ -116,14 +116,19 @@ def check_fits(job: Job, shape: tuple[int, ...], plan, streamed: bool, stage_dir
         _memory(plan.staged_peak + out, device, f"{what}: its staged values and output", other)
 
 
-def check_video_fits(job: Job, plan) -> None:
+def check_video_fits(job: Job, plan, stage_dir: str | None = None) -> None:
     """Refuse (WontFit) a 3-D VAE run whose plan (`VideoPlan`) cannot fit: its device peak (caches, staged
-    values, one tile's working set, the output unless it streams) where the VAE is, and what host staging
-    keeps in host memory (on a CPU VAE, the same memory)."""
+    values, one tile's working set, the output unless it streams) where the VAE is, what host staging
+    keeps in host memory (on a CPU VAE, the same memory), and what disk staging keeps in files on the disk
+    of `stage_dir` (None: the system's temporary folder)."""
     what = (f"TiledVAE {job.kind} of {plan.input_shape} (tile {plan.tile_size}, staging "
             f"{plan.staging.value!r})")
-    hint = ("use a memory_budget, a smaller tile or staging='host'" if plan.staging is not Place.HOST
-            else "use a smaller tile or a shorter video")
+    if plan.staging is Place.DISK:
+        check_disk(plan.disk_bytes, stage_dir or tempfile.gettempdir(), f"{what}: staging",
+                   hint="give stage_dir= a folder on a larger disk, or use a shorter or smaller video")
+    hint = ("use a memory_budget, a smaller tile or staging='host' or 'disk'" if plan.staging is Place.DEVICE
+            else "use a smaller tile or a shorter video" + (" (or staging='disk')"
+                                                            if plan.staging is Place.HOST else ""))
     held = f"{what}: its caches, staged values and output"
     if job.device.type == "cpu":
         _memory(plan.peak + plan.host_bytes, job.device, held, hint)

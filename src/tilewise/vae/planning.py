@@ -43,7 +43,7 @@ def preflight(settings: Settings, job: Job, vae, shape: tuple[int, ...], video: 
     if video:
         _video_shape(shape)
         p = make_video_plan(settings, job, shape, to_sink=streamed)
-        check_video_fits(job, p)
+        check_video_fits(job, p, stage_dir)
         return p
     shape = frames.image_shape(shape) if family_of(vae).frame else shape
     p = settle(settings, job, shape, streamed=streamed)

@@ -27,7 +27,7 @@ from ...memory import format_bytes
 from ..run.reverse import NORM_ROWS_BYTES
 from ..run.segments import tile_grid
 from ..settings import Job, Place, Settings
-from .executor import VIDEO_STAGINGS, Order, layout, video_segments
+from .executor import IN_MEMORY, Order, layout, video_segments
 from .plan import VideoPlan, _plan, make_video_plan
 
 TILES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)  # the tiles a budgeted differentiable call tries
@@ -128,7 +128,7 @@ def choose_backward(settings: Settings, job: Job, shape, param_bytes: int) -> tu
     the largest tile (and "device" before "host") whose forward peak and backward peak both fit it (the
     smallest need of all is in the refusal)."""
     budget = settings.memory_budget
-    stagings = (tuple(Place(s) for s in VIDEO_STAGINGS) if settings.staging is None else (settings.staging,))
+    stagings = IN_MEMORY if settings.staging is None else (settings.staging,)
     if budget is None:
         return settings.tile_size, stagings[0]
     best = None

@@ -71,7 +71,8 @@ class Order(Vocabulary):
 
 
 ORDERS = Order.words()
-VIDEO_STAGINGS = ("device", "host")
+VIDEO_STAGINGS = ("device", "host", "disk")
+IN_MEMORY = (Place.DEVICE, Place.HOST)  # the stagings "auto" tries first (disk only where none fits)
 
 
 def video_segments(program: VideoProgram, attention: Attention) -> list[Segment]:
@@ -135,6 +136,7 @@ class VideoExecutor:
     query_chunk: int = 4096
     progress: bool = True
     group: Any = None  # a torch.distributed group: each rank runs its band of tile rows
+    stage_dir: str | None = None  # disk staging's folder (None: the system's temporary folder)
 
     def __post_init__(self):
         put = object.__setattr__
@@ -145,6 +147,9 @@ class VideoExecutor:
         if self.staging not in VIDEO_STAGINGS:
             raise ValueError(f"staging for a video VAE must be one of {VIDEO_STAGINGS}, got {self.staging!r}")
         put(self, "staging", Place(self.staging))
+        if self.group is not None and self.staging is Place.DISK:
+            raise ValueError("a process group sums each step's staged values over the ranks in memory: "
+                             "staging='disk' runs in one process; use staging='device' or 'host' with it")
         put(self, "attention", Attention.parse(self.attention, "attention"))
         check_steps(self.program)
 
@@ -178,7 +183,8 @@ class _VideoRun:
                            device=ex.device)
         elif ex.group is not None:  # one step's output frames, summed over the ranks, then emitted whole
             self.emit, self.sink = self._collect, emit
-        self.store = Store(ex.staging, torch.device(ex.device), zeroed=ex.group is not None)
+        self.store = Store(ex.staging, torch.device(ex.device), zeroed=ex.group is not None,
+                           directory=ex.stage_dir)
         self.step_out = Store(Place.DEVICE, torch.device(ex.device), zeroed=True)
         # host staging keeps the frame-major run's caches (every tile's) on the host; a tile-major run
         # holds one tile's caches, on the device
@@ -210,6 +216,7 @@ class _VideoRun:
                     self._free(i, None)
         finally:
             bar.close()
+            self.store.close()  # (disk staging: every file removed, also after an error)
         if self.out is not None and self.ex.group is not None:
             all_reduce_sum([self.out], self.ex.group, self.out.dtype)
         return VideoResult(self.out, self.cache_peak, self.store.peak)
@@ -318,8 +325,9 @@ class _VideoRun:
 
     def _staged_view(self, v: str, k: int, t) -> bool:
         """Whether t, read of value v in step k, views the staged tensor (or x) rather than copying it."""
-        whole = self.x if v == self.program.input else self.store.values.get((v, k))
-        return whole is None or t.untyped_storage()._cdata == whole.untyped_storage()._cdata
+        if v != self.program.input:
+            return self.store.views((v, k), t)
+        return t.untyped_storage()._cdata == self.x.untyped_storage()._cdata
 
     def _prepare_attention(self, seg, k: int) -> None:
         """Keys and values of every token of each frame of step k, in row bands of the staged input."""
@@ -356,6 +364,8 @@ class _VideoRun:
         self.cache_peak = max(self.cache_peak, self.cache_alive)
         for v, core in cores.items():
             self._store_core(v, k, core, sub_tensor(vals[v][0], vals[v][1], core))
+        vals.clear()
+        self.store.trim()
 
     def _store_core(self, v: str, k: int, core, block) -> None:
         """A core of value v for step k: staged, emitted (the output, streamed) or into the output."""

@@ -82,7 +82,8 @@ def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
                     return p.run_steps(t), None
                 ex = VideoExecutor(p, tile, job.ref, attention=settings.attention, staging=staging,
                                    order=order, device=t.device, query_chunk=settings.query_chunk,
-                                   progress=settings.progress and rank == 0, group=group)
+                                   progress=settings.progress and rank == 0, group=group,
+                                   stage_dir=settings.stage_dir)
                 res = ex.run(t, emit=emit)
                 return res.output, res.staged_peak
         except torch.OutOfMemoryError:

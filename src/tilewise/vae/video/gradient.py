@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..settings import Job, Settings
+from ..settings import Job, Place, Settings
 from .backward import choose_backward, param_bytes
 from .executor import Order, VideoExecutor, _VideoRun
 from .plan import choose_video
@@ -48,6 +48,10 @@ def run(settings: Settings, job: Job, t, vae) -> tuple:
     if settings.process_group is not None:
         raise RuntimeError(f"TiledVAE {job.kind} of a {job.model} has no backward with a process group (the "
                            "reverse runs in one process); use the wrapped VAE to train")
+    if settings.staging is Place.DISK:
+        raise ValueError(f"TiledVAE {job.kind} of a {job.model} with gradients keeps every staged value of "
+                         "the step it reverses in memory: staging='disk' is for no_grad calls; use "
+                         "staging='auto', 'device' or 'host' (or call it under torch.no_grad())")
     params = tuple(q for q in vae.parameters() if q.requires_grad)
     if settings.memory_budget is None:
         tile, staging, _ = choose_video(settings, job, tuple(t.shape), order=Order.FRAMES)

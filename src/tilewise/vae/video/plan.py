@@ -18,8 +18,9 @@ from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
 from ..run.segments import tile_grid
 from ..settings import Job, Mode, Place, Settings
-from .executor import VIDEO_STAGINGS, Order, layout, video_segments
+from .executor import IN_MEMORY, VIDEO_STAGINGS, Order, layout, video_segments
 from .live import FrameSizes, unit_peak
+from .stores import write_bytes
 
 
 @dataclass
@@ -49,6 +50,7 @@ class VideoPlan:
     output_bytes: int  # the returned output (0 when it streams to a sink)
     peak: int  # estimated device peak
     host_bytes: int = 0  # what staging="host" keeps in host memory (caches and staged values)
+    disk_bytes: int = 0  # what staging="disk" keeps in files (the staged values; not in `peak`)
     stats_bytes: int = 0  # every GroupNorm's merged statistics of every step (float64 mean, var)
     dropped: int = 0  # input frames after the last complete step, which the model does not encode
     notes: list[str] = field(default_factory=list)
@@ -80,6 +82,8 @@ class VideoPlan:
                         f"{fb(self.stats_bytes)}")
         if self.host_bytes:
             rows.append(f"  in host memory (staging=host): {fb(self.host_bytes)}")
+        if self.disk_bytes:
+            rows.append(f"  in disk files (staging=disk, not in the peak): {fb(self.disk_bytes)}")
         rows += [f"  note: {n}" for n in self.notes]
         rows.append(f"  estimated device peak {fb(self.peak)}")
         if self.backward is not None:
@@ -122,7 +126,8 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
     # (a tile-major run keeps its one tile's caches on the device)
     cached_on_host = staging is Place.HOST and order is Order.FRAMES
     host = (caches if cached_on_host else 0) + (staged if staging is Place.HOST else 0)
-    resident = (0 if cached_on_host else caches) + (0 if staging is Place.HOST else staged)
+    # (disk staging keeps the staged values in files: neither host nor device memory)
+    resident = (0 if cached_on_host else caches) + (0 if staging in (Place.HOST, Place.DISK) else staged)
     reads = max(per_unit.values(), default=0) if cached_on_host else 0  # a tile's caches come to the device
     if cpu:  # (host memory is the CPU's own: what host staging keeps is held all the same)
         resident += host
@@ -130,7 +135,8 @@ def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order
                 sync_ops=sum(op.sync for op in p.ops), macs=macs, macs_untiled=macs_untiled,
                 cache_bytes=caches, cache_per_tile=max(tiles_of.values(), default=0), staged_peak=staged,
                 working=working, attention_bytes=attn, output_bytes=out_bytes, output_shape=out_shape,
-                host_bytes=host, peak=resident + working + attn + out_bytes + reads + stats,
+                host_bytes=host, disk_bytes=staged if staging is Place.DISK else 0,
+                peak=resident + working + attn + out_bytes + reads + stats,
                 stats_bytes=stats,
                 dropped=int(shape[2]) - chunks[-1][1])
 
@@ -147,7 +153,8 @@ def _units(p, segs, units, shapes, chans, chunks, frames, staging: Place, b: int
     tracked = {op.src[0] for op in p.ops if op.kind is OpKind.GROUP_NORM}
     seen: dict[tuple, int] = {}
     for (i, t), (cores, need) in units.items():
-        owned = set(segs[i].inputs) if staging is Place.HOST else set()
+        # (reads from host memory or disk are copies: the unit's own until their last reader)
+        owned = set(segs[i].inputs) if staging in (Place.HOST, Place.DISK) else set()
         elems = sum(op.cache_elems(need[op.dst], [shapes[src_of[op.dst]]], chans[src_of[op.dst]], last - 1)
                     for op in segs[i].ops if hasattr(op, "cache_elems") and op.dst in need) if last else 0
         per_unit[i, t] = elems * b * item
@@ -161,6 +168,9 @@ def _units(p, segs, units, shapes, chans, chunks, frames, staging: Place, b: int
             if key not in seen:
                 sizes = FrameSizes(shapes, chans, frames, k, b * item)
                 stats = max((sizes.of(v, c) for v, c in cores.items() if v in tracked), default=0)
+                if staging is Place.DISK:  # (a core's channels-last copy, a few rows at a time, to its file)
+                    stats = max([stats] + [write_bytes(sizes.of(v, c), c[1] - c[0]) for v, c in cores.items()
+                                           if v != p.output])
                 seen[key] = unit_peak(segs[i].ops, need, sizes, owned, segs[i].outputs, lasts[i], k, like,
                                       stats)
             working = max(working, seen[key])
@@ -255,7 +265,9 @@ def fast_note(p) -> str:
 def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=None, order=None, to_sink=False,
                  sequential=False) -> tuple[int, Place, Order]:
     """(tile, staging, order): as given, else the largest tile within the memory budget and, of the
-    allowed orders and stagings, the first ("device" before "host") with the smaller peak."""
+    allowed orders and stagings, the first ("device" before "host") with the smaller peak. "auto" staging
+    goes to disk only where no in-memory plan of any tile fits the budget (never without one), and not
+    with a process group (its ranks sum the staged values in memory)."""
     if settings.staging is not None and settings.staging not in VIDEO_STAGINGS:
         raise ValueError(f"staging={settings.staging_word!r} is not available for a 3-D VAE: use 'auto' or "
                          f"one of {VIDEO_STAGINGS}")
@@ -268,19 +280,23 @@ def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=No
         raise ValueError("this sink takes frames in order: order='tiles' would hold every frame open; "
                          "use order='frames' or a .npy stack")
     orders = (order,) if order else ((Order.FRAMES,) if sequential else tuple(Order))
-    stagings = (Place(staging),) if staging else (tuple(Place(s) for s in VIDEO_STAGINGS)
-                                                  if settings.staging is None else (settings.staging,))
+    asked = Place(staging) if staging else settings.staging
+    passes = [(asked,)] if asked else [IN_MEMORY]
     budget = settings.memory_budget
+    if asked is None and budget is not None and settings.process_group is None:
+        passes.append((Place.DISK,))  # (tried after every tile in memory)
     tiles = [tile_size or settings.tile_size]
     if tile_size is None and budget is not None:
         tiles = [s for s in (128, 96, 64, 48, 32, 24, 16, 12, 8, 4) if s <= max(settings.tile_size, 4)]
     best = None
-    for tile in tiles:
-        for st in stagings:
-            q = min((_plan(settings, job, shape, tile, st, o, to_sink) for o in orders), key=lambda q: q.peak)
-            if budget is None or q.peak <= budget:
-                return tile, st, q.order
-            best = q if best is None or q.peak < best.peak else best
+    for stagings in passes:
+        for tile in tiles:
+            for st in stagings:
+                q = min((_plan(settings, job, shape, tile, st, o, to_sink) for o in orders),
+                        key=lambda q: q.peak)
+                if budget is None or q.peak <= budget:
+                    return tile, st, q.order
+                best = q if best is None or q.peak < best.peak else best
     raise ValueError(f"no plan fits memory_budget={format_bytes(budget)}: the smallest (tile "
                      f"{best.tile_size}, staging {best.staging}, order {best.order}) needs "
                      f"~{format_bytes(best.peak)}; raise the budget or stream to a sink (decode_to)")

@@ -1,14 +1,18 @@
-"""What a video run holds besides its tiles' values: the staged values of every step (`Store`), the
-executor's step context with each GroupNorm's merged statistics (`VideoContext`), and byte counts."""
+"""What a video run holds besides its tiles' values: the staged values of every step (`Store`: on the
+device, in host memory or in disk files, `DiskFrames`), the executor's step context with each GroupNorm's
+merged statistics (`VideoContext`), and byte counts."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...locality.ops3d import StepContext
+from ..run.staging import TRIM_FREE, DiskValue, trim_heap
 from ..settings import Place
 
 
@@ -22,41 +26,138 @@ def cache_bytes(caches: dict) -> int:
     return sum(nbytes(f) for _, f in caches.values())
 
 
-class Store:
-    """Staged values of the run: (value, step) -> full-size tensor, on the device or the host."""
+class DiskFrames(DiskValue):
+    """One staged (B, C, T, H, W) value of a step in a file, frame-major and channels-last: (B, T, H, W, C),
+    so a tile's box is one contiguous run per (sample, frame, row); read and written with positional I/O
+    as `DiskValue` (the data in the page cache, nothing of it mapped into this process)."""
 
-    def __init__(self, where: Place, device, zeroed: bool = False):
+    def nbytes(self) -> int:
+        b, c, t, h, w = self.shape
+        return b * c * t * h * w * self.itemsize
+
+    def _runs(self, y0: int, y1: int, x0: int, x1: int):
+        """(sample, frame, row of the box, byte offset) of each row run of a box."""
+        b, c, t, h, w = self.shape
+        for i in range(b):
+            for f in range(t):
+                for y in range(y0, y1):
+                    yield i, f, y - y0, (((i * t + f) * h + y) * w + x0) * c * self.itemsize
+
+    def read(self, y0: int, y1: int, x0: int, x1: int):
+        """The box as a new (B, C, T, h, w) tensor in channels-last (3-D) memory."""
+        b, c, t = self.shape[:3]
+        out = torch.empty((b, t, y1 - y0, x1 - x0, c), dtype=self.dtype)
+        raw = out.view(torch.uint8).numpy()
+        want = (x1 - x0) * c * self.itemsize
+        for i, f, r, off in self._runs(y0, y1, x0, x1):
+            if want and os.preadv(self.fd, [raw[i, f, r]], off) != want:
+                raise OSError(f"short read from the staging file {self.path}")
+        return out.permute(0, 4, 1, 2, 3)
+
+    def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
+        """Write a (B, C, T, h, w) tensor into the box, a few rows at a time (`chunk_bytes` each)."""
+        b, c, t = self.shape[:3]
+        want = (x1 - x0) * c * self.itemsize
+        step = rows_per_write(b * t * want)
+        for r0 in range(0, y1 - y0, step):
+            part = value[..., r0 : r0 + step, :].detach().to("cpu", self.dtype)
+            raw = part.permute(0, 2, 3, 4, 1).contiguous().view(torch.uint8).numpy()
+            for i, f, r, off in self._runs(y0 + r0, y0 + r0 + part.shape[3], x0, x1):
+                if want and os.pwritev(self.fd, [raw[i, f, r]], off) != want:
+                    raise OSError(f"short write to the staging file {self.path} (disk full?)")
+
+
+def rows_per_write(row_bytes: int) -> int:
+    """Rows of a box `DiskFrames.write` copies channels-last at a time (`DiskValue._CHUNK` bytes, at least
+    one row: `row_bytes`, every sample's and frame's)."""
+    return max(1, DiskValue._CHUNK // max(1, row_bytes))
+
+
+def write_bytes(core_bytes: int, rows: int) -> int:
+    """Bytes of the channels-last copy `DiskFrames.write` makes of a core of `core_bytes` in `rows` rows."""
+    row = core_bytes // max(1, rows)
+    return min(core_bytes, rows_per_write(row) * row)
+
+
+class Store:
+    """Staged values of the run: (value, step) -> full-size tensor, on the device or the host, or (staging
+    "disk") a `DiskFrames` file in `directory` (None: the system's temporary folder), removed when freed
+    and at `close`."""
+
+    def __init__(self, where: Place, device, zeroed: bool = False, directory: str | None = None):
         self.device = device
+        self.disk = where is Place.DISK
+        if self.disk and zeroed:
+            raise ValueError("disk staging of a video VAE runs in one process: its staged files cannot be "
+                             "summed over a process group; use staging='device' or 'host' with it")
         self.home = device if where is Place.DEVICE else torch.device("cpu")
         self.values: dict[tuple[str, int], Any] = {}
         self.alive = self.peak = 0
         self.zeroed = zeroed  # (a rank writes its tiles' cores; the ranks' values are then summed)
+        self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory) if self.disk else None
 
     def make(self, key, shape, dtype) -> Any:
-        """The tensor of `key`, allocated on first use (zeros where ranks sum their parts)."""
+        """The tensor (or file) of `key`, allocated on first use (zeros where ranks sum their parts)."""
         if key not in self.values:
-            new = torch.zeros if self.zeroed else torch.empty
-            self.values[key] = new(shape, dtype=dtype, device=self.home)
-            self.alive += nbytes(self.values[key])
+            if self.disk:
+                name = f"{key[0].replace('/', '_')}-{key[1]}.bin"
+                self.values[key] = DiskFrames(os.path.join(self.dir.name, name), shape, dtype)
+            else:
+                new = torch.zeros if self.zeroed else torch.empty
+                self.values[key] = new(shape, dtype=dtype, device=self.home)
+            self.alive += _bytes(self.values[key])
             self.peak = max(self.peak, self.alive)
         return self.values[key]
 
     def write(self, key, shape, dtype, box, block) -> None:
-        self.make(key, shape, dtype)[..., box[0] : box[1], box[2] : box[3]].copy_(block)
+        t = self.make(key, shape, dtype)
+        if self.disk:
+            t.write(*box, block)
+        else:
+            t[..., box[0] : box[1], box[2] : box[3]].copy_(block)
 
     def read(self, key, box):
-        t = self.values[key][..., box[0] : box[1], box[2] : box[3]]
+        """The box of a staged value, on the device (from disk: a new tensor)."""
+        t = self.values[key]
+        t = t.read(*box) if self.disk else t[..., box[0] : box[1], box[2] : box[3]]
         return t.to(self.device, non_blocking=True)
+
+    def views(self, key, t) -> bool:
+        """Whether `t`, read of `key`, views its staged tensor (a disk read never does)."""
+        whole = self.values.get(key)
+        return whole is None or not self.disk and t.untyped_storage()._cdata == whole.untyped_storage()._cdata
 
     def free(self, value: str) -> None:
         for key in [k for k in self.values if k[0] == value]:
-            self.alive -= nbytes(self.values.pop(key))
+            self._release(self.values.pop(key))
 
     def drop(self, value: str, step: int) -> None:
         """Free one step's tensor of a value (if it was staged)."""
         t = self.values.pop((value, step), None)
         if t is not None:
-            self.alive -= nbytes(t)
+            self._release(t)
+
+    def _release(self, t) -> None:
+        self.alive -= _bytes(t)
+        if isinstance(t, DiskFrames):
+            t.close()
+
+    def trim(self) -> None:
+        """Disk staging (the memory-bounded one) returns freed heap to the OS past `TRIM_FREE` of it."""
+        if self.disk:
+            trim_heap(TRIM_FREE)
+
+    def close(self) -> None:
+        """Free every staged value (and remove the staging folder); a second call does nothing."""
+        for key in list(self.values):
+            self._release(self.values.pop(key))
+        if self.dir is not None:
+            self.dir.cleanup()
+            self.dir = None
+
+
+def _bytes(t) -> int:
+    return t.nbytes() if isinstance(t, DiskFrames) else nbytes(t)
 
 
 @dataclass
