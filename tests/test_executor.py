@@ -209,9 +209,10 @@ def test_row_bands_leave_tile_attention_whole():
 def test_disk_staging_round_trips_boxes_and_row_bands(tmp_path, dtype, monkeypatch):
     """Disk-staged values: boxes written (in chunks of rows) read back equal, unwritten parts read as
     zeros, a rank's band of rows is addressed in global rows, and the files are gone after close."""
-    from tilewise.vae.run.staging import DiskValue, Staging
+    from tilewise.vae.run import staging
+    from tilewise.vae.run.staging import Staging
 
-    monkeypatch.setattr(DiskValue, "_CHUNK", 3 * 5 * 4 * 2)  # a few rows per write chunk
+    monkeypatch.setattr(staging, "WRITE_CHUNK", 3 * 5 * 4 * 2)  # a few rows per write chunk
     x = torch.randn(2, 5, 9, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
     stage = Staging("disk", "cpu", str(tmp_path))
     stage.alloc("v", tuple(x.shape), dtype)

@@ -81,6 +81,15 @@ def _mallinfo2_struct():
     return MallInfo2
 
 
+WRITE_CHUNK = 8 << 20  # bytes of a disk write's channels-last copy at a time
+
+
+def rows_per_write(row_bytes: int) -> int:
+    """Rows of a box a disk write copies channels-last at a time (WRITE_CHUNK bytes, at least one row of
+    `row_bytes`: every sample's, every frame's)."""
+    return max(1, WRITE_CHUNK // max(1, row_bytes))
+
+
 class DiskValue:
     """One staged value in a file, channels-last: (B, rows, W, C), so a box is one contiguous run per row.
 
@@ -89,8 +98,6 @@ class DiskValue:
     touched pages count as resident and, on current kernels, come in folios much larger than a tile's
     row run: a 64 MiB tile box mapped ~230 MiB of resident pages).
     """
-
-    _CHUNK = 8 << 20  # bytes of a write's channels-last copy at a time
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype):
         self.path, self.shape, self.dtype = path, tuple(shape), dtype
@@ -122,7 +129,7 @@ class DiskValue:
 
         b, c = self.shape[:2]
         want = (x1 - x0) * c * self.itemsize
-        step = max(1, self._CHUNK // max(1, b * want))
+        step = rows_per_write(b * want)
         for r0 in range(0, y1 - y0, step):
             part = value[:, :, r0 : r0 + step].detach().to("cpu", self.dtype)
             raw = part.permute(0, 2, 3, 1).contiguous().view(torch.uint8).numpy()

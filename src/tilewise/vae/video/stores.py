@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...locality.ops3d import StepContext
-from ..run.staging import TRIM_FREE, DiskValue, trim_heap
+from ..run.staging import TRIM_FREE, DiskValue, rows_per_write, trim_heap
 from ..settings import Place
 
 
@@ -55,7 +55,7 @@ class DiskFrames(DiskValue):
         return out.permute(0, 4, 1, 2, 3)
 
     def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
-        """Write a (B, C, T, h, w) tensor into the box, a few rows at a time (`chunk_bytes` each)."""
+        """Write a (B, C, T, h, w) tensor into the box, a few rows at a time (`rows_per_write`)."""
         b, c, t = self.shape[:3]
         want = (x1 - x0) * c * self.itemsize
         step = rows_per_write(b * t * want)
@@ -65,12 +65,6 @@ class DiskFrames(DiskValue):
             for i, f, r, off in self._runs(y0 + r0, y0 + r0 + part.shape[3], x0, x1):
                 if want and os.pwritev(self.fd, [raw[i, f, r]], off) != want:
                     raise OSError(f"short write to the staging file {self.path} (disk full?)")
-
-
-def rows_per_write(row_bytes: int) -> int:
-    """Rows of a box `DiskFrames.write` copies channels-last at a time (`DiskValue._CHUNK` bytes, at least
-    one row: `row_bytes`, every sample's and frame's)."""
-    return max(1, DiskValue._CHUNK // max(1, row_bytes))
 
 
 def write_bytes(core_bytes: int, rows: int) -> int:
