@@ -151,6 +151,57 @@ def test_its_fsq_encode_and_decode_are_exact():
         assert (tv.decode(got) - vae.decode(want)).abs().max().item() <= TOL
 
 
-def test_a_non_causal_vidtok_is_refused_at_construction_with_the_reason():
-    with pytest.raises(LoweringError, match="TiledVAE cannot tile AutoencoderVidTok: is_causal=False"):
-        tw.TiledVAE(vidtok(is_causal=False), progress=False)
+@pytest.fixture(scope="module")
+def non_causal():
+    vae = vidtok(is_causal=False)
+    return vae, tw.TiledVAE(vae, tile_size=2, progress=False)
+
+
+def test_a_non_causal_decode_is_exact_and_keeps_what_its_own_keeps(non_causal, caplog):
+    """is_causal=False: zero-padded convolutions in time, its temporal upsamplers' nearest interpolation of
+    each sample of the batch apart; its decode keeps a multiple of num_latent_frames_batch_size (4) latent
+    frames (5 -> 4, with a warning), 4 video frames each; a batch of two."""
+    vae, tv = non_causal
+    for z in (latent(4, 3, 5, seed=1), latent(5, 3, 5, seed=2), latent(4, 3, 5, seed=3, batch=2)):
+        with torch.no_grad(), caplog.at_level("WARNING", logger="tilewise"):
+            want, got = vae.decode(z), tv.decode(z)
+        assert got.shape == want.shape == (z.shape[0], 3, 16, 12, 20)
+        assert (got - want).abs().max().item() <= TOL
+    assert caplog.text.count("decodes 4 of 5 input frames, as its own decode does (the last 1 dropped)") == 1
+    ops = tv.program("decode").ops
+    assert not [op for op in ops if isinstance(op, Local | Whole)]
+    assert [getattr(op, "label", "") for op in ops].count("nearest x2,1,1") == 2  # (its temporal upsamplers)
+
+
+def test_a_non_causal_encode_is_exact(non_causal):
+    vae, tv = non_causal
+    for frames in (8, 9):  # (9: its downsamplers pad one zero frame behind, then pool)
+        x = video(frames, 12, 20, seed=frames)
+        with torch.no_grad():
+            want, got = vae.encode(x).latent_dist, tv.encode(x).latent_dist
+        assert got.mean.shape == want.mean.shape == (1, 4, 2, 3, 5)
+        assert (got.parameters - want.parameters).abs().max().item() <= TOL
+    assert not [op for op in tv.program("encode").ops if isinstance(op, Local | Whole)]
+
+
+def test_a_non_causal_decode_of_fewer_latent_frames_than_its_batch_is_refused_at_the_call(non_causal):
+    vae, tv = non_causal
+    z = latent(2, 3, 5)
+    with torch.no_grad(), pytest.raises(AssertionError, match="Too short latent frames"):
+        vae.decode(z)  # (the stock decode asserts it too)
+    with pytest.raises(ValueError, match=r"is_causal=False decodes a multiple of 4 latent frames.*got 2"):
+        tv.decode(z)
+
+
+def test_a_sample_of_a_video_batch_used_as_anything_but_a_batch_of_one_is_refused_by_name():
+    """The rule that places a loop over the batch (`trace.video_samples`) takes only each sample back in a
+    batch of one: a module reading a sample's channels as its first axis is refused, with its path."""
+    from tilewise.locality.trace.lower import lower_traced
+
+    class Samples(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat([sx[:1].unsqueeze(0) for sx in x], dim=0)
+
+    m = Samples()
+    with pytest.raises(LoweringError, match="a call on one sample of a video value's batch"):
+        lower_traced(m, m, torch.empty(1, 4, 3, 8, 8, device="meta"))

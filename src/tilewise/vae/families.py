@@ -78,6 +78,7 @@ from .video_vidtok import (
     vidtok_decode,
     vidtok_encode,
     vidtok_frames,
+    vidtok_kept,
     vidtok_note,
     vidtok_output,
 )
@@ -108,6 +109,9 @@ class Family:
     channels: Callable | None = None  # channels(vae) -> the channels encode takes (default: in_channels)
     frames: Callable | None = None  # frames(vae, kind, t) -> why a call of t frames is refused ("" where
     # it is not: the frame counts the wrapped VAE's own decode / encode take)
+    kept: Callable | None = None  # kept(vae, kind, t) -> the frames of a t-frame input its own call keeps
+    # (VidTok's non-causal decode: t floored to a multiple of num_latent_frames_batch_size), the others
+    # dropped before the program runs
     decoded: str = "output"  # what decode returns: "output" (DecoderOutput, or a tuple), "frames" (its
     # frames tensor itself: VidTok's)
     example_frames: Callable | None = None  # example_frames(vae, kind) -> the frames of the example its
@@ -191,10 +195,11 @@ FAMILIES: dict[str, Family] = {
     "Kandinsky6SRVAE": Family(decode=k6_decode, encode=k6_encode, video=True, frames=k6_frames),
     # the whole video in one pass, as its untiled decode / encode compute it (`video_vidtok`): its 1-D
     # resnet halves on each position's frames (`trace.video_rows`), trilinear interpolation in time and
-    # avg_pool3d over frames; decode returns the frames tensor, encode a posterior or its FSQ latent and
-    # indices; encode takes r frames or more (`frames`); non-causal configurations refused (`check`)
+    # avg_pool3d over frames (non-causal: nearest in time, each sample of the batch apart); decode returns
+    # the frames tensor, encode a posterior or its FSQ latent and indices; encode takes r frames or more,
+    # a non-causal decode a multiple of its latent frames batch (`frames`, `kept`)
     "AutoencoderVidTok": Family(decode=vidtok_decode, encode=vidtok_encode, video=True, check=vidtok_check,
-                                frames=vidtok_frames, note=vidtok_note, decoded="frames",
+                                frames=vidtok_frames, kept=vidtok_kept, note=vidtok_note, decoded="frames",
                                 output=vidtok_output),
     # Allegro: the one pass its own tiling (cubes decoded / encoded alone, blended) approximates
     # (`video_allegro`): its GroupNorms over every frame, its mid-block attention over each frame's tokens;

@@ -199,6 +199,7 @@ class TiledVAE(ModelWrapper):
         DecoderOutput(sample=..., commit_loss=...); LTX-Video 0.9.5+ / LTX-2: decode(z, temb), the
         timestep's embedding computed once per call; Qwen-Image 2.1: (B, C, 1, H, W) in and out)."""
         family, job = family_of(self.vae), self.job("decode", _frames(z))
+        z, job = self._kept(job, z)
         call = bind(type(self.vae).decode, self.vae, (z, *args), kwargs,
                     {"return_dict": True, "force_not_quantize": False, **_inputs(family)})
         if self.is_video or family.batched:  # (SVD's: the frames of each video in the batch, `video.batch`)
@@ -300,6 +301,7 @@ class TiledVAE(ModelWrapper):
         0.9.5+, LTX-2), as decode takes it.
         """
         job = self.job("decode", _frames(z))  # (a chunked loop's program is its first call's: per frames)
+        z, job = self._kept(job, z)
         if self._video(Kind.DECODE):
             video.check(self.settings, job, z)
             with self._bound(job, temb, z):
@@ -350,6 +352,20 @@ class TiledVAE(ModelWrapper):
         job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
         return planning.preflight(self.settings, job, self.vae, tuple(shape), self._video(job.kind),
                                   streamed, self.stage_dir)
+
+    def _kept(self, job: Job, t) -> tuple:
+        """t and its job with the frames the wrapped VAE's own call drops dropped (`Family.kept`: VidTok's
+        non-causal decode keeps a multiple of its latent frames batch), said in a warning; after `job`
+        checked the frame count."""
+        family = family_of(self.vae)
+        if family.kept is None or t.ndim != 5:
+            return t, job
+        n = family.kept(self.vae, job.kind, int(t.shape[2]))
+        if n == t.shape[2]:
+            return t, job
+        logger.warning("%s %ss %d of %d input frames, as its own %s does (the last %d dropped)", job.model,
+                       job.kind.value, n, t.shape[2], job.kind.value, t.shape[2] - n)
+        return t[:, :, :n], self.job(job.kind.value, n)
 
     def _ran(self, result: tuple):
         """The output of a run, keeping its staged peak (`last_staged_peak`; an untiled run has none)."""

@@ -3,11 +3,13 @@ the configurations and frame counts refused and the note a call logs where its o
 
 Untiled (use_tiling off), its `_decode` / `_encode` run the decoder / encoder once on every frame, each
 causal layer's first chunk from an empty cache (`_set_first_chunk(True)`, `_empty_causal_cached`); its
-causal decode then drops the first r - 1 frames (r its temporal compression). Its layers are placed by
+causal decode then drops the first r - 1 frames (r its temporal compression), its non-causal decode
+first keeps a multiple of num_latent_frames_batch_size latent frames (`vidtok_kept`). Its layers are placed by
 what they compute (`locality.trace`): its resnets' 2-D halves on the frames in the batch, their
 LayerNorms over the channels through a permute measured position by position; their 1-D halves on each
 position's frames as rows (`trace.video_rows`); its temporal upsampler's trilinear interpolation in time
-and its downsampler's avg_pool3d over frames (`trace.video`, `trace.video_pools`); its mid-block
+and its downsampler's avg_pool3d over frames (`trace.video`, `trace.video_pools`; non-causal: nearest
+interpolation of each sample of the batch apart, `trace.video_samples`); its mid-block
 attention over each frame's tokens (`trace.video_sdpa`). Its FSQ regularizer (regularizer="fsq") is
 position by position: encode returns its quantised latent and codebook indices, as its own does.
 """
@@ -65,23 +67,32 @@ def vidtok_check(vae) -> str:
     if vae.regularizer == "fsq" and (reg.has_projections or reg.num_codebooks != 1):
         return ("its FSQ regularizer projects its codes or splits them into several codebooks, which the "
                 "tiled encode does not follow (VidTok's own builds neither); use the wrapped VAE")
-    if not vae.is_causal:
-        return ("is_causal=False: its non-causal decode truncates the latent to a multiple of "
-                f"{vae.num_latent_frames_batch_size} frames and its temporal upsampler interpolates each "
-                "sample of the batch apart (nearest), which the traced lowering does not place yet; use the "
-                "wrapped VAE")
     return ""
 
 
 def vidtok_frames(vae, kind: Kind, t: int) -> str:
-    """Why a VidTok encode of t frames is refused: each temporal downsampling pools windows of 3 frames of
-    its input with its first frame repeated in front, which needs 2 frames (r frames in all)."""
-    r = int(vae.temporal_compression_ratio)
-    if kind is Kind.DECODE or t >= r:
+    """Why a VidTok call of t frames is refused: each temporal downsampling of an encode pools windows of
+    3 frames of its input with its first frame repeated in front, which needs 2 frames (r frames in all);
+    a non-causal decode keeps a multiple of n latent frames (`vidtok_kept`) and asserts at least n."""
+    r, n = int(vae.temporal_compression_ratio), int(vae.num_latent_frames_batch_size)
+    if kind is Kind.DECODE:
+        if vae.is_causal or t % n == 0 or t >= n:
+            return ""
+        return (f"AutoencoderVidTok with is_causal=False decodes a multiple of {n} latent frames "
+                f"(num_latent_frames_batch_size; its own decode asserts at least {n}, got {t}); give {n} "
+                "latent frames or more")
+    if t >= r:
         return ""
     return (f"AutoencoderVidTok encodes at least {r} frames (its temporal downsamplers' avg_pool3d of 3 "
             f"frames, the first repeated in front, fails on fewer: its own encode fails on {t}); give "
             f"{r} frames or more")
+
+
+def vidtok_kept(vae, kind: Kind, t: int) -> int:
+    """The frames of a t-frame input VidTok's own call keeps: a non-causal decode floors them to a
+    multiple of num_latent_frames_batch_size (its `_decode` truncates the latent); all of them else."""
+    n = int(vae.num_latent_frames_batch_size)
+    return t if vae.is_causal or kind is not Kind.DECODE else t // n * n
 
 
 def vidtok_note(vae, kind: Kind, shape) -> str:

@@ -34,7 +34,8 @@ Cosmos' GroupNorms); `video_batch`: a video value's frames in the batch for 2-D 
 temporal decoder; `video_sdpa`: a scaled_dot_product_attention of a video value's tokens over each
 frame or each position's frames (Cosmos' attention blocks); `video_windows`: a causal convolution's loop
 over its input's windows of frames, concatenated, one convolution (Magvit's); `video_rows`: a run of
-calls on each position's frames as rows (B H W, C, T), one op (VidTok's 1-D resnet halves); measured ops
+calls on each position's frames as rows (B H W, C, T), one op (VidTok's 1-D resnet halves); `video_samples`:
+a loop over a video value's batch, each sample back in a batch of one (VidTok's non-causal upsampler); measured ops
 keep or change the frames as measured); a video example gives a one-step video program
 (`program3d.VideoProgram`: every frame in one step, as the computation ran them), which the video
 executor runs.
@@ -47,7 +48,8 @@ The package: `capture` records the calls; `rules` places each call by what it is
 layers' rules); `video` the calls on video values (`video_tokens` their tokens through an Attention,
 `video_fold` their axes folded into the batch, `video_batch` their frames in the batch through 2-D
 layers, `video_sdpa` their tokens through scaled_dot_product_attention, `video_windows` a convolution's
-loop over their windows of frames, `video_rows` their positions' frames as rows); `frames` a 2-D program's
+loop over their windows of frames, `video_rows` their positions' frames as rows, `video_samples` a loop
+over their batch); `frames` a 2-D program's
 one-frame values; `measured` places what no rule does by measuring it (a run of calls back to the
 spatial layout, or the module around a call); `schedule` orders and fuses the ops; `lower` drives
 them (`lower_traced`); `state` is what they share.

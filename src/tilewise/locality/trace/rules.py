@@ -26,6 +26,7 @@ from .video_batch import batch_call
 from .video_fold import fold_call
 from .video_frames import KEEP_PARTS
 from .video_pools import column_call, group_call
+from .video_samples import sample_call
 from .video_sdpa import sdpa_call
 from .video_tokens import token_call
 
@@ -62,6 +63,9 @@ def lower_call(low: Lowering, i: int, call: Call) -> None:
         return
     if any(n in low.columns for n in call.refs()):  # (each position's frames a row, `video_pools`)
         column_call(low, i, call)
+        return
+    if any(n in low.samples for n in call.refs()):  # (one sample of its batch, `video_samples`)
+        sample_call(low, i, call)
         return
     if any(n in low.batched for n in call.refs()):  # (its frames in the batch, a 2-D layer of each frame)
         batch_call(low, i, call, _two_d, UNARY | ARITHMETIC | ALIASES)

@@ -64,6 +64,8 @@ class Lowering:
     groups: dict[int, tuple[int, int]] = field(default_factory=dict)
     columns: dict[int, tuple[str, str]] = field(default_factory=dict)
     squeezed: set[int] = field(default_factory=set)  # one-frame video values squeezed to (B, C, H, W)
+    # node -> video value name: the traced batch's one sample of it, (C, T, H, W) (`trace.video_samples`)
+    samples: dict[int, str] = field(default_factory=dict)
     # node -> (B, T): a video value's frames folded into the batch ((B T, C, H, W) as captured, carried as
     # the (B, C, T, H, W) value) for a 2-D computation of each frame (`trace.video_batch`); an F.pad's
     # output of one too

@@ -20,6 +20,8 @@ of a video program (`ops3d`, `ops3d_sync`) by what it is.
 - trilinear interpolation by a scale factor in time, 1 in space (VidTok's): a `Rearrange` of the frames;
   `avg_pool3d` over windows of frames (kernel and stride (k, 1, 1), maybe padded in time: VidTok's
   downsampler): a `Rearrange` of the frames (`video_pools`);
+- `unbind(0)` of a video value, each sample `unsqueeze(0)`'d and the results concatenated along the
+  batch (VidTok's non-causal upsampler): the value itself, traced on a batch of one (`video_samples`);
 - `group_norm` of a video value: a `VideoGroupNorm`, a sync op whose statistics are over groups x the
   step's frames x the whole frame (in a one-step program, the whole video's: HunyuanVideo's);
 - HunyuanVideo's mid-block attention over every frame's tokens with its causal mask (`video_tokens`);
@@ -53,6 +55,7 @@ from .video_frames import frame_slice, span_label, strided_rule
 from .video_interleave import interleave_rule
 from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
 from .video_rows import permute_rule
+from .video_samples import samples_cat, unbind_rule
 from .video_sdpa import new_ones_rule, sdpa_rule
 from .video_tokens import tokens_rule
 from .video_windows import pad_alias, pad_of_pad, window_conv, window_item, windows_cat
@@ -209,6 +212,8 @@ def _frames_cat(low: Lowering, i: int, call: Call) -> bool | str:
     """Frames of one video value concatenated along time (its first frame repeated in front, its last
     behind, ...): one Rearrange of that value; remembered as a padding where it is one (`tpads`)."""
     tensors, dim = arg_of(call, 0, "tensors"), arg_of(call, 1, "dim", 0)
+    if dim == 0:  # (the samples of a batch put back, `video_samples`)
+        return samples_cat(low, call, tensors)
     if dim not in (2, -3) or not all(isinstance(t, Ref) for t in tensors):
         return False
     conv = windows_cat(low, call, tensors)  # (every window's convolution of one value, `video_windows`)
@@ -436,7 +441,8 @@ VIDEO_RULES = {"conv3d": _conv3d, "__getitem__": _frames_item, "repeat": _repeat
                "cat": _frames_cat,
                "concatenate": _frames_cat, "concat": _frames_cat, "group_norm": _group_norm, "split": _split,
                "interpolate": _interpolate, "squeeze": _squeeze, "permute": _permute,
-               "new_ones": new_ones_rule, "reshape": interleave_rule, "view": interleave_rule,
+               "new_ones": new_ones_rule, "unbind": unbind_rule, "reshape": interleave_rule,
+               "view": interleave_rule,
                "pad": pad_of_pad, "expand": front_rule, "empty_like": empty_rule,
                "new_empty": empty_rule, "__setitem__": lambda low, i, c: write_rule(low, i, c, _frames_cat),
                **{a: pad_alias for a in ("to", "contiguous")}}
