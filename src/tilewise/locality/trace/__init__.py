@@ -34,11 +34,11 @@ Cosmos' GroupNorms); `video_batch`: a video value's frames in the batch for 2-D 
 temporal decoder; `video_sdpa`: a scaled_dot_product_attention of a video value's tokens over each
 frame or each position's frames (Cosmos' attention blocks); `video_windows`: a causal convolution's loop
 over its input's windows of frames, concatenated, one convolution (Magvit's); `video_rows`: a run of
-calls on each position's frames as rows (B H W, C, T), one op (VidTok's 1-D resnet halves); `video_samples`:
-a loop over a video value's batch, each sample back in a batch of one (VidTok's non-causal upsampler); measured ops
-keep or change the frames as measured); a video example gives a one-step video program
-(`program3d.VideoProgram`: every frame in one step, as the computation ran them), which the video
-executor runs.
+calls on each position's frames as rows (B H W, C, T), one op (VidTok's 1-D resnet halves);
+`video_samples`: a loop over a video value's batch, each sample back in a batch of one (VidTok's
+non-causal upsampler); measured ops keep or change the frames as measured); a video example gives a
+one-step video program (`program3d.VideoProgram`: every frame in one step, as the computation ran them),
+which the video executor runs.
 
 An image VAE in a video's layout ((B, C, 1, H, W) values whose convolutions are 2-D ones on the one
 frame: Qwen-Image 2.1's) is traced on a (B, C, H, W) example: its one-frame values are carried without the
