@@ -7,11 +7,11 @@ VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVid
               "AutoencoderKLHunyuanImageRefiner", "AutoencoderKLHunyuanVideo", "AutoencoderKLMochi",
               "AutoencoderKLCosmos", "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit",
               "AutoencoderKLCogVideoX", "AutoencoderKLKVAEVideo", "Kandinsky6SRVAE",
-              "AutoencoderKLAllegro")
+              "AutoencoderKLAllegro", "AutoencoderVidTok")
 
 
 def is_video_vae(vae) -> bool:
     """Whether `vae` is a 3-D VAE tilewise tiles (`VIDEO_VAES`: Wan, Qwen-Image, LTX-Video, LTX-2, the
     HunyuanImage refiner, HunyuanVideo 1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, KVAE video,
-    Kandinsky 6 SR, Allegro)."""
+    Kandinsky 6 SR, Allegro, VidTok)."""
     return type(vae).__name__ in VIDEO_VAES

@@ -70,14 +70,15 @@ def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=No
                      progress=progress, process_group=process_group)
 
 
-def _check_frames(vae, path: str, frames: int) -> None:
-    """A video of `frames` frames the VAE's encode takes (HunyuanVideo 1.5's, Magvit's: 1 + 4 k frames,
-    `Family.frames`); BadInputFile naming the file otherwise."""
+def _check_frames(vae, path: str, frames: int, kind: str = "encode") -> None:
+    """A video (a latents file: kind "decode") of `frames` frames the VAE's encode (decode) takes
+    (HunyuanVideo 1.5's, Magvit's encode: 1 + 4 k frames; VidTok's non-causal decode: 4 latent frames or
+    more, `Family.frames`); BadInputFile naming the file otherwise."""
     from ..vae.families import family_of
     from ..vae.settings import Kind
 
     family = family_of(vae)
-    why = family.frames(vae, Kind.ENCODE, frames) if family.frames is not None else ""
+    why = family.frames(vae, Kind(kind), frames) if family.frames is not None else ""
     if why:
         raise BadInputFile(f"{path!r} has {frames} frames: {why}")
 
@@ -122,6 +123,7 @@ def decode_video_file(vae, latents_path: str, out: str, *, tile_size: int = 32, 
     if not vl.has_own_layout(vae):
         tv = _video_vae(vae, tile_size, mode, budget, staging, progress, process_group)
         z = _latents(latents_path, tv.program("decode").in_channels)
+        _check_frames(vae, latents_path, z.shape[2], "decode")
         return decode_to_file(tv, denormalised(vae, z), out, bits=bits, replace=replace)
     # (Cosmos' and SVD's files read and their layout checked before the VAE is lowered)
     z = _latents(latents_path, int(vae.config.latent_channels))
@@ -231,7 +233,7 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
     else:
         plan = tv.plan(tuple(x.shape), kind="encode")
         with torch.no_grad():
-            raw = tv.encode(x).latent_dist.mode()
+            raw, extra = _encoded(tv.encode(x))
         if vl.has_own_layout(vae):  # (Cosmos': with the scheduler's sigma_data, recorded)
             sigma = vl.sigma_data({}, sigma_data) if name == vl.COSMOS else None
             latents, metadata = vl.file_of(vae, raw, sigma)
@@ -243,5 +245,14 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
     if not _writes(tv):
         return plan
     with atomic_path(out, replace=replace) as tmp:
-        save_file({"latents": latents}, str(tmp), metadata=metadata)
+        save_file({"latents": latents, **extra}, str(tmp), metadata=metadata)
     return plan
+
+
+def _encoded(out) -> tuple[Any, dict]:
+    """The raw latent of an encode's output (its posterior's mode) and the other tensors its latents file
+    holds: VidTok's FSQ encode returns its quantised latent and codebook indices, kept as `indices`
+    ((B, T, h, w) int32)."""
+    if isinstance(out, tuple):
+        return out[0], {"indices": out[1].detach().cpu().contiguous()}
+    return out.latent_dist.mode(), {}

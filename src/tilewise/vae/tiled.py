@@ -343,6 +343,7 @@ class TiledVAE(ModelWrapper):
         the backward's peaks fit it).
         """
         job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
+        shape, job = self._kept_shape(job, tuple(shape))
         return planning.plan(self.settings, job, self.vae, tuple(shape), self._video(job.kind), tile_size,
                              staging, streamed=streamed, sequential=sequential, backward=backward)
 
@@ -350,6 +351,7 @@ class TiledVAE(ModelWrapper):
         """The plan a decode (`streamed`: decode_to) or encode of `shape` will follow, checked against the
         memory and disk there are (WontFit otherwise): what a recipe calls before its expensive work."""
         job = self.job(kind, int(shape[2]) if len(shape) == 5 else None)
+        shape, job = self._kept_shape(job, tuple(shape))
         return planning.preflight(self.settings, job, self.vae, tuple(shape), self._video(job.kind),
                                   streamed, self.stage_dir)
 
@@ -357,15 +359,20 @@ class TiledVAE(ModelWrapper):
         """t and its job with the frames the wrapped VAE's own call drops dropped (`Family.kept`: VidTok's
         non-causal decode keeps a multiple of its latent frames batch), said in a warning; after `job`
         checked the frame count."""
-        family = family_of(self.vae)
-        if family.kept is None or t.ndim != 5:
-            return t, job
-        n = family.kept(self.vae, job.kind, int(t.shape[2]))
-        if n == t.shape[2]:
+        shape, kept = self._kept_shape(job, tuple(t.shape))
+        if kept is job:
             return t, job
         logger.warning("%s %ss %d of %d input frames, as its own %s does (the last %d dropped)", job.model,
-                       job.kind.value, n, t.shape[2], job.kind.value, t.shape[2] - n)
-        return t[:, :, :n], self.job(job.kind.value, n)
+                       job.kind.value, shape[2], t.shape[2], job.kind.value, t.shape[2] - shape[2])
+        return t[:, :, : shape[2]], kept
+
+    def _kept_shape(self, job: Job, shape: tuple) -> tuple:
+        """(shape, job) of the frames of an input of `shape` the wrapped VAE's own call keeps (`_kept`)."""
+        family = family_of(self.vae)
+        if family.kept is None or len(shape) != 5:
+            return shape, job
+        n = family.kept(self.vae, job.kind, int(shape[2]))
+        return (shape, job) if n == shape[2] else ((*shape[:2], n, *shape[3:]), self.job(job.kind.value, n))
 
     def _ran(self, result: tuple):
         """The output of a run, keeping its staged peak (`last_staged_peak`; an untiled run has none)."""
