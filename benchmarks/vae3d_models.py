@@ -31,7 +31,10 @@
   ch_mult 1, 2, 4, 8); no spatial tiling of its own (use_tiling is a flag its decode never reads);
 - k6sr: Kandinsky6SRVAE (latent 64, 16x spatial, 4x temporal, RMS norms, cached causal convolutions) at
   --base-dim / 128 of its widths (encoder 16, 128, 256, 512, 1024; decoder 16, 256, 512, 1024, 2048); no
-  spatial tiling of its own.
+  spatial tiling of its own;
+- vidtok: AutoencoderVidTok (causal, KL; latent 4, 8x spatial, 4x temporal, LayerNorms over the channels,
+  its resnets' 1-D halves along time) at --base-dim / 128 of its width (ch 128, ch_mult 1, 2, 4, 4); its
+  own tiling overlaps 1/4 of a tile (its default overlap is 0: tiles side by side, unblended).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenIm
             "hunyuan15": ("AutoencoderKLHunyuanVideo15", 32, 4, 16),
             "magvit": ("AutoencoderKLMagvit", 16, 4, 8), "cogvideox": ("AutoencoderKLCogVideoX", 16, 4, 8),
             "svd": ("AutoencoderKLTemporalDecoder", 4, 1, 8), "kvae": ("AutoencoderKLKVAEVideo", 16, 4, 8),
-            "k6sr": ("Kandinsky6SRVAE", 64, 4, 16)}
+            "k6sr": ("Kandinsky6SRVAE", 64, 4, 16), "vidtok": ("AutoencoderVidTok", 4, 4, 8)}
 # families whose stock VAE has no spatial tiling of its own to compare with (Cosmos' enable_tiling sets
 # use_tiling, which its _decode never reads; SVD's temporal decoder, KVAE video's and Kandinsky 6 SR's have
 # none)
@@ -105,6 +108,8 @@ def _build_more(family: str, cls, base_dim: int):
                     for full in ((16, 128, 256, 512, 1024), (16, 256, 512, 1024, 2048)))
         return cls(encoder_block_out_channels=tuple(enc), decoder_block_out_channels=tuple(dec),
                    layers_per_block=1).eval()
+    if family == "vidtok":
+        return cls(ch=max(8, base_dim), ch_mult=(1, 2, 4, 4), num_res_blocks=1).eval()
     return cls(base_dim=base_dim, z_dim=16).eval()
 
 
@@ -134,7 +139,7 @@ def own_tiling(vae, family: str, tile: int) -> None:
     if family == "hunyuan15":  # (its latent tile is given apart; overlap 1/4: a stride of int(3/4 tile))
         vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px, tile_latent_min_height=tile,
                           tile_latent_min_width=tile, tile_overlap_factor=0.25)
-    elif family == "cogvideox":  # (overlap factors: a latent stride of int(3/4 tile))
+    elif family in ("cogvideox", "vidtok"):  # (overlap factors: a latent stride of int(3/4 tile))
         vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
                           tile_overlap_factor_height=0.25, tile_overlap_factor_width=0.25)
     else:
@@ -146,6 +151,8 @@ def call(model, family: str, task: str, x):
     """Decode (the sample) or encode (the posterior's mode) as the family's VAE takes its video; SVD's
     with its frames in the batch (decode(z, num_frames), each frame encoded as an image), returned as (1,
     C, T, H, W) again."""
+    if family == "vidtok" and task == "decode":  # (its decode returns the frames tensor)
+        return model.decode(x)
     if family != "svd":
         return model.decode(x).sample if task == "decode" else model.encode(x).latent_dist.mode()
     rows = x[0].permute(1, 0, 2, 3)  # (T, C, H, W)
