@@ -50,8 +50,7 @@ REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
 BATCHED_VAES = ("AutoencoderKLTemporalDecoder",)
 
 # tiled exactly from Python (tw.TiledVAE) but not taken by the CLI's decode / encode yet, with what is missing
-# (KVAE video and Kandinsky 6 SR were taken since with their latents files tested through the CLI,
+# (KVAE video, Kandinsky 6 SR and Allegro were taken since with their latents files tested through the CLI,
 # tests/test_cli_video_families.py)
 PYTHON_ONLY: dict[str, str] = {
-    "AutoencoderVidTok": "its latents files and frame counts are not tried through the CLI yet",
-    "AutoencoderKLAllegro": "its latents files are not tried through the CLI yet"}
+    "AutoencoderVidTok": "its latents files and frame counts are not tried through the CLI yet"}
