@@ -1,8 +1,8 @@
 """Benchmark: exact tiled decode / encode of a 3-D causal VAE against untiled and diffusers' enable_tiling.
 
 --family: the seeded VAEs of `benchmarks/vae3d_models.py` (Wan, Qwen-Image, LTX-Video, LTX-2, HunyuanVideo
-1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder, KVAE video, Kandinsky 6 SR; fp32, widths
-scaled by --base-dim).
+1.0 / 1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder, KVAE video, Kandinsky 6 SR,
+Allegro; fp32, widths scaled by --base-dim).
 Every variant runs in its own subprocess (fresh peak RSS); errors are against the untiled output.
 Variants:
 
@@ -40,7 +40,16 @@ import tempfile
 import time
 
 from vae import errors
-from vae3d_models import FAMILIES, NO_OWN_TILING, build_vae, call, make_input, own_tiling, plan_shape
+from vae3d_models import (
+    FAMILIES,
+    NO_OWN_TILING,
+    build_vae,
+    call,
+    make_input,
+    own_tiling,
+    plan_shape,
+    video_frames,
+)
 
 VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles")
 
@@ -62,7 +71,8 @@ def worker(args) -> None:
     if args.family == "hunyuan" and v == "untiled":  # one pass (its stock decode goes framewise past 4
         vae.use_framewise_decoding = vae.use_framewise_encoding = False  # latent frames): what tilewise is
     if v == "diffusers":  # spatial tiles; time: the family's own defaults
-        own_tiling(vae, args.family, args.tile)
+        sc = FAMILIES[args.family][3]
+        own_tiling(vae, args.family, args.tile, (video_frames(args.family, args.frames), sc * args.size))
     model = vae
     if v.startswith("tilewise"):
         size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
@@ -244,9 +254,10 @@ def main() -> None:
              f"tiles of {args.tile} latent px ({sc * args.tile} px) for both tilers")
     if args.budget_fraction and not args.budget:
         tiles += f" at --big, tiles of {args.tile} latent px at --latent"
-    hunyuan = (" Untiled is the one-pass decode / encode (use_framewise_decoding / _encoding = False; the "
-               "stock default goes framewise past 4 latent / 16 video frames)." if args.family == "hunyuan"
-               else "")
+    hunyuan = {"hunyuan": " Untiled is the one-pass decode / encode (use_framewise_decoding / _encoding = "
+                          "False; the stock default goes framewise past 4 latent / 16 video frames).",
+               "allegro": " Untiled is the one pass its own tiling approximates (its decode / encode run "
+                          "only through its cubes); diffusers' cubes span every frame."}.get(args.family, "")
     load1 = os.getloadavg()
     head = (f"{FAMILIES[args.family][0]} ({args.family}) at base width {args.base_dim}, seeded random "
             f"weights, fp32, CPU, {args.threads} thread(s); {tiles}.{hunyuan}\n"
@@ -279,8 +290,8 @@ def _order(task: str, variants: list[str]) -> list[str]:
 
 def _size(family: str, task: str, side: int, frames: int) -> str:
     """The video size of a run: frames x height x width in pixels."""
-    _, _, tc, sc = FAMILIES[family]
-    t = 1 + tc * (frames - 1)
+    sc = FAMILIES[family][3]
+    t = video_frames(family, frames)
     return f"{t}x{sc * side}x{sc * side}" + (" (latent in)" if task == "decode" else "")
 
 

@@ -35,6 +35,12 @@
 - vidtok: AutoencoderVidTok (causal, KL; latent 4, 8x spatial, 4x temporal, LayerNorms over the channels,
   its resnets' 1-D halves along time) at --base-dim / 128 of its width (ch 128, ch_mult 1, 2, 4, 4); its
   own tiling overlaps 1/4 of a tile (its default overlap is 0: tiles side by side, unblended).
+- allegro: AutoencoderKLAllegro (latent 4, 8x spatial, 4x temporal, GroupNorms over every frame, mid-block
+  attention over each frame's tokens) at --base-dim / 128 of its widths (128, 256, 512, 512); its own
+  decode / encode run only through its tiling, so untiled is the one pass that tiling approximates
+  (`tilewise.vae.video_allegro`), and its 'diffusers' row its own cubes (vae.kernel / vae.stride set by
+  hand: the whole video in time, tiles of --tile latent px every 3/4 of a tile in space, which must cover
+  the side exactly: --latent = tile + k stride); it encodes 4 k frames (4 --frames).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ FAMILIES = {"wan": ("AutoencoderKLWan", 16, 4, 8), "qwen": ("AutoencoderKLQwenIm
             "hunyuan15": ("AutoencoderKLHunyuanVideo15", 32, 4, 16),
             "magvit": ("AutoencoderKLMagvit", 16, 4, 8), "cogvideox": ("AutoencoderKLCogVideoX", 16, 4, 8),
             "svd": ("AutoencoderKLTemporalDecoder", 4, 1, 8), "kvae": ("AutoencoderKLKVAEVideo", 16, 4, 8),
-            "k6sr": ("Kandinsky6SRVAE", 64, 4, 16), "vidtok": ("AutoencoderVidTok", 4, 4, 8)}
+            "k6sr": ("Kandinsky6SRVAE", 64, 4, 16), "vidtok": ("AutoencoderVidTok", 4, 4, 8),
+            "allegro": ("AutoencoderKLAllegro", 4, 4, 8)}
 # families whose stock VAE has no spatial tiling of its own to compare with (Cosmos' enable_tiling sets
 # use_tiling, which its _decode never reads; SVD's temporal decoder, KVAE video's and Kandinsky 6 SR's have
 # none)
@@ -110,33 +117,44 @@ def _build_more(family: str, cls, base_dim: int):
                    layers_per_block=1).eval()
     if family == "vidtok":
         return cls(ch=max(8, base_dim), ch_mult=(1, 2, 4, 4), num_res_blocks=1).eval()
+    if family == "allegro":
+        return cls(block_out_channels=_widths(base_dim, (128, 256, 512, 512)), layers_per_block=1).eval()
     return cls(base_dim=base_dim, z_dim=16).eval()
+
+
+def video_frames(family: str, frames: int) -> int:
+    """The video frames of `frames` latent frames: 1 + t (frames - 1) (causal), Allegro's t frames (t: the
+    family's temporal compression)."""
+    tc = FAMILIES[family][2]
+    return tc * frames if family == "allegro" else 1 + tc * (frames - 1)
 
 
 def make_input(family: str, task: str, side: int, frames: int):
     """decode: a seeded randn latent (1, C, frames, side, side); encode: a smooth moving video in [-1, 1]
-    of 1 + t (frames - 1) frames of s side px (t, s: the family's compressions)."""
+    of `video_frames` frames of s side px (s: the family's spatial compression)."""
     import torch
     import torch.nn.functional as F
 
-    _, c, tc, sc = FAMILIES[family]
+    _, c, _, sc = FAMILIES[family]
     g = torch.Generator().manual_seed(1234)
     if task == "decode":
         return torch.randn(1, c, frames, side, side, generator=g)
-    t = 1 + tc * (frames - 1)
+    t = video_frames(family, frames)
     coarse = torch.randn(1, 3, 2, 6, 6, generator=g)
     x = F.interpolate(coarse, size=(t, sc * side, sc * side), mode="trilinear") + 0.1 * torch.randn(
         1, 3, t, sc * side, sc * side, generator=g)
     return x.clamp(-1, 1)
 
 
-def own_tiling(vae, family: str, tile: int) -> None:
+def own_tiling(vae, family: str, tile: int, video: tuple[int, int] | None = None) -> None:
     """The family's own spatial tiling (enable_tiling) with tiles of `tile` latent px, stride 3/4 of a
     tile in whole latent px, blended; in time the family's defaults (LTX, HunyuanVideo and Magvit tile
-    long videos in time too)."""
+    long videos in time too). `video`: the run's (frames, side px), which Allegro's cubes span / cover."""
     sc = FAMILIES[family][3]
     px, stride = sc * tile, sc * (tile * 3 // 4)  # (a whole latent stride: LTX-2's floors a fractional one)
-    if family == "hunyuan15":  # (its latent tile is given apart; overlap 1/4: a stride of int(3/4 tile))
+    if family == "allegro":
+        _allegro_cubes(vae, video, px, stride)
+    elif family == "hunyuan15":  # (its latent tile is given apart; overlap 1/4: a stride of int(3/4 tile))
         vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px, tile_latent_min_height=tile,
                           tile_latent_min_width=tile, tile_overlap_factor=0.25)
     elif family in ("cogvideox", "vidtok"):  # (overlap factors: a latent stride of int(3/4 tile))
@@ -147,11 +165,26 @@ def own_tiling(vae, family: str, tile: int) -> None:
                           tile_sample_stride_height=stride, tile_sample_stride_width=stride)
 
 
+def _allegro_cubes(vae, video: tuple[int, int], px: int, stride: int) -> None:
+    """Allegro's own tiling (vae.kernel / vae.stride, in video frames x px): the video's frames in one cube,
+    cubes of px every stride px in space; ValueError where they do not cover its side (its tiled_decode /
+    tiled_encode leave the rest zero)."""
+    t, side = video
+    if side < px or (side - px) % stride:
+        raise ValueError(f"Allegro's cubes of {px} px every {stride} px do not cover {side} px: give a side "
+                         f"of {px} + k {stride} px")
+    vae.kernel, vae.stride = (t, px, px), (t, stride, stride)
+    vae.enable_tiling()
+
+
 def call(model, family: str, task: str, x):
     """Decode (the sample) or encode (the posterior's mode) as the family's VAE takes its video; SVD's
     with its frames in the batch (decode(z, num_frames), each frame encoded as an image), returned as (1,
-    C, T, H, W) again."""
-    if family == "vidtok" and task == "decode":  # (its decode returns the frames tensor)
+    C, T, H, W) again; Allegro's decode (frames first) as (1, C, T, H, W), its untiled VAE the one pass;
+    VidTok's decode returns the frames tensor."""
+    if family == "allegro":
+        return _allegro_call(model, task, x)
+    if family == "vidtok" and task == "decode":
         return model.decode(x)
     if family != "svd":
         return model.decode(x).sample if task == "decode" else model.encode(x).latent_dist.mode()
@@ -159,6 +192,18 @@ def call(model, family: str, task: str, x):
     y = (model.decode(rows, num_frames=rows.shape[0]).sample if task == "decode"
          else model.encode(rows).latent_dist.mode())
     return y.permute(1, 0, 2, 3)[None]
+
+
+def _allegro_call(model, task: str, x):
+    """Allegro's decode / encode (`call`): the bare VAE without its tiling (whose own decode / encode raise)
+    the one pass (`video_allegro`); its decode's (B, T, C, H, W) permuted back."""
+    from tilewise.vae.video_allegro import allegro_decode, allegro_encode
+
+    if type(model).__name__ == "AutoencoderKLAllegro" and not model.use_tiling:
+        return allegro_decode(model, x) if task == "decode" else allegro_encode(model, x).chunk(2, dim=1)[0]
+    if task == "encode":
+        return model.encode(x).latent_dist.mode()
+    return model.decode(x).sample.permute(0, 2, 1, 3, 4)
 
 
 def plan_shape(family: str, task: str, x) -> tuple[int, ...]:

@@ -65,6 +65,38 @@ def test_a_frame_count_its_encoder_does_not_take_is_refused_at_the_call(vae):
         tv.encode(video(6, 16, 16))
 
 
+def test_drops_into_a_stock_allegro_pipeline(vae):
+    """pipe.vae = TiledVAE(pipe.vae) in AllegroPipeline (a tiny T5 over letters, a one-layer transformer):
+    the video it decodes (12 frames from 3 latent frames, a 2 x 3 grid of tiles) equals the one pass on the
+    latents the same call denoises (its stock VAE decodes only through its own cubes)."""
+    from diffusers import AllegroPipeline, AllegroTransformer3DModel, EulerAncestralDiscreteScheduler
+    from tiny_folders import _t5_vocab
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    torch.manual_seed(0)
+    vocab = _t5_vocab()
+    text = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                   num_heads=2)).eval()
+    transformer = AllegroTransformer3DModel(patch_size=2, num_attention_heads=2, attention_head_dim=12,
+                                            in_channels=4, out_channels=4, num_layers=1,
+                                            cross_attention_dim=24, caption_channels=16, sample_height=4,
+                                            sample_width=8, sample_frames=3).eval()
+    pipe = AllegroPipeline(tokenizer=T5TokenizerFast(vocab=vocab, extra_ids=0), text_encoder=text, vae=vae,
+                           transformer=transformer, scheduler=EulerAncestralDiscreteScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt="a cat", num_frames=12, height=32, width=64, num_inference_steps=2, guidance_scale=1.0,
+                max_sequence_length=16, clean_caption=False)
+    z = pipe(generator=torch.Generator().manual_seed(1), output_type="latent", **call).frames
+    pipe.vae = tw.TiledVAE(vae, tile_size=3, progress=False)
+    out = pipe(generator=torch.Generator().manual_seed(1), output_type="pt", **call).frames
+    with torch.no_grad():
+        ref = allegro_decode(vae, z / vae.config.scaling_factor)
+    ref = pipe.video_processor.postprocess_video(ref, output_type="pt")
+    assert pipe.vae.plan(tuple(z.shape)).grid == (2, 3)
+    assert out.shape == ref.shape == (1, 12, 3, 32, 64) and (out - ref).abs().max() <= TOL
+    assert ((ref > 0) & (ref < 1)).float().mean() > 0.5  # (most pixels not clamped: the test sees them)
+
+
 @pytest.mark.slow  # (~40 s on 2 shared cores: 16 cube decodes / encodes, three whole passes)
 def test_its_own_blended_cubes_measured_against_the_one_pass(vae, capsys):
     """What the stock VAE gives up: cubes of (8, 32, 32) video frames x px every (4, 16, 16) (latent (2, 4,

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vae_support import kl_vae  # noqa: E402
-from video_vae_support import cogvideox_vae, latent, mochi, refused_family, vidtok  # noqa: E402
+from video_vae_support import allegro, cogvideox_vae, latent, mochi, refused_family, vidtok  # noqa: E402
 
 import tilewise as tw  # noqa: E402
 from tilewise.locality import LoweringError  # noqa: E402
@@ -63,6 +63,34 @@ def test_vidtok_is_analysed_as_its_tiled_program():
     _same(report, analyze_program(program, (64 * report.align,) * 2))
     assert report.name == "AutoencoderVidTok.decode" and len(report.sync_ops) == 1
     assert tw.analyze(vae, kind="encode").name == "AutoencoderVidTok.encode"
+
+
+# Allegro's (blocks=4 builder): segments, sync ops, halo (sync ops made local), align, scale, first block
+ALLEGRO = {"decode": (72, 71, 17, 1, 8, "mid_block"), "encode": (48, 47, 90, 8, 1 / 8, "down_blocks.0")}
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_allegro_is_analysed_as_its_tiled_program(kind):
+    """Allegro's decode / encode as the TiledVAE runs it (the one pass its own cubes approximate): a sync
+    op at every GroupNorm (its resnets', its temporal convolutions', the last) and one at the mid-block's
+    attention over each frame's tokens, local segments of halo <= 2 between them."""
+    vae = allegro(blocks=4)
+    report = tw.analyze(vae, kind=kind)
+    _same(report, analyze_program(tw.TiledVAE(vae, progress=False).program(kind), (64 * report.align,) * 2))
+    segments, syncs, halo, align, scale, first = ALLEGRO[kind]
+    part = "decoder" if kind == "decode" else "encoder"
+    assert report.name == f"AutoencoderKLAllegro.{kind}" and not report.exact_tileable
+    assert (len(report.segments), len(report.sync_ops)) == (segments, syncs)
+    assert (report.local_halo, report.align, report.scale) == (halo, align, scale)
+    assert [s.kind for s in report.segments].count("attention") == 1
+    assert all(s.halo <= 2 for s in report.segments if s.kind == "local")
+    assert [op for op, k in report.sync_ops if k == "attention"] == [f"{part}.mid_block.attentions.0"]
+    assert report.sync_ops[-1] == (f"{part}.conv_norm_out", "group_norm")
+    assert report.verdict() == (
+        "exact_tileable: no, global ops: GroupNorm (needs global statistics): "
+        f"{part}.{first}.resnets.0.norm1, {part}.{first}.resnets.0.norm2, "
+        f"{part}.{first}.temp_convs.0.conv1.0, {part}.{first}.temp_convs.0.conv2.0, "
+        f"... ({syncs - 1} in all); attention (needs all tokens): {part}.mid_block.attentions.0")
 
 
 def test_a_refused_family_is_refused_by_name_with_its_reason():

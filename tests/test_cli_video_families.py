@@ -5,7 +5,8 @@ encode of the same latents (fp32, <= 1e-4), SVD's in calls of --decode-chunk-siz
 decode_latents, Cosmos' scaled per channel and frame and by its scheduler's sigma_data, the other three by
 scaling_factor alone as their pipelines' decode steps; bad input refused naming the value, with its exit
 code. KVAE video's raw latents (no scaling: no pipeline uses it yet) and Kandinsky 6 SR's (z * scaling_factor,
-its pixels / 128 - 1 as Kandinsky6SRPipeline's) go through the other video VAEs' route.
+its pixels / 128 - 1 as Kandinsky6SRPipeline's) go through the other video VAEs' route; Allegro's
+(z * scaling_factor, as AllegroPipeline's decode_latents) against the one pass its own tiling approximates.
 """
 
 import copy
@@ -21,10 +22,11 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-from video_vae_support import cogvideox_vae, kandinsky6_sr, kvae_video, magvit, video_vae  # noqa: E402
+from video_vae_support import allegro, cogvideox_vae, kandinsky6_sr, kvae_video, magvit, video_vae  # noqa: E402
 
 from tilewise.cli import app  # noqa: E402
 from tilewise.errors import BadInputFile, BadRequest, ModelProblem  # noqa: E402
+from tilewise.vae.video_allegro import allegro_decode, allegro_encode  # noqa: E402
 
 runner = CliRunner()
 TOL = 1e-4
@@ -327,3 +329,36 @@ def test_a_kandinsky6_sr_folder_reads_and_writes_pixels_as_its_pipeline(chunked,
     _run("decode", tmp_path / "e.safetensors", "--model", folder, "--out", tmp_path / "o.npy", "--bits", 32,
          "--tile", 2, "--quiet")
     assert np.abs(np.load(tmp_path / "o.npy") - v[0].permute(1, 2, 3, 0).numpy()).max() <= TOL
+
+
+def test_an_allegro_folder_decodes_and_encodes_as_the_one_pass(tmp_path, capsys):
+    """3 latent frames of 3x5 (2x3 tiles) -> 12 frames of 24x40, frames along T as every family's (its
+    decode returns them first, (B, T, C, H, W)): the one pass of z / scaling_factor (its own decode runs
+    only through its blended cubes); 8 frames -> (1, 4, 2, 3, 5), the one pass's mean * scaling_factor; 6
+    frames refused from the video's header (its encode takes 4 k), nothing written."""
+    vae = allegro(blocks=4)
+    vae.save_pretrained(tmp_path / "allegro")
+    folder, sf = tmp_path / "allegro", float(vae.config.scaling_factor)
+    z = torch.randn(1, 4, 3, 3, 5, generator=torch.Generator().manual_seed(6))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    text = _run("decode", tmp_path / "z.safetensors", "--model", folder, "--out", tmp_path / "x.npy",
+                "--bits", 32, "--tile", 2, "--quiet")
+    assert "tiles: 2x3" in text
+    video = np.random.default_rng(5).uniform(-1, 1, (8, 24, 40, 3)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    _run("encode", tmp_path / "v.npy", "--model", folder, "--out", tmp_path / "e.safetensors", "--tile", 2,
+         "--quiet")
+    with torch.no_grad():
+        want = allegro_decode(vae, z / sf)[0].permute(1, 2, 3, 0).numpy()
+        mean = allegro_encode(vae, torch.from_numpy(video).permute(3, 0, 1, 2)[None]).chunk(2, dim=1)[0]
+    got = np.load(tmp_path / "x.npy")
+    assert got.shape == want.shape == (12, 24, 40, 3) and np.abs(got - want).max() <= TOL
+    got = load_file(str(tmp_path / "e.safetensors"))["latents"]
+    assert got.shape == mean.shape == (1, 4, 2, 3, 5) and (got - mean * sf).abs().max() <= TOL
+    with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
+        assert f.metadata()["normalised"] == "z * scaling_factor"
+    np.save(tmp_path / "v6.npy", video[:6])
+    err = _fails(capsys, "encode", tmp_path / "v6.npy", "--model", folder, "--out",
+                 tmp_path / "f.safetensors", code=BadInputFile.exit_code)
+    assert "v6.npy' has 6 frames: AutoencoderKLAllegro encodes a multiple of 4 frames" in err
+    assert not (tmp_path / "f.safetensors").exists()

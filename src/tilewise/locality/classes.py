@@ -50,7 +50,6 @@ REFUSED = {**REFUSED_IMAGE, **REFUSED_VIDEO}
 BATCHED_VAES = ("AutoencoderKLTemporalDecoder",)
 
 # tiled exactly from Python (tw.TiledVAE) but not taken by the CLI's decode / encode yet, with what is missing
-# (KVAE video and Kandinsky 6 SR were taken since with their latents files tested through the CLI,
-# tests/test_cli_video_families.py; VidTok, tests/test_cli_vidtok.py)
-PYTHON_ONLY: dict[str, str] = {
-    "AutoencoderKLAllegro": "its latents files are not tried through the CLI yet"}
+# (KVAE video, Kandinsky 6 SR and Allegro were taken since with their latents files tested through the CLI,
+# tests/test_cli_video_families.py; VidTok, tests/test_cli_vidtok.py); none is left
+PYTHON_ONLY: dict[str, str] = {}

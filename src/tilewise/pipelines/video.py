@@ -1,5 +1,5 @@
 """The decode / encode recipes of the video VAEs (Qwen-Image, Wan 2.1 / 2.2, LTX-Video, HunyuanVideo 1.0 /
-1.5, Mochi, Cosmos, Magvit, CogVideoX, SVD's temporal decoder): latents files, images and videos in,
+1.5, Mochi, Cosmos, Magvit, CogVideoX, Allegro, SVD's temporal decoder): latents files, images and videos in,
 images and video sinks out.
 
 Latents files hold a `latents` tensor (B, C, T, H, W) (or one video's (C, T, H, W)), normalised as the
@@ -7,8 +7,8 @@ pipeline's denoiser sees them: z = (raw - latents_mean) * scaling_factor / laten
 (Wan / Qwen-Image: their config's latents_mean / latents_std, scaling 1; LTX-Video: its latents_mean /
 latents_std buffers and config.scaling_factor); Cosmos' (per channel and frame, with the scheduler's
 sigma_data), SVD's (its scaling_factor; decoded in calls of decode_chunk_size frames, encoded frame
-by frame) and HunyuanVideo 1.5's, Magvit's and CogVideoX's (scaling_factor alone) are laid out by
-`video_latents`. Videos are read by `frames` (a frame pattern, a .npy or a multi-page TIFF stack, an
+by frame) and HunyuanVideo 1.5's, Magvit's, CogVideoX's and Allegro's (scaling_factor alone) are laid
+out by `video_latents`. Videos are read by `frames` (a frame pattern, a .npy or a multi-page TIFF stack, an
 image as one frame); a decode of one frame writes an image (PNG, TIFF,
 .npy), a decode of several frames a video sink (`tilewise.sinks.video`), frame blocks streamed.
 
@@ -72,8 +72,8 @@ def _video_vae(vae, tile_size, mode, budget, staging, progress, process_group=No
 
 def _check_frames(vae, path: str, frames: int, kind: str = "encode") -> None:
     """A video (a latents file: kind "decode") of `frames` frames the VAE's encode (decode) takes
-    (HunyuanVideo 1.5's, Magvit's encode: 1 + 4 k frames; VidTok's non-causal decode: 4 latent frames or
-    more, `Family.frames`); BadInputFile naming the file otherwise."""
+    (HunyuanVideo 1.5's, Magvit's encode: 1 + 4 k frames; Allegro's: 4 k; VidTok's non-causal decode: 4
+    latent frames or more, `Family.frames`); BadInputFile naming the file otherwise."""
     from ..vae.families import family_of
     from ..vae.settings import Kind
 

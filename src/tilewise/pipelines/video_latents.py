@@ -24,6 +24,10 @@
   here with their frames along T, as SVD's). CogVideoX 1.5's pipelines pad their latents with
   patch_size_t - T % patch_size_t frames at the start and drop them before the decode step, but
   output_type="latent" returns them padded: a file holds the frames the decode step takes.
+- AutoencoderKLAllegro (AllegroPipeline, text to video: its decode_latents divides by scaling_factor alone):
+  z = raw * scaling_factor, (1, C, T, h, w), the pipeline's own latents; its decode returns frames first,
+  (B, T, C, H, W), but the file's decode streams the program's frames to the sink (frames along T, as every
+  family's); its encode takes 4 k frames (refused from the video's header, before the VAE is lowered).
 
 Pixels: integer frames are read and written as the family's pipeline converts them. Most pipelines
 (VideoProcessor) take pixels / (max / 2) - 1; Kandinsky6SRPipeline's K-VAE was trained on pixels / 128 - 1
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 COSMOS, SVD = "AutoencoderKLCosmos", "AutoencoderKLTemporalDecoder"
 # the classes whose pipelines scale their latents by scaling_factor alone (whatever else the config names)
 SCALED = (SVD, "AutoencoderKLHunyuanVideo15", "AutoencoderKLMagvit", "AutoencoderKLCogVideoX",
-          "Kandinsky6SRVAE")
+          "Kandinsky6SRVAE", "AutoencoderKLAllegro")
 OWN_LAYOUT = (COSMOS, *SCALED)  # the classes whose latents files this module lays out
 # the classes whose pipelines map integer pixels p to p / 2^(bits - 1) - 1 (module docstring)
 LEVEL_PIXELS = ("Kandinsky6SRVAE",)
