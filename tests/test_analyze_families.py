@@ -69,3 +69,18 @@ def test_a_family_is_analysed_as_its_tiled_program(name):
         assert report.exact_tileable == (not kinds) and report.verdict() in str(report)
         if not kinds:
             assert report.verdict().startswith(f"exact_tileable: yes, halo {report.local_halo} input px")
+
+
+def test_the_cli_analyses_a_vae_folder_as_its_tiled_programs(tmp_path):
+    """`tilewise analyze --model FOLDER` of a VAE folder (a video family here): each call's report, as
+    tw.analyze gives it."""
+    from typer.testing import CliRunner
+
+    from tilewise.cli import app
+
+    vae = v.mochi()
+    vae.save_pretrained(tmp_path / "mochi")
+    result = CliRunner().invoke(app, ["analyze", "--model", str(tmp_path / "mochi")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    for kind in ("decode", "encode"):
+        assert f"== AutoencoderKLMochi {kind} ==\n{tw.analyze(vae, kind=kind)}\n" in result.output

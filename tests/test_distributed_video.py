@@ -110,3 +110,45 @@ def test_a_process_group_plans_and_runs_frame_by_frame():
     assert tv.plan((1, 4, 3, 8, 7)).order == "frames"  # (planned without communication)
     with pytest.raises(ValueError, match="a process group runs order='frames'"):
         make_video_plan(tv.settings, tv.job("decode"), (1, 4, 3, 8, 7), order="tiles")
+
+
+# the traced families beyond Wan / LTX / Qwen-Image, 2 ranks: GroupNorms over every frame (HunyuanVideo,
+# Mochi), a chunked loop of several steps (CogVideoX, KVAE video), rows along time (VidTok), frames-first
+# output and GroupNorms of each frame (Allegro); name -> (builder in video_vae_support, task, shape, options)
+TRACED = {
+    "hunyuan": ("hunyuan", "decode", (1, 4, 2, 7, 6), dict(tile_size=3)),
+    "mochi": ("mochi", "decode", (1, 4, 2, 7, 6), dict(tile_size=3)),
+    "cogvideox": ("cogvideox_vae", "decode", (1, 4, 5, 7, 6), dict(tile_size=3)),
+    "kvae": ("kvae_video", "encode", (1, 3, 9, 40, 48), dict(tile_size=2)),
+    "vidtok": ("vidtok", "decode", (1, 4, 3, 7, 6), dict(tile_size=3)),
+    "allegro": ("allegro", "encode", (1, 3, 8, 28, 24), dict(tile_size=3)),
+}
+_BUILT: dict = {}  # (built in the parent before the ranks fork: each rank has the same weights)
+
+
+def _traced(name: str, group) -> torch.Tensor:
+    import video_vae_support
+
+    import tilewise as tw
+
+    builder, task, shape, opts = TRACED[name]
+    vae = _BUILT.setdefault(builder, getattr(video_vae_support, builder)())
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    tv = tw.TiledVAE(vae, progress=False, process_group=group, **opts)
+    with torch.no_grad():
+        out = tv.decode(x) if task == "decode" else tv.encode(x.clamp(-1, 1)).latent_dist.mean
+    return out.sample if hasattr(out, "sample") else out
+
+
+def _traced_cases(rank: int, world: int) -> dict:
+    return {name: _traced(name, "default") for name in TRACED}
+
+
+def test_the_traced_video_families_on_two_ranks_equal_one_process():
+    one = {name: _traced(name, None) for name in TRACED}
+    res = td.spawn(_traced_cases, 2, start_method="fork", limit=LIMIT, timeout=120)
+    for name, want in one.items():
+        for rank, out in enumerate(res):
+            assert out[name].shape == want.shape, name
+            err = (out[name] - want).abs().max().item()
+            assert err <= 1e-5, f"{name} on 2 ranks, rank {rank}: {err:.2e} vs one process"

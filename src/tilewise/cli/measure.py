@@ -23,9 +23,13 @@ def analyze(
     config: Config = None,
     device: Device = "auto",
 ) -> None:
-    """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet.
+    """Tileability of the model: static halos and sync points of the VAE, empirical probes of VAE and UNet;
+    of a VAE folder (any family TiledVAE tiles, image or video), its decode and encode programs' segments,
+    halos, sync points and verdict, as the engine tiles them.
 
     Example: tilewise analyze --size 32
+
+    Example: tilewise analyze --model wan-vae-folder
     """
     import torch
 
@@ -33,8 +37,11 @@ def analyze(
     from ..locality import probe_receptive_field
     from ..pipelines import load_pipeline
 
-    checks.model_paths(model, config)
+    checks.model_paths(model, config, vae_folder=True)
     device = options.resolve_device(device)
+    if _vae_folder(model):
+        _analyze_vae(model, device)
+        return
     checks.pixels_fit(model, config, size, size, 2, "--size", f"{size}", device)
     loaded = load_pipeline(model, config=config, device=device)
     vae, unet = loaded.pipe.vae, loaded.pipe.unet
@@ -59,6 +66,25 @@ def analyze(
         "The UNet's self-attention reaches the whole latent: tiled denoising is an approximation "
         "(global composition can change); choose it separately from the exact tiled VAE."
     )
+
+
+def _vae_folder(model) -> bool:
+    """Whether --model is a VAE folder (a config.json of its own, no model_index.json)."""
+    from pathlib import Path
+
+    return model is not None and Path(model).is_dir() and (Path(model) / "config.json").is_file() and not (
+        Path(model) / "model_index.json").is_file()
+
+
+def _analyze_vae(model, device: str) -> None:
+    """A VAE folder's decode and encode programs, analysed as the engine tiles them (`tw.analyze`)."""
+    from ..pipelines import load_vae
+    from ..vae.analysis import analyze as whole
+
+    vae = load_vae(model, device=device)
+    for kind in ("decode", "encode"):
+        typer.echo(f"== {type(vae).__name__} {kind} ==")
+        typer.echo(str(whole(vae, kind=kind)))
 
 
 def compare(
