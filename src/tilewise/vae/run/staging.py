@@ -91,7 +91,8 @@ def rows_per_write(row_bytes: int) -> int:
 
 
 class DiskValue:
-    """One staged value in a file, channels-last: (B, rows, W, C), so a box is one contiguous run per row.
+    """One staged value in a file, channels-last: a (B, C, H, W) value as (B, H, W, C), a video's (B, C, T, H,
+    W) as (B, T, H, W, C), so a box is one contiguous run per (sample, frame) and row.
 
     Read and written with positional I/O (os.preadv / os.pwritev): the data lives in the page cache, the
     kernel writes it back when it likes, and nothing of it is mapped into this process (a mapped file's
@@ -103,37 +104,44 @@ class DiskValue:
         self.path, self.shape, self.dtype = path, tuple(shape), dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self.fd, math.prod(shape) * self.itemsize)  # sparse: unwritten parts read as zeros
+        os.ftruncate(self.fd, self.nbytes())  # sparse: unwritten parts read as zeros
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def _planes(self) -> int:
+        """The (sample, frame) planes of the value: B, or B T of a video."""
+        return self.shape[0] * math.prod(self.shape[2:-2])
 
     def _runs(self, y0: int, y1: int, x0: int, x1: int):
-        """(batch, row, byte offset) of each row run of a box."""
-        b, c, h, w = self.shape
-        for i in range(b):
+        """(plane, row of the box, byte offset) of each row run of a box."""
+        c, h, w = self.shape[1], self.shape[-2], self.shape[-1]
+        for i in range(self._planes()):
             for y in range(y0, y1):
                 yield i, y - y0, ((i * h + y) * w + x0) * c * self.itemsize
 
     def read(self, y0: int, y1: int, x0: int, x1: int):
-        """The box as a new (B, C, h, w) tensor in channels-last memory."""
-
-        b, c = self.shape[:2]
-        out = torch.empty((b, y1 - y0, x1 - x0, c), dtype=self.dtype)
-        raw = out.view(torch.uint8).numpy()
+        """The box as a new (B, C, [T,] h, w) tensor in channels-last memory."""
+        b, c, *mid = self.shape[:-2]
+        out = torch.empty((b, *mid, y1 - y0, x1 - x0, c), dtype=self.dtype)
+        raw = out.view(torch.uint8).numpy().reshape(self._planes(), y1 - y0, -1)
         want = (x1 - x0) * c * self.itemsize
         for i, r, off in self._runs(y0, y1, x0, x1):
             if want and os.preadv(self.fd, [raw[i, r]], off) != want:
                 raise OSError(f"short read from the staging file {self.path}")
-        return out.permute(0, 3, 1, 2)
+        return out.permute(0, out.ndim - 1, *range(1, out.ndim - 1))
 
     def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
-        """Write a (B, C, h, w) tensor into the box."""
-
-        b, c = self.shape[:2]
+        """Write a (B, C, [T,] h, w) tensor into the box, a few rows at a time (`rows_per_write`)."""
+        c = self.shape[1]
         want = (x1 - x0) * c * self.itemsize
-        step = rows_per_write(b * want)
+        step = rows_per_write(self._planes() * want)
         for r0 in range(0, y1 - y0, step):
-            part = value[:, :, r0 : r0 + step].detach().to("cpu", self.dtype)
-            raw = part.permute(0, 2, 3, 1).contiguous().view(torch.uint8).numpy()
-            for i, r, off in self._runs(y0 + r0, y0 + r0 + part.shape[2], x0, x1):
+            part = value[..., r0 : r0 + step, :].detach().to("cpu", self.dtype)
+            rows = part.shape[-2]
+            last = part.permute(0, *range(2, part.ndim), 1).contiguous()
+            raw = last.view(torch.uint8).numpy().reshape(self._planes(), rows, -1)
+            for i, r, off in self._runs(y0 + r0, y0 + r0 + rows, x0, x1):
                 if want and os.pwritev(self.fd, [raw[i, r]], off) != want:
                     raise OSError(f"short write to the staging file {self.path} (disk full?)")
 

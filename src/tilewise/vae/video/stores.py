@@ -1,6 +1,6 @@
 """What a video run holds besides its tiles' values: the staged values of every step (`Store`: on the
-device, in host memory or in disk files, `DiskFrames`), the executor's step context with each GroupNorm's
-merged statistics (`VideoContext`), and byte counts."""
+device, in host memory or in disk files, `run.staging.DiskValue` laid out (B, T, H, W, C)), the executor's
+step context with each GroupNorm's merged statistics (`VideoContext`), and byte counts."""
 
 from __future__ import annotations
 
@@ -26,56 +26,15 @@ def cache_bytes(caches: dict) -> int:
     return sum(nbytes(f) for _, f in caches.values())
 
 
-class DiskFrames(DiskValue):
-    """One staged (B, C, T, H, W) value of a step in a file, frame-major and channels-last: (B, T, H, W, C),
-    so a tile's box is one contiguous run per (sample, frame, row); read and written with positional I/O
-    as `DiskValue` (the data in the page cache, nothing of it mapped into this process)."""
-
-    def nbytes(self) -> int:
-        b, c, t, h, w = self.shape
-        return b * c * t * h * w * self.itemsize
-
-    def _runs(self, y0: int, y1: int, x0: int, x1: int):
-        """(sample, frame, row of the box, byte offset) of each row run of a box."""
-        b, c, t, h, w = self.shape
-        for i in range(b):
-            for f in range(t):
-                for y in range(y0, y1):
-                    yield i, f, y - y0, (((i * t + f) * h + y) * w + x0) * c * self.itemsize
-
-    def read(self, y0: int, y1: int, x0: int, x1: int):
-        """The box as a new (B, C, T, h, w) tensor in channels-last (3-D) memory."""
-        b, c, t = self.shape[:3]
-        out = torch.empty((b, t, y1 - y0, x1 - x0, c), dtype=self.dtype)
-        raw = out.view(torch.uint8).numpy()
-        want = (x1 - x0) * c * self.itemsize
-        for i, f, r, off in self._runs(y0, y1, x0, x1):
-            if want and os.preadv(self.fd, [raw[i, f, r]], off) != want:
-                raise OSError(f"short read from the staging file {self.path}")
-        return out.permute(0, 4, 1, 2, 3)
-
-    def write(self, y0: int, y1: int, x0: int, x1: int, value) -> None:
-        """Write a (B, C, T, h, w) tensor into the box, a few rows at a time (`rows_per_write`)."""
-        b, c, t = self.shape[:3]
-        want = (x1 - x0) * c * self.itemsize
-        step = rows_per_write(b * t * want)
-        for r0 in range(0, y1 - y0, step):
-            part = value[..., r0 : r0 + step, :].detach().to("cpu", self.dtype)
-            raw = part.permute(0, 2, 3, 4, 1).contiguous().view(torch.uint8).numpy()
-            for i, f, r, off in self._runs(y0 + r0, y0 + r0 + part.shape[3], x0, x1):
-                if want and os.pwritev(self.fd, [raw[i, f, r]], off) != want:
-                    raise OSError(f"short write to the staging file {self.path} (disk full?)")
-
-
 def write_bytes(core_bytes: int, rows: int) -> int:
-    """Bytes of the channels-last copy `DiskFrames.write` makes of a core of `core_bytes` in `rows` rows."""
+    """Bytes of the channels-last copy `DiskValue.write` makes of a core of `core_bytes` in `rows` rows."""
     row = core_bytes // max(1, rows)
     return min(core_bytes, rows_per_write(row) * row)
 
 
 class Store:
     """Staged values of the run: (value, step) -> full-size tensor, on the device or the host, or (staging
-    "disk") a `DiskFrames` file in `directory` (None: the system's temporary folder), removed when freed
+    "disk") a `DiskValue` file in `directory` (None: the system's temporary folder), removed when freed
     and at `close`."""
 
     def __init__(self, where: Place, device, zeroed: bool = False, directory: str | None = None):
@@ -95,7 +54,7 @@ class Store:
         if key not in self.values:
             if self.disk:
                 name = f"{key[0].replace('/', '_')}-{key[1]}.bin"
-                self.values[key] = DiskFrames(os.path.join(self.dir.name, name), shape, dtype)
+                self.values[key] = DiskValue(os.path.join(self.dir.name, name), shape, dtype)
             else:
                 new = torch.zeros if self.zeroed else torch.empty
                 self.values[key] = new(shape, dtype=dtype, device=self.home)
@@ -133,7 +92,7 @@ class Store:
 
     def _release(self, t) -> None:
         self.alive -= _bytes(t)
-        if isinstance(t, DiskFrames):
+        if isinstance(t, DiskValue):
             t.close()
 
     def trim(self) -> None:
@@ -151,7 +110,7 @@ class Store:
 
 
 def _bytes(t) -> int:
-    return t.nbytes() if isinstance(t, DiskFrames) else nbytes(t)
+    return t.nbytes() if isinstance(t, DiskValue) else nbytes(t)
 
 
 @dataclass
