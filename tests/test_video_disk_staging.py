@@ -1,6 +1,7 @@
 """staging="disk" for 3-D VAEs: staged values of each step in files (`video.stores.DiskFrames`), exact
 against the untiled decode / encode (fp32, max abs <= 1e-4), files gone afterwards and after an error, the
-plan's peak and the live tensors without them, "auto" choosing disk only where no in-memory plan fits, refusals by name."""
+plan's peak and the live tensors without them, "auto" choosing disk only where no in-memory plan fits,
+refusals by name."""
 
 import glob
 import os
