@@ -12,7 +12,9 @@ Variants:
 - tilewise: TiledVAE(vae, tile_size=--tile).decode / .encode (the plan picks the order: tile-major), or
   with --budget B: TiledVAE(vae, memory_budget=B) (the plan picks the tile);
 - tilewise-sink-frames: decode_to a float32 .npy per frame (frames in order: frame-major run, streamed);
-- tilewise-sink-tiles: decode_to a float32 (T, H, W, C) .npy stack (random access: tile-major, streamed).
+- tilewise-sink-tiles: decode_to a float32 (T, H, W, C) .npy stack (random access: tile-major, streamed);
+- tilewise-disk: as tilewise with staging="disk" (every step's staged values in files in the run's temporary
+  folder, read back box by box: not in memory; the plan column adds the plan's disk bytes).
 
 --big runs a second size without the untiled variant (memory only; the untiled figure there is its
 measured growth at the first size scaled by the pixel count, marked as a projection). --budget-fraction F
@@ -51,7 +53,8 @@ from vae3d_models import (
     video_frames,
 )
 
-VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles")
+VARIANTS = ("untiled", "diffusers", "tilewise", "tilewise-sink-frames", "tilewise-sink-tiles",
+            "tilewise-disk")
 
 
 def worker(args) -> None:
@@ -76,12 +79,14 @@ def worker(args) -> None:
     model = vae
     if v.startswith("tilewise"):
         size = dict(memory_budget=args.budget) if args.budget else dict(tile_size=args.tile)
+        if v == "tilewise-disk":  # staged values in files beside the run's results
+            size.update(staging="disk", stage_dir=os.path.dirname(args.result))
         model = tw.TiledVAE(vae, progress=False, **size)
         sink = v.startswith("tilewise-sink")  # what decode_to plans: streamed, frames in order or not
         plan = model.plan(plan_shape(args.family, args.task, x), args.task, streamed=sink,
                           sequential=v.endswith("frames"))
         out.update(plan_peak=plan.peak, macs=plan.macs, macs_untiled=plan.macs_untiled, order=plan.order,
-                   tile=plan.tile_size)
+                   tile=plan.tile_size, disk_bytes=plan.disk_bytes)
         if args.budget:
             out["budget"] = tw.parse_bytes(args.budget)
 
@@ -150,9 +155,10 @@ def table(rows: list[dict]) -> list[str]:
         secs = "" if r.get("projected") else f"{r['seconds']:.1f}"
         live = mib(r, "live_peak") + (proj if r.get("live_peak") is not None else "")
         order = r.get("order", "") + (f", tile {r['tile']}" if "tile" in r else "")
+        disk = f" (+{mib(r, 'disk_bytes')} disk)" if r.get("disk_bytes") else ""
         lines.append(f"| {r['task']} | {r['size']} | {r['variant']} | {order} | {secs} | {ratio} | "
-                     f"{mib(r, 'budget')} | {mib(r, 'rss_growth')}{proj} | {mib(r, 'plan_peak')} | {live} | "
-                     f"{macs} | {err} |")
+                     f"{mib(r, 'budget')} | {mib(r, 'rss_growth')}{proj} | {mib(r, 'plan_peak')}{disk} | "
+                     f"{live} | {macs} | {err} |")
     return lines
 
 

@@ -1,7 +1,7 @@
 """staging="disk" for 3-D VAEs: staged values of each step in files (`run.staging.DiskValue`, laid out
 (B, T, H, W, C)), exact against the untiled decode / encode (fp32, max abs <= 1e-4), files gone afterwards
-and after an error, the plan's peak without them, "auto" choosing disk only where no in-memory plan fits,
-refusals by name."""
+and after an error, the plan's peak and the live tensors without them, "auto" choosing disk only where no
+in-memory plan fits, refusals by name."""
 
 import glob
 import os
@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from video_vae_support import latent, video, video_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
+from tilewise.memory import measure_live_peak  # noqa: E402
 from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 
 TOL = 1e-4
@@ -73,6 +74,23 @@ def test_the_plan_counts_disk_staged_values_apart_from_memory():
     assert disk.disk_bytes == disk.staged_peak == host.staged_peak > 0
     assert disk.peak < host.peak and disk.host_bytes == 0
     assert "in disk files" in str(disk)
+
+
+def test_disk_staged_values_are_not_live_tensors():
+    # measure_live_peak counts tensor storages; the files are read (preadv) into fresh boxes and written
+    # (pwritev) from the write's copy, never mapped as tensors: the staged bytes leave the live peak
+    vae = video_vae("mochi")
+    z = latent(3, 8, 8, seed=3)
+    live, plans = {}, {}
+    for staging in ("host", "disk"):
+        tv = tw.TiledVAE(vae, tile_size=4, staging=staging, progress=False)
+        plans[staging] = tv.plan(tuple(z.shape))
+        with torch.no_grad():
+            _, live[staging] = measure_live_peak(tv.decode, z)
+    staged = plans["disk"].disk_bytes
+    assert staged == plans["host"].staged_peak > 0
+    assert live["host"] - live["disk"] >= 0.75 * staged
+    assert live["disk"] <= 1.05 * plans["disk"].peak
 
 
 def test_auto_staging_goes_to_disk_only_where_no_in_memory_plan_fits():
