@@ -163,16 +163,17 @@ def hunyuan(seed: int = 0):
     return _group_norms(vae, seed + 1)
 
 
-def mochi(seed: int = 0):
+def mochi(seed: int = 0, **config):
     """AutoencoderKLMochi (8x spatial, 6x temporal; 32 channels: its GroupNorms have 32 groups): GroupNorms
     of each frame (the frames folded into the batch, in chunks of 8), the encoder's Fourier features and
-    attention over each position's frames; its norms' weights and biases randomised."""
+    attention over each position's frames; its norms' weights and biases randomised; `config` overrides."""
     import torch
     from diffusers import AutoencoderKLMochi
 
     torch.manual_seed(seed)
     vae = AutoencoderKLMochi(latent_channels=4, encoder_block_out_channels=(32,) * 4,
-                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1))
+                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1),
+                             **config)
     return _group_norms(vae, seed + 1)
 
 
