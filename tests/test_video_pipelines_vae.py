@@ -6,6 +6,8 @@ CogVideoXPipeline's drop-in test is tests/test_video_cogvideox.py's; HunyuanVide
 and StableVideoDiffusion's sit with their VAEs' tests.
 """
 
+from unittest import mock
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,6 +35,17 @@ def ltx():
     return pipe, call, 4, [((1, 4, 3, 8, 12), "decode", (2, 3))]
 
 
+def ltx_image_to_video():
+    """LTXImageToVideoPipeline with the 0.9.0 VAE: the 64 x 96 condition image encoded, the video decoded."""
+    from diffusers import LTXImageToVideoPipeline
+
+    pipe, call = td.ltx()
+    pipe = LTXImageToVideoPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=None, tokenizer=None,
+                                   transformer=pipe.transformer)
+    return pipe, dict(call, image=td.image(64, 96, seed=3)), 4, [((1, 4, 3, 8, 12), "decode", (2, 3)),
+                                                                 ((1, 3, 1, 64, 96), "encode", (2, 3))]
+
+
 def ltx_timestep():
     """LTXPipeline with a 0.9.5 VAE conditioned on the decode timestep (16x, 8x: 2 latent frames of 4 x 6):
     the pipeline noises the latents with its generator and passes the timestep to vae.decode."""
@@ -43,6 +56,18 @@ def ltx_timestep():
                        tokenizer=None, transformer=pipe.transformer)
     call = dict(call, decode_timestep=0.05, decode_noise_scale=0.025)
     return pipe, call, 2, [((1, 4, 2, 4, 6), "decode", (2, 3))]
+
+
+def ltx_condition():
+    """LTXConditionPipeline with the timestep-conditioned 0.9.5 VAE: an image condition at frame 0 encoded,
+    the video decoded with the decode timestep and noise."""
+    from diffusers import LTXConditionPipeline
+
+    pipe, call, _, plans = ltx_timestep()
+    pipe = LTXConditionPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=None, tokenizer=None,
+                                transformer=pipe.transformer)
+    plans = [*plans, ((1, 3, 1, 64, 96), "encode", (2, 3))]
+    return pipe, dict(call, image=td.image(64, 96, seed=3)), 2, plans
 
 
 def ltx2_audio_video():
@@ -112,22 +137,25 @@ def hunyuan_image_refiner():
     return pipe, call, 2, [((1, 4, 1, 4, 4), "decode", (2, 2)), ((1, 3, 1, 64, 64), "encode", (2, 2))]
 
 
-# (~10 s each on 2 cores, most of it lowering the VAE's encode and decode: Magvit's convolutions loop
-# over their windows of frames, Kandinsky 6 SR's cached causal convolutions)
-SLOW = pytest.mark.slow
-BUILDS = [mochi, ltx, ltx_timestep, ltx2_audio_video, hunyuan_image_refiner,
-          pytest.param(easyanimate, marks=SLOW), pytest.param(kandinsky6_super_resolution, marks=SLOW)]
+BUILDS = [mochi, ltx, ltx_image_to_video, ltx_timestep, ltx_condition, ltx2_audio_video, easyanimate,
+          kandinsky6_super_resolution, hunyuan_image_refiner]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("build", BUILDS, ids=lambda b: getattr(b, "__name__", None))
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.__name__)
 def test_the_pipeline_with_the_tiled_vae_makes_the_stock_output(build):
     pipe, call, tile, plans = build()
     pipe.set_progress_bar_config(disable=True)
     call = dict(call, num_inference_steps=2, output_type="pt", return_dict=False)
-    with torch.no_grad():
+    vae = pipe.vae
+    with torch.no_grad(), mock.patch.object(vae, "decode", wraps=vae.decode) as decode, \
+            mock.patch.object(vae, "encode", wraps=vae.encode) as encode:
         ref = pipe(generator=torch.Generator().manual_seed(1), **call)[0]
-        pipe.vae = tw.TiledVAE(pipe.vae, tile_size=tile, progress=False)
+    calls = {(tuple(c.args[0].shape), kind) for kind, m in (("decode", decode), ("encode", encode))
+             for c in m.call_args_list}
+    assert calls == {(shape, kind) for shape, kind, _ in plans}  # (the shapes the pipeline's VAE calls take)
+    pipe.vae = tw.TiledVAE(vae, tile_size=tile, progress=False)
+    with torch.no_grad():
         out = pipe(generator=torch.Generator().manual_seed(1), **call)[0]
     for shape, kind, grid in plans:
         assert pipe.vae.plan(shape, kind=kind).grid == grid
