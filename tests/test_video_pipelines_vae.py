@@ -1,6 +1,7 @@
 """`pipe.vae = tw.TiledVAE(pipe.vae)` in stock video pipelines (issue #28): each tiny pipeline (prompt
-embeddings given, no text encoder) called twice with the same seed, once with its stock VAE and once with
-the wrapped one tiled into several tiles; what it returns is equal (fp32, max abs <= 1e-4).
+embeddings given where it takes a prompt, no text encoder) called twice with the same seed, once with its
+stock VAE and once with the wrapped one tiled into several tiles; what it returns is equal (fp32, max abs
+<= 1e-4).
 
 CogVideoXPipeline's drop-in test is tests/test_video_cogvideox.py's; HunyuanVideo15Pipeline's, Allegro's
 and StableVideoDiffusion's sit with their VAEs' tests.
