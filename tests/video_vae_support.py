@@ -113,9 +113,10 @@ def ltx(version: str = "0.9.0", seed: int = 0, timestep: bool = False):
     return AutoencoderKLLTXVideo(**kw).eval()
 
 
-def ltx2(seed: int = 0, timestep: bool = False):
+def ltx2(seed: int = 0, timestep: bool = False, **config):
     """AutoencoderKLLTX2Video: 0.9.5-like blocks with per-channel RMS norms, the decoder's reflect padding
-    in space (16x spatial, 8x temporal here); `timestep`: its decoder conditioned on the decode timestep."""
+    in space (16x spatial, 8x temporal here); `timestep`: its decoder conditioned on the decode timestep;
+    `config` overrides (its compression ratio properties say 32x / 16x unless given)."""
     import torch
     from diffusers import AutoencoderKLLTX2Video
 
@@ -123,7 +124,7 @@ def ltx2(seed: int = 0, timestep: bool = False):
     return AutoencoderKLLTX2Video(latent_channels=4, block_out_channels=(8, 16, 16, 16),
                                   decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
                                   decoder_layers_per_block=(1, 1, 1, 1), patch_size=2,
-                                  timestep_conditioning=timestep).eval()
+                                  timestep_conditioning=timestep, **config).eval()
 
 
 def refiner(seed: int = 0):
@@ -163,16 +164,17 @@ def hunyuan(seed: int = 0):
     return _group_norms(vae, seed + 1)
 
 
-def mochi(seed: int = 0):
+def mochi(seed: int = 0, **config):
     """AutoencoderKLMochi (8x spatial, 6x temporal; 32 channels: its GroupNorms have 32 groups): GroupNorms
     of each frame (the frames folded into the batch, in chunks of 8), the encoder's Fourier features and
-    attention over each position's frames; its norms' weights and biases randomised."""
+    attention over each position's frames; its norms' weights and biases randomised; `config` overrides."""
     import torch
     from diffusers import AutoencoderKLMochi
 
     torch.manual_seed(seed)
     vae = AutoencoderKLMochi(latent_channels=4, encoder_block_out_channels=(32,) * 4,
-                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1))
+                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1, 1, 1, 1, 1),
+                             **config)
     return _group_norms(vae, seed + 1)
 
 
