@@ -230,6 +230,7 @@ def encode_video_file(vae, path: str, out: str, *, tile_size: int = 32, mode: st
     if name == vl.SVD:  # (its 2-D encoder: frame by frame)
         plan = tv.plan((1, *x.shape[1:2], *x.shape[3:]), kind="encode")
         latents, metadata = vl.file_of(vae, vl.encode_frames(tv, x))
+        extra = {}
     else:
         plan = tv.plan(tuple(x.shape), kind="encode")
         with torch.no_grad():
