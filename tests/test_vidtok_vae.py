@@ -184,13 +184,17 @@ def test_a_non_causal_encode_is_exact(non_causal):
     assert not [op for op in tv.program("encode").ops if isinstance(op, Local | Whole)]
 
 
-def test_a_non_causal_decode_of_fewer_latent_frames_than_its_batch_is_refused_at_the_call(non_causal):
+def test_a_non_causal_call_of_fewer_frames_than_its_own_takes_is_refused_at_the_call(non_causal):
     vae, tv = non_causal
-    z = latent(2, 3, 5)
+    z, x = latent(2, 3, 5), video(3, 12, 20)
     with torch.no_grad(), pytest.raises(AssertionError, match="Too short latent frames"):
         vae.decode(z)  # (the stock decode asserts it too)
     with pytest.raises(ValueError, match=r"is_causal=False decodes a multiple of 4 latent frames.*got 2"):
         tv.decode(z)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="smaller than kernel size"):
+        vae.encode(x)  # (its downsamplers pad one zero frame behind, then pool 3: it fails too)
+    with pytest.raises(ValueError, match=r"encodes at least 4 frames.*a zero frame behind.*fails on 3"):
+        tv.encode(x)
 
 
 def test_a_sample_of_a_video_batch_used_as_anything_but_a_batch_of_one_is_refused_by_name():

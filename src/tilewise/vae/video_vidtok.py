@@ -4,8 +4,8 @@ the configurations and frame counts refused and the note a call logs where its o
 Untiled (use_tiling off), its `_decode` / `_encode` run the decoder / encoder once on every frame, each
 causal layer's first chunk from an empty cache (`_set_first_chunk(True)`, `_empty_causal_cached`); its
 causal decode then drops the first r - 1 frames (r its temporal compression), its non-causal decode
-first keeps a multiple of num_latent_frames_batch_size latent frames (`vidtok_kept`). Its layers are placed by
-what they compute (`locality.trace`): its resnets' 2-D halves on the frames in the batch, their
+first keeps a multiple of num_latent_frames_batch_size latent frames (`vidtok_kept`). Its layers are
+placed by what they compute (`locality.trace`): its resnets' 2-D halves on the frames in the batch, their
 LayerNorms over the channels through a permute measured position by position; their 1-D halves on each
 position's frames as rows (`trace.video_rows`); its temporal upsampler's trilinear interpolation in time
 and its downsampler's avg_pool3d over frames (`trace.video`, `trace.video_pools`; non-causal: nearest
@@ -72,7 +72,8 @@ def vidtok_check(vae) -> str:
 
 def vidtok_frames(vae, kind: Kind, t: int) -> str:
     """Why a VidTok call of t frames is refused: each temporal downsampling of an encode pools windows of
-    3 frames of its input with its first frame repeated in front, which needs 2 frames (r frames in all);
+    3 frames of its input with its first frame repeated in front (non-causal: a zero frame behind), which
+    needs 2 frames (r frames in all);
     a non-causal decode keeps a multiple of n latent frames (`vidtok_kept`) and asserts at least n."""
     r, n = int(vae.temporal_compression_ratio), int(vae.num_latent_frames_batch_size)
     if kind is Kind.DECODE:
@@ -83,9 +84,9 @@ def vidtok_frames(vae, kind: Kind, t: int) -> str:
                 "latent frames or more")
     if t >= r:
         return ""
+    pad = "the first repeated in front" if vae.is_causal else "a zero frame behind"
     return (f"AutoencoderVidTok encodes at least {r} frames (its temporal downsamplers' avg_pool3d of 3 "
-            f"frames, the first repeated in front, fails on fewer: its own encode fails on {t}); give "
-            f"{r} frames or more")
+            f"frames, {pad}, fails on fewer: its own encode fails on {t}); give {r} frames or more")
 
 
 def vidtok_kept(vae, kind: Kind, t: int) -> int:
