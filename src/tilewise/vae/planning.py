@@ -1,17 +1,21 @@
 """The plans of `TiledVAE.plan` and `TiledVAE.preflight`: which planner a call's job goes to (a video
 program's, a backward's, one settled within the memory budget, or the tile and staging asked for), and
-the check that a preflight's plan fits the memory and disk there are.
+the check that a preflight's plan fits the memory and disk there are; `plan_ranks`, the per-rank plans of
+an exact run across processes.
 """
 
 from __future__ import annotations
+
+import torch
 
 from . import frames, gradient
 from .checks import check_fits, check_video_fits
 from .families import family_of
 from .plan.make import make_plan, request
+from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
 from .plan.settle import settle
-from .settings import Job, Place, Settings
+from .settings import Job, Mode, Place, Settings
 from .video import backward as video_backward
 from .video.plan import make_video_plan
 
@@ -56,3 +60,15 @@ def _video_shape(shape: tuple[int, ...]) -> None:
     if len(shape) != 5:
         raise ValueError(f"a 3-D VAE (SVD's decode: the video of one call) plans (B, C, T, H, W) shapes, got "
                          f"{tuple(shape)}")
+
+
+def plan_ranks(tv, shape: tuple[int, ...], world: int, kind: str = "decode",
+               tile_size: int | None = None, dtype=None) -> list[RankPlan]:
+    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
+    if tv.mode is not Mode.EXACT:
+        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode.value!r}")
+    job = tv.job(kind, int(shape[2]) if len(shape) == 5 else None)
+    item = torch.empty((), dtype=dtype or job.dtype).element_size()
+    return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)

@@ -28,7 +28,6 @@ from .checks import check_input, check_vae
 from .devices import DeviceProfile, profile, vae_device
 from .families import bind, encode_output, family_of
 from .family_programs import lower_calls, lower_family
-from .plan.ranks import RankPlan, rank_plans
 from .plan.records import Plan
 from .settings import Attention, FastSettings, Job, Kind, Mode, Settings
 from .video import batch
@@ -380,18 +379,6 @@ class TiledVAE(ModelWrapper):
         if peak is not None:
             self.last_staged_peak = peak
         return out
-
-
-def plan_ranks(tv: TiledVAE, shape: tuple[int, ...], world: int, kind: str = "decode",
-               tile_size: int | None = None, dtype=None) -> list[RankPlan]:
-    """Per-rank plan of an exact TiledVAE run on `world` ranks (what `Executor(group=...)` will stage)."""
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int (ranks), got {world!r}")
-    if tv.mode is not Mode.EXACT:
-        raise ValueError(f"per-rank plans cover exact mode; this TiledVAE has mode={tv.mode.value!r}")
-    job = tv.job(kind, int(shape[2]) if len(shape) == 5 else None)
-    item = torch.empty((), dtype=dtype or job.dtype).element_size()
-    return rank_plans(job.program, job.ref, tv.attention, shape, world, tile_size or tv.tile_size, item)
 
 
 def _inputs(family) -> dict:
