@@ -132,7 +132,9 @@ def _traced(name: str, group) -> torch.Tensor:
     import tilewise as tw
 
     builder, task, shape, opts = TRACED[name]
-    vae = _BUILT.setdefault(builder, getattr(video_vae_support, builder)())
+    if builder not in _BUILT:
+        _BUILT[builder] = getattr(video_vae_support, builder)()
+    vae = _BUILT[builder]
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
     tv = tw.TiledVAE(vae, progress=False, process_group=group, **opts)
     with torch.no_grad():
