@@ -59,19 +59,22 @@ def plan(
 
     Example: tilewise plan --model wan-vae-folder --width 1280 --height 720 --frames 21 --budget 8GiB
     """
+    from ..locality.classes import BATCHED_VAES
+    from ..locality.video_classes import VIDEO_VAES
     from ..pipelines import load_vae
+    from ..pipelines.loading import vae_class
     from ..vae import TiledVAE
-    from ..vae.families import family_of
 
     _check_plan_options(kind, image, over, report, model, config, no_clobber)
     checks.budget(budget)
     device = options.resolve_device(device, present=False)
     kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
+    name = vae_class(model) or "AutoencoderKL"  # (from its JSON; the embedded model's and a file's: KL)
+    video = name in VIDEO_VAES or name in BATCHED_VAES and kind == "decode"
+    _check_video_plan(name, video, frames, ranks)  # (before anything loads)
     vae = load_vae(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
     tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value,
                   device_kind=kind_of)
-    video = tv.is_video or family_of(vae).batched and kind == "decode"
-    _check_video_plan(type(vae).__name__, video, frames, ranks)
     f = tv.factor("decode")
     if width % f or height % f:
         raise ValueError(f"width and height have to be multiples of {f} but are {width} and {height}")
