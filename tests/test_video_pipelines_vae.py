@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tiny_denoisers as td  # noqa: E402
-from video_vae_support import kandinsky6_sr, ltx2, video_vae  # noqa: E402
+from video_vae_support import cogvideox_vae, kandinsky6_sr, ltx2, video_vae  # noqa: E402
 from video_vae_support import mochi as mochi_vae  # noqa: E402
 
 import tilewise as tw  # noqa: E402
@@ -138,8 +138,34 @@ def hunyuan_image_refiner():
     return pipe, call, 2, [((1, 4, 1, 4, 4), "decode", (2, 2)), ((1, 3, 1, 64, 64), "encode", (2, 2))]
 
 
+def consisid():
+    """ConsisIDPipeline (CogVideoX with identity conditioning) with the CogVideoX VAE of the video tests:
+    the 48 x 80 reference image encoded (its latent sampled with the call's generator), a one-layer
+    transformer with a tiny local facial extractor fed random face inputs (`id_cond`, `id_vit_hidden`: what
+    its face models would give; no keypoints, whose drawing needs OpenCV), the video decoded. The class is
+    imported from its module: diffusers' package exports a placeholder for it where OpenCV is missing, which
+    the module itself imports only if present and uses only to draw keypoints."""
+    from diffusers import ConsisIDTransformer3DModel
+    from diffusers.pipelines.consisid.pipeline_consisid import ConsisIDPipeline
+    from diffusers.schedulers import CogVideoXDPMScheduler
+
+    tr = td.seeded(ConsisIDTransformer3DModel, num_attention_heads=2, attention_head_dim=16, in_channels=8,
+                   out_channels=4, time_embed_dim=4, text_embed_dim=td.D, num_layers=1, sample_width=10,
+                   sample_height=6, sample_frames=9, patch_size=2, max_text_seq_length=5,
+                   use_rotary_positional_embeddings=True, is_train_face=True, cross_attn_interval=1,
+                   cross_attn_dim_head=8, cross_attn_num_heads=2, LFE_id_dim=8, LFE_vit_dim=16, LFE_depth=1,
+                   LFE_dim_head=8, LFE_num_heads=2, LFE_num_id_token=2, LFE_num_querie=4,
+                   LFE_output_dim=21, LFE_ff_mult=1, LFE_num_scale=1)  # (kv width 21: 2/3 of 32)
+    pipe = ConsisIDPipeline(tokenizer=None, text_encoder=None, vae=cogvideox_vae(), transformer=tr,
+                            scheduler=CogVideoXDPMScheduler())
+    call = td.neg(prompt_embeds=td.rand(1, 5, td.D), guidance_scale=2.0, height=48, width=80, num_frames=9,
+                  max_sequence_length=5, image=td.image(48, 80, seed=3), id_cond=td.rand(1, 8, seed=4),
+                  id_vit_hidden=[td.rand(1, 6, 16, seed=5)])
+    return pipe, call, 3, [((1, 4, 3, 6, 10), "decode", (2, 4)), ((1, 3, 1, 48, 80), "encode", (2, 4))]
+
+
 BUILDS = [mochi, ltx, ltx_image_to_video, ltx_timestep, ltx_condition, ltx2_audio_video, easyanimate,
-          kandinsky6_super_resolution, hunyuan_image_refiner]
+          kandinsky6_super_resolution, hunyuan_image_refiner, consisid]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
