@@ -59,19 +59,14 @@ def plan(
 
     Example: tilewise plan --model wan-vae-folder --width 1280 --height 720 --frames 21 --budget 8GiB
     """
-    from ..locality.classes import BATCHED_VAES
-    from ..locality.video_classes import VIDEO_VAES
     from ..pipelines import load_vae
-    from ..pipelines.loading import vae_class
     from ..vae import TiledVAE
 
     _check_plan_options(kind, image, over, report, model, config, no_clobber)
     checks.budget(budget)
     device = options.resolve_device(device, present=False)
     kind_of = "cpu" if device.startswith("cpu") else "cuda"  # (any accelerator plans CUDA-shaped)
-    name = vae_class(model) or "AutoencoderKL"  # (from its JSON; the embedded model's and a file's: KL)
-    video = name in VIDEO_VAES or name in BATCHED_VAES and kind == "decode"
-    _check_video_plan(name, video, frames, ranks)  # (before anything loads)
+    video = _check_video_plan(model, kind, frames, ranks)  # (before anything loads)
     vae = load_vae(model, config=config, dtype=dtype)  # (on the CPU: planning runs nothing)
     tv = TiledVAE(vae, tile_size=tile, mode=mode.value, memory_budget=budget, staging=staging.value,
                   device_kind=kind_of)
@@ -110,14 +105,23 @@ def _check_plan_options(kind: str, image: Path | None, over: Path | None, report
     checks.model_paths(model, config, vae_folder=True)
 
 
-def _check_video_plan(name: str, video: bool, frames: int | None, ranks: int) -> None:
-    """--frames is a video VAE's; --ranks plans the 2-D VAEs' row bands (BadRequest otherwise)."""
+def _check_video_plan(model, kind: str, frames: int | None, ranks: int) -> bool:
+    """Whether the --model's VAE runs a video program for `kind`, read from its JSON (the embedded model's
+    and a single file's: AutoencoderKL); --frames is a video VAE's, --ranks plans the 2-D VAEs' row bands
+    (BadRequest otherwise)."""
+    from ..locality.classes import BATCHED_VAES
+    from ..locality.video_classes import VIDEO_VAES
+    from ..pipelines.loading import vae_class
+
+    name = vae_class(model) or "AutoencoderKL"
+    video = name in VIDEO_VAES or name in BATCHED_VAES and kind == "decode"
     if frames is not None and not video:
         raise BadRequest(f"--frames {frames}: the {name} of --model is an image VAE (its input has no "
                          "frames); give --frames with a video VAE")
     if video and ranks > 1:
         raise BadRequest(f"--ranks {ranks}: per-rank plans cover the 2-D VAEs; a video VAE's ranks each run "
                          f"a band of tile rows of every step (tilewise decode --nproc {ranks})")
+    return video
 
 
 def _plan_of(tv, kind: str, width: int, height: int, f: int, frames: tuple[int, ...] = ()):

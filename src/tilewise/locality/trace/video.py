@@ -53,6 +53,7 @@ from .video_caches import cache_cat
 from .video_fold import fold_rule
 from .video_frames import frame_slice, span_label, strided_rule
 from .video_interleave import interleave_rule
+from .video_padding import Padding
 from .video_pools import avg_pool3d_rule, columns_rule, repeat_interleave_rule
 from .video_rows import permute_rule
 from .video_samples import samples_cat, unbind_rule
@@ -78,7 +79,7 @@ def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
     if dilation[1:] != (1, 1):
         return f"conv3d with spatial dilation {dilation[1:]} (video programs dilate in time only)"
     pt, ph, pw = _triple(padding)
-    pad = _Padding([ph, ph, pw, pw], [pt, "zeros"], [pt, "zeros"], "zeros")
+    pad = Padding([ph, ph, pw, pw], [pt, "zeros"], [pt, "zeros"], "zeros")
     src = x.node
     while src in low.pads or src in low.tpads or src in low.caches:
         if src in low.caches:  # (frames an earlier call of a causal loop cached, `video_caches`)
@@ -99,51 +100,6 @@ def _conv3d(low: Lowering, i: int, call: Call) -> bool | str:
                      cached=pad.cached)
     low.set(call.outs[0], out)
     return True
-
-
-class _Padding:
-    """A 3-D convolution's padding as it is merged from what feeds it: space (top, bottom, left, right)
-    and its mode; frames in front and behind with what they repeat ("zeros", "first", "last")."""
-
-    def __init__(self, space, front, back, mode):
-        self.space, self.front, self.back, self.mode = space, front, back, mode
-        self.cached = 0  # (frames in front an earlier call cached, behind the zeros)
-
-    def _time(self, side: list, n: int, fill: str) -> str | None:
-        if n and self.cached and side is self.front:
-            return "a causal cache read behind other frames padded in front of it (zeros or frames)"
-        if n and side[0] and side[1] != fill:
-            return f"a convolution padded in time with both {side[1]} and {fill}"
-        if n:
-            side[0], side[1] = side[0] + n, fill
-        return None
-
-    def merge_pad(self, src: int, pad: tuple, mode: str):
-        """An F.pad (left, right, top, bottom[, front, back]) before the convolution: its source node."""
-        left, right, top, bottom, *time = pad
-        if mode not in ("zeros", "replicate", "reflect") or mode == "reflect" and any(time):
-            return f"an F.pad of mode {mode!r} before a 3-D convolution (in time: zeros or replicate)"
-        spatial = any((left, right, top, bottom))
-        if spatial and mode != self.mode and any(self.space):
-            return f"an F.pad of mode {mode!r} before a convolution padding itself with zeros"
-        self.space = [a + b for a, b in zip(self.space, (top, bottom, left, right), strict=True)]
-        if spatial:
-            self.mode = mode
-        front, back = time or (0, 0)
-        why = self._time(self.front, front, "zeros" if mode == "zeros" else "first")
-        return why or self._time(self.back, back, "zeros" if mode == "zeros" else "last") or src
-
-    def merge_cache(self, src: int, n: int):
-        """n frames an earlier call cached in front (behind the zeros merged so far): its source node."""
-        if self.front[0] and self.front[1] != "zeros":
-            return f"a causal cache read behind frames padded with {self.front[1]}"
-        self.front[0], self.front[1], self.cached = self.front[0] + n, "zeros", self.cached + n
-        return src
-
-    def merge_frames(self, tpad: tuple):
-        """The first frame repeated in front and the last behind (a concatenation): its source node."""
-        src, front, back = tpad
-        return self._time(self.front, front, "first") or self._time(self.back, back, "last") or src
 
 
 def _frames_item(low: Lowering, i: int, call: Call) -> bool | str:
