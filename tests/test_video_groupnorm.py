@@ -12,7 +12,7 @@ from video_vae_support import video_vae  # noqa: E402
 import tilewise as tw  # noqa: E402
 from tilewise.locality.ops3d_sync import StepAttention, VideoGroupNorm  # noqa: E402
 from tilewise.locality.program3d import VideoProgram  # noqa: E402
-from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
+from tilewise.vae.video.executor import VideoExecutor, video_segments  # noqa: E402
 from tilewise.vae.video.plan import make_video_plan  # noqa: E402
 
 TOL = 1e-4
@@ -82,6 +82,34 @@ def test_both_orders_are_exact_and_hold_what_the_plan_says(order, staging):
     norms = sum(op.kind == "group_norm" for op in p.ops)
     assert plan.stats_bytes == norms * 2 * 2 * 4 * 8  # (mean, var) x batch 2 x 4 groups, float64
     assert "GroupNorm statistics" in str(plan) and plan.attention_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["hunyuan", "mochi"])
+def test_given_statistics_cut_no_segment_and_a_runs_own_reproduce_it(name):
+    """A run returns every GroupNorm's merged statistics per step; given back (`fixed_stats`), its
+    GroupNorms are affines inside their segments (only attention cuts), nothing between them is staged,
+    and the output is the same (HunyuanVideo's over the step's frames; Mochi's of each frame, in a
+    program of several causal steps)."""
+    vae = video_vae(name)
+    p = tw.TiledVAE(vae, progress=False).program("decode")
+    c = p.in_channels
+    z = torch.randn(1, c, 3, 5, 7, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        exact = VideoExecutor(p, 2, p.input, progress=False).run(z)
+        norms = [op for op in p.ops if op.kind == "group_norm"]
+        steps = len(p.chunks(z.shape[2]))
+        assert set(exact.stats) == {(id(op), k) for op in norms for k in range(steps)}
+        given = VideoExecutor(p, 2, p.input, progress=False, fixed_stats=exact.stats)
+        res = given.run(z)
+        off = {k: (m + 1, v) for k, (m, v) in exact.stats.items()}  # (the statistics are the ones applied)
+        moved = VideoExecutor(p, 2, p.input, progress=False, fixed_stats=off).run(z).output
+    assert (res.output - exact.output).abs().max() <= TOL and (moved - exact.output).abs().max() > 0.1
+    ids = {id(op) for op in norms}
+    cuts = video_segments(p, given.attention, ids)
+    assert len(cuts) < len(video_segments(p, given.attention))
+    kinds = [seg.kind for seg in cuts]  # (no two local segments in a row: only attention cuts)
+    assert all(a != "local" or b != "local" for a, b in zip(kinds, kinds[1:], strict=False))
+    assert res.staged_peak < exact.staged_peak and res.stats == {}
 
 
 def test_gradients_through_the_decode_equal_the_stock_vae():

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,11 +75,16 @@ VIDEO_STAGINGS = ("device", "host", "disk")
 IN_MEMORY = (Place.DEVICE, Place.HOST)  # the stagings "auto" tries first (disk only where none fits)
 
 
-def video_segments(program: VideoProgram, attention: Attention) -> list[Segment]:
+def video_segments(program: VideoProgram, attention: Attention, fixed=frozenset()) -> list[Segment]:
     """The program cut at its barriers: attention when global, GroupNorms of video values (statistics
-    over the step's frames), and any other sync op."""
-    return split_segments(program, lambda op: attention is Attention.GLOBAL if op.kind is OpKind.ATTENTION
-                          else op.sync)
+    over the step's frames) but those in `fixed` (ids of GroupNorms whose statistics are given, pointwise
+    then), and any other sync op."""
+    def barrier(op):
+        if op.kind is OpKind.ATTENTION:
+            return attention is Attention.GLOBAL
+        return op.sync and id(op) not in fixed
+
+    return split_segments(program, barrier)
 
 
 def layout(segs, shapes, grid, ref: str) -> dict[tuple[int, int], tuple[dict, dict]]:
@@ -115,11 +120,13 @@ def check_steps(program: VideoProgram) -> None:
 @dataclass
 class VideoResult:
     """What one video run made: its output (None when streamed), the most cache bytes held at once (every
-    tile's), the most staged bytes held at once."""
+    tile's), the most staged bytes held at once, and every GroupNorm's statistics it merged ((id(op),
+    step) -> (mean, var), float64)."""
 
     output: Any
     cache_peak: int
     staged_peak: int
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,9 @@ class VideoExecutor:
     progress: bool = True
     group: Any = None  # a torch.distributed group: each rank runs its band of tile rows
     stage_dir: str | None = None  # disk staging's folder (None: the system's temporary folder)
+    # (id(GroupNorm), step) -> (mean, var) given for these GroupNorms (a run's `stats`, or an estimate):
+    # applied as an affine per channel (and frame), they cut no segment and nothing before them is staged
+    fixed_stats: dict | None = None
 
     def __post_init__(self):
         put = object.__setattr__
@@ -167,7 +177,9 @@ class _VideoRun:
         self.shapes, self.chans = p.shapes(tuple(x.shape[-2:])), p.channels()
         self.chunks = p.chunks(x.shape[2])
         self.frames = p.frames(self.chunks)
-        self.segs = video_segments(p, ex.attention)
+        fixed = ex.fixed_stats or {}
+        self.fixed = {i for i, _ in fixed}
+        self.segs = video_segments(p, ex.attention, self.fixed)
         self.grid = tile_grid(self.shapes[ex.ref], ex.tile_size)
         self.layout = layout(self.segs, self.shapes, self.grid, ex.ref)
         rank, world = rank_world(ex.group)
@@ -190,10 +202,11 @@ class _VideoRun:
         # holds one tile's caches, on the device
         on_host = ex.staging is Place.HOST and ex.order is Order.FRAMES
         home = torch.device("cpu") if on_host else None
-        self.ctx = VideoContext(query_chunk=ex.query_chunk, cache_device=home)
+        self.ctx = VideoContext(query_chunk=ex.query_chunk, cache_device=home, step_stats=dict(fixed))
         # GroupNorm statistics: (value, groups, per frame, step) -> moments merged over the tile cores of
         # the step (per frame: each frame's apart, `FrameGroupNorm`)
-        self.norms = {i: [op for op in seg.ops if op.kind is OpKind.GROUP_NORM]
+        # (GroupNorms with given statistics merge nothing)
+        self.norms = {i: [op for op in seg.ops if op.kind is OpKind.GROUP_NORM and id(op) not in self.fixed]
                       for i, seg in enumerate(self.segs)}
         self.tracked = {(op.src[0], op.groups, op.per_frame) for ops in self.norms.values() for op in ops}
         self.moments: dict[tuple[str, int, bool, int], GroupStats] = {}
@@ -219,7 +232,13 @@ class _VideoRun:
             self.store.close()  # (disk staging: every file removed, also after an error)
         if self.out is not None and self.ex.group is not None:
             all_reduce_sum([self.out], self.ex.group, self.out.dtype)
-        return VideoResult(self.out, self.cache_peak, self.store.peak)
+        return VideoResult(self.out, self.cache_peak, self.store.peak, self._stats())
+
+    def _stats(self) -> dict:
+        """(id(op), step) -> (mean, var) of every GroupNorm the run merged statistics for."""
+        return {(id(op), k): self.moments[key].result() for ops in self.norms.values() for op in ops
+                for k in range(len(self.chunks))
+                if (key := (op.src[0], op.groups, op.per_frame, k)) in self.moments}
 
     def step(self, k: int, bar) -> None:
         """Causal step k on every tile, segment by segment (frame order), its staged values freed."""
