@@ -167,7 +167,8 @@ def split_segments(program: Program, is_global: Callable[[Op], bool] | None = No
 
 
 def _link(segments: list[Segment], program: Program) -> None:
-    """Fill each segment's staged inputs and outputs from value producers and consumers."""
+    """Fill each segment's staged inputs and outputs from value producers and consumers (a value no op
+    makes is given from outside, as the program input is: fast mode's estimated part of a program)."""
     producer = {program.input: -1}
     for i, seg in enumerate(segments):
         for op in seg.ops:
@@ -175,13 +176,13 @@ def _link(segments: list[Segment], program: Program) -> None:
     for i, seg in enumerate(segments):
         for op in seg.ops:
             for s in op.src:
-                p = producer[s]
+                p = producer.get(s, -1)
                 if p != i:
                     if s not in seg.inputs:
                         seg.inputs.append(s)
                     if p >= 0 and s not in segments[p].outputs:
                         segments[p].outputs.append(s)
-    last = segments[producer[program.output]] if producer[program.output] >= 0 else None
+    last = segments[producer[program.output]] if producer.get(program.output, -1) >= 0 else None
     if last is not None and program.output not in last.outputs:
         last.outputs.append(program.output)
 

@@ -4,8 +4,9 @@ sinks and the plan; `vae.tiled` wraps the results in the VAE's own return types.
 
 Latents and images are (B, C, T, H, W), as the pipelines pass them (T = 1 for Qwen-Image's images); a
 timestep-conditioned LTX decode runs with its call's timestep embedding bound (`bound`).
-mode="fast" runs exact (the plan says so): most of these families have no GroupNorm; HunyuanVideo's
-GroupNorms are merged exactly over every tile of the step (fast mode's estimators are 2-D only).
+mode="fast" estimates the GroupNorm statistics of the high-resolution part from a sample of its tiles
+(`video.fast`); a family without GroupNorms, or whose program fast mode cannot cut, runs exact (the plan
+says so).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ...distributed import rank_world, resolve_group
 from ..checks import check_device
 from ..settings import Job, Kind, Mode, Settings
 from .executor import VideoExecutor
-from .plan import choose_video, fast_note, make_video_plan
+from .fast import FastSplit, fast_note, fast_split, fast_stats
+from .plan import choose_video, make_video_plan
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +68,22 @@ def bound(job: Job, temb, z, gradients: bool = False):
 
 
 def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
-    """The tiled run (the untiled program when the latent fits one tile and nothing streams), with
-    retry_on_oom halving the tile: (output, most staged bytes; None for the untiled run)."""
+    """The tiled run (the untiled program when the latent fits one tile and nothing streams: exact in fast
+    mode too), with retry_on_oom halving the tile: (output, most staged bytes; None for the untiled run)."""
     group = resolve_group(settings.process_group)
-    rank = rank_world(group)[0]
     tile, staging, order = choose_video(settings, job, tuple(t.shape), to_sink=emit is not None,
                                         sequential=sequential)
     p = job.program
-    if settings.mode is Mode.FAST:
-        logger.info("TiledVAE %s: %s", job.model, fast_note(p))
+    side = max(p.shapes(tuple(t.shape[-2:]))[job.ref])
+    split = fast_split(settings, job, tuple(t.shape))
     while True:
         try:
             with torch.no_grad():
-                if emit is None and group is None and max(p.shapes(tuple(t.shape[-2:]))[job.ref]) <= tile:
+                if emit is None and group is None and side <= tile:
                     return p.run_steps(t), None
-                ex = VideoExecutor(p, tile, job.ref, attention=settings.attention, staging=staging,
-                                   order=order, device=t.device, query_chunk=settings.query_chunk,
-                                   progress=settings.progress and rank == 0, group=group,
-                                   stage_dir=settings.stage_dir)
-                res = ex.run(t, emit=emit)
-                return res.output, res.staged_peak
+                if settings.mode is Mode.FAST:
+                    logger.info("TiledVAE %s: %s", job.model, fast_note(split, p))
+                return _tiled(settings, job, t, emit, tile, staging, order, group, split)
         except torch.OutOfMemoryError:
             if not settings.retry_on_oom or tile <= 1:
                 raise
@@ -93,6 +91,24 @@ def run(settings: Settings, job: Job, t, emit=None, sequential: bool = False):
                            tile // 2)
             tile //= 2
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def _tiled(settings: Settings, job: Job, t, emit, tile: int, staging, order, group, split):
+    """`run`'s tiled run: (output, most bytes staged or held). Fast mode (`split`, a `fast.FastSplit`)
+    estimates its statistics first (`video.fast`), its decode's head run on the same tile, staging and
+    order; with a process group every rank estimates them alike."""
+
+    def executor(program, ref, stats=None):
+        return VideoExecutor(program, tile, ref, attention=settings.attention, staging=staging, order=order,
+                             device=t.device, query_chunk=settings.query_chunk,
+                             progress=settings.progress and rank_world(group)[0] == 0, group=group,
+                             stage_dir=settings.stage_dir, fixed_stats=stats)
+
+    stats, held = None, 0
+    if isinstance(split, FastSplit):
+        stats, held = fast_stats(settings, job, split, t, tile, executor)
+    res = executor(job.program, job.ref, stats).run(t, emit=emit)
+    return res.output, max(res.staged_peak, held)
 
 
 def dropped_frames(job: Job, x) -> None:

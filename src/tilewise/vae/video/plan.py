@@ -17,8 +17,9 @@ from ...locality.ops3d_sync import StepAttention
 from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
 from ..run.segments import tile_grid
-from ..settings import Job, Mode, Place, Settings
+from ..settings import Job, Kind, Mode, Place, Settings
 from .executor import IN_MEMORY, VIDEO_STAGINGS, Order, layout, video_segments
+from .fast import FastSplit, estimation_bytes, fast_note, fast_split
 from .live import FrameSizes, unit_peak
 from .stores import write_bytes
 
@@ -53,6 +54,7 @@ class VideoPlan:
     disk_bytes: int = 0  # what staging="disk" keeps in files (the staged values; not in `peak`)
     stats_bytes: int = 0  # every GroupNorm's merged statistics of every step (float64 mean, var)
     dropped: int = 0  # input frames after the last complete step, which the model does not encode
+    estimate_peak: int = 0  # fast mode: the estimated device peak of its estimation pass (in `peak`)
     notes: list[str] = field(default_factory=list)
     backward: object = None  # a differentiable call's backward (`video.backward.VideoBackwardPlan`)
 
@@ -77,6 +79,8 @@ class VideoPlan:
             f"  staged values: at most {fb(self.staged_peak)}; per-unit working set ~{fb(self.working)}; "
             f"attention K/V + scores {fb(self.attention_bytes)}; output {fb(self.output_bytes)}",
         ]
+        if self.estimate_peak:
+            rows.append(f"  fast mode's estimation pass: ~{fb(self.estimate_peak)} device peak")
         if self.stats_bytes:
             rows.append(f"  GroupNorm statistics (merged over each step's tiles, float64): "
                         f"{fb(self.stats_bytes)}")
@@ -96,14 +100,15 @@ def _conv_macs(op, frames: int, area: int) -> int:
 
 
 def count(p, shape, tile: int, ref: str, attention, staging: Place, order: Order, item: int,
-          query_chunk: int = 4096, to_sink: bool = False, cpu: bool = False) -> dict:
+          query_chunk: int = 4096, to_sink: bool = False, cpu: bool = False, fixed=frozenset()) -> dict:
     """The figures of a VideoPlan for program p on an input of `shape` (B, C, T, H, W). `cpu`: a CPU plan,
-    whose host memory is the device's (what staging="host" keeps counts in its peak)."""
+    whose host memory is the device's (what staging="host" keeps counts in its peak); `fixed`: ids of the
+    GroupNorms whose statistics are given (fast mode's: they cut no segment)."""
     b = int(shape[0])
     shapes, chans = p.shapes(tuple(shape[-2:])), p.channels()
     chunks = p.chunks(int(shape[2]))
     frames = p.frames(chunks)
-    segs = video_segments(p, attention)
+    segs = video_segments(p, attention, fixed)
     grid = tile_grid(shapes[ref], tile)
     units = layout(segs, shapes, grid, ref)
     per_unit, macs, working = _units(p, segs, units, shapes, chans, chunks, frames, staging, b, item)
@@ -242,24 +247,29 @@ def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Orde
           to_sink: bool) -> VideoPlan:
     p = job.program
     shape = tuple(int(d) for d in shape)
-    f = count(p, shape, tile, job.ref, settings.attention, st, order, job.item, settings.query_chunk, to_sink,
-              cpu=not job.gpu)
-    notes = []
+    figures = dict(attention=settings.attention, staging=st, order=order, item=job.item,
+                   query_chunk=settings.query_chunk, cpu=not job.gpu)
+    one = not to_sink and settings.process_group is None and max(p.shapes(shape[-2:])[job.ref]) <= tile
+    split = None if one else fast_split(settings, job, shape)
+    fast = isinstance(split, FastSplit)
+    f = count(p, shape, tile, job.ref, to_sink=to_sink, fixed=split.fixed if fast else frozenset(), **figures)
+    notes, est = [], 0
     if settings.mode is Mode.FAST:
-        notes.append(fast_note(p))
+        notes.append(fast_note(split, p, one))
+    if fast:  # (the estimation pass: the sampled tiles' regions beside one unit's working set, and a
+        # decode's head run exact first, its output held)
+        est = estimation_bytes(settings, job, split, shape, tile) + f["working"]
+        if job.kind is Kind.DECODE:
+            head = count(split.head, shape, tile, split.head.input, **figures)
+            est = max(est, head["peak"])
+        f["peak"] = max(f["peak"], est)
     if f["dropped"]:
         notes.append(f"the model encodes 1 + {p.every} k frames: the last {f['dropped']} input frames are "
                      f"not encoded (as {job.model}.encode does)")
-    return VideoPlan(job.kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, Mode.EXACT,
-                     settings.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, **f)
-
-
-def fast_note(p) -> str:
-    """What mode="fast" does for a 3-D VAE's program: it runs exact (said why)."""
-    if any(op.kind is OpKind.GROUP_NORM for op in p.ops):
-        return ("fast mode estimates GroupNorm statistics for 2-D VAEs only; this 3-D VAE's GroupNorms are "
-                "merged exactly over every tile of each step: the run is exact")
-    return "fast mode estimates GroupNorm statistics; this VAE has none: the run is exact"
+    mode = Mode.FAST if fast else Mode.EXACT
+    return VideoPlan(job.kind, shape, f.pop("output_shape"), tile, f.pop("grid"), order, st, mode,
+                     settings.attention, f.pop("steps"), f.pop("step_frames"), notes=notes, estimate_peak=est,
+                     **f)
 
 
 def choose_video(settings: Settings, job: Job, shape, tile_size=None, staging=None, order=None, to_sink=False,

@@ -1,0 +1,176 @@
+"""Fast mode for 3-D VAEs, the named approximation: GroupNorm statistics estimated from a sample of the
+real tiles, then one pass with them fixed.
+
+Exact mode cuts a video program at every GroupNorm of a video value: the values before it are staged for
+the whole step (every frame of a one-step program) while its statistics are merged over every tile. Fast
+mode cuts the program where one value crosses (`fast_split`, as the 2-D fast mode does): a decode before
+its first spatial upsampling, an encode after its last spatial downsampling. The latent-resolution part
+(with the mid-block's attention) runs exact; the other part's GroupNorms are estimated:
+
+1. Decode only: the latent-resolution head runs exact, its output (the estimated tail's input) held.
+2. The estimation pass (`sampled.SampledStats`): a stratified sample of the tiles (`fast_sample`, by
+   default half of them) runs the estimated part together, segment by segment, their statistics merged
+   over their cores.
+3. The run: the whole program with the estimated part's GroupNorms given (`VideoExecutor(fixed_stats)`):
+   an affine per channel (and frame) there, so that part is cut only where exact mode cuts for other
+   reasons, nothing between its GroupNorms is staged and each tile runs through it end to end with a
+   larger halo. (A decode's head runs again here: its output is not held through the run.)
+
+A program whose estimated part holds attention or a whole-domain op, whose cut more than one value
+crosses, or whose head changes the frames of a causal step, runs exact, and its plan says why
+(`fast_split` returns the reason). Its error against exact mode is measured in tests/test_video_fast.py
+and benchmarks/video_fast.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from ...locality.ops import OpKind
+from ...locality.program import Program
+from ...locality.program3d import VideoProgram
+from ..settings import Estimator, Job, Kind, Mode, Settings
+from .sampled import SampledStats, held_bytes, sampled
+from .stores import nbytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FastSplit:
+    """A video program cut for fast mode before op `at`, where value `cut` crosses (a decode's tail may
+    read the latent too): the latent-resolution part exact, the other estimated."""
+
+    program: VideoProgram
+    at: int
+    cut: str
+    kind: Kind
+
+    @property
+    def head(self) -> VideoProgram:
+        """The ops before the cut (decode: exact, run first for the estimation pass)."""
+        p = self.program
+        return dataclasses.replace(p, ops=p.ops[: self.at], output=self.cut, name=p.name + "[head]")
+
+    @property
+    def part(self) -> Program:
+        """The estimated part: a decode's tail (from the cut, and the latent where it reads it), an
+        encode's head."""
+        p = self.program
+        if self.kind is Kind.DECODE:
+            return Program(ops=p.ops[self.at :], input=self.cut, output=p.output,
+                           in_channels=p.channels()[self.cut], name=p.name + "[tail]")
+        return Program(ops=p.ops[: self.at], input=p.input, output=self.cut, in_channels=p.in_channels,
+                       name=p.name + "[head]")
+
+    @property
+    def fixed(self) -> frozenset[int]:
+        """ids of the GroupNorms fast mode estimates."""
+        return frozenset(id(op) for op in self.part.ops if op.kind is OpKind.GROUP_NORM)
+
+
+def fast_split(settings: Settings, job: Job, shape) -> FastSplit | str | None:
+    """Where fast mode cuts the job's program for an input of `shape` (B, C, T, H, W); a reason (str) where
+    it cannot; None in exact mode or for a program without GroupNorms."""
+    p = job.program
+    if settings.mode is not Mode.FAST or not any(op.kind is OpKind.GROUP_NORM for op in p.ops):
+        return None
+    if settings.fast.estimator is not Estimator.TILES:
+        return "its estimator is 'tiles' only (fast_estimator='crops' is the 2-D VAEs')"
+    if job.kind is Kind.ENCODE and settings.fast.color_fix:
+        return "color_fix is for the 2-D VAEs' encode"
+    shapes = p.shapes(tuple(shape[-2:]))
+    if job.kind is Kind.DECODE:
+        k = next((i for i, op in enumerate(p.ops) if _scale(op, shapes) > 1), None)
+    else:
+        down = [i for i, op in enumerate(p.ops) if _scale(op, shapes) < 1]
+        k = down[-1] + 1 if down else None
+    if k is None or k == 0 or k >= len(p.ops):
+        return "it has no spatial resampling to cut at"
+    # (the nearest cut on the latent-resolution side where one value crosses, besides the latent a
+    # decode's tail may read: a decode's upsampler may slice its input's frames first, HunyuanVideo's;
+    # CogVideoX's and KVAE's decoders condition their norms on the latent)
+    near = range(k, 0, -1) if job.kind is Kind.DECODE else range(k, len(p.ops))
+    at, k = p.ops[k].name, next((c for c in near if len(_crossing(p, c, job.kind)) == 1), None)
+    if k is None:
+        return f"no cut on the latent-resolution side of {at} has one value crossing it"
+    (cut,) = _crossing(p, k, job.kind)
+    split = FastSplit(p, k, cut, job.kind)
+    syncs = [op for op in split.part.ops if op.kind in (OpKind.ATTENTION, OpKind.WHOLE)]
+    if syncs:
+        return f"its estimated part holds {syncs[0].name} ({syncs[0].describe()})"
+    if not split.fixed:
+        return "its estimated part has no GroupNorm"
+    return split
+
+
+def fast_stats(settings: Settings, job: Job, split: FastSplit, x, tile: int, executor) -> tuple[dict, int]:
+    """The estimated statistics ((id(GroupNorm), step) -> (mean, var)) and the most bytes held while making
+    them; `executor(program, ref)` makes an exact video executor (the decode's head)."""
+    given, held = {job.program.input: x}, 0
+    if job.kind is Kind.DECODE:
+        res = executor(split.head, split.head.input).run(x)
+        given[split.cut], held = res.output, res.staged_peak + nbytes(res.output)
+    shapes = job.program.shapes(tuple(x.shape[-2:]))
+    tiles = sampled(shapes, split.cut, part_tile(job, split, x.shape, tile),
+                    settings.fast.fraction(Estimator.TILES))
+    logger.info("TiledVAE %s: fast mode estimates %d GroupNorms from %d sampled tiles", job.model,
+                len(split.fixed), len(tiles))
+    est = SampledStats(job.program, split.part, split.cut, tiles, settings.query_chunk)
+    stats = est.run(given)
+    head = nbytes(given[split.cut]) if job.kind is Kind.DECODE else 0
+    return stats, max(held, est.held_peak + head)
+
+
+def estimation_bytes(settings: Settings, job: Job, split: FastSplit, shape, tile: int) -> int:
+    """The bytes the estimation pass holds besides its working set, for an input of `shape`: the sampled
+    tiles' regions and caches, and a decode's head output."""
+    p = job.program
+    shapes = p.shapes(tuple(shape[-2:]))
+    head = 0
+    if job.kind is Kind.DECODE:
+        frames = sum(p.frames(p.chunks(int(shape[2])))[split.cut])
+        h, w = shapes[split.cut]
+        head = int(shape[0]) * p.channels()[split.cut] * frames * h * w * job.item
+    tiles = sampled(shapes, split.cut, part_tile(job, split, shape, tile),
+                    settings.fast.fraction(Estimator.TILES))
+    return held_bytes(p, split.part, shape, split.cut, tiles, job.item) + head
+
+
+def part_tile(job: Job, split: FastSplit, shape, tile: int) -> int:
+    """The run's tile (latent pixels) in pixels of the estimated part's reference value."""
+    shapes = job.program.shapes(tuple(shape[-2:]))
+    return max(1, tile * shapes[split.cut][0] // shapes[job.ref][0])
+
+
+def fast_note(split: FastSplit | str | None, p, one: bool = False) -> str:
+    """What mode="fast" does for a 3-D VAE's program (`one`: the input fits one tile)."""
+    if not any(op.kind is OpKind.GROUP_NORM for op in p.ops):
+        return "fast mode estimates GroupNorm statistics; this VAE has none: the run is exact"
+    if one:
+        return "fast mode: the input fits one tile, so the untiled run is taken: the run is exact"
+    if isinstance(split, str):
+        return f"fast mode runs this 3-D VAE exact: {split}"
+    part = "high-resolution tail" if split.kind is Kind.DECODE else "high-resolution head"
+    return (f"fast mode (approximate): the statistics of the {len(split.fixed)} GroupNorms of its {part} are "
+            "estimated from a sample of its tiles, then every tile runs through them end to end")
+
+
+def _crossing(p, k: int, kind: Kind) -> set[str]:
+    """Values made before op k (and p's input, but for a decode: its tail is given the latent) that ops
+    from k on read."""
+    made = {op.dst for op in p.ops[:k]} | ({p.input} if kind is Kind.ENCODE else set())
+    return {s for op in p.ops[k:] for s in op.src if s in made}
+
+
+def _scale(op, shapes) -> float:
+    """How many times op's output is larger than its first input along each spatial side (1 where the
+    sides scale differently or nothing is read)."""
+    if not op.src or op.src[0] not in shapes:
+        return 1
+    (h0, w0), (h1, w1) = shapes[op.src[0]], shapes[op.dst]
+    if not h0 or not w0 or h1 * w0 != w1 * h0:
+        return 1
+    return h1 / h0
