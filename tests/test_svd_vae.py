@@ -12,31 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
+from video_vae_support import svd  # noqa: E402
+
 import tilewise as tw  # noqa: E402
 from tilewise.locality.ops3d_sync import FrameGroupNorm, StepAttention, VideoGroupNorm  # noqa: E402
 
 TOL = 1e-4  # fp32, exact paths
 
 
-def _vae():
-    """A tiny seeded SVD VAE: two blocks of 32 channels (its GroupNorms have 32 groups), two layers a block
-    (the mid-block's attention, one head, runs between its two resnets only); its AlphaBlenders'
-    mix_factor (0 at init) set apart per block, so the temporal and spatial paths both count and differ
-    block by block; time_conv_out's weights perturbed (it mixes neighbouring frames more)."""
-    import diffusers as d
-
-    torch.manual_seed(0)
-    vae = d.AutoencoderKLTemporalDecoder(block_out_channels=(32, 32), latent_channels=4, layers_per_block=2,
-                                         down_block_types=("DownEncoderBlock2D",) * 2).eval()
-    with torch.no_grad():
-        blenders = [m for m in vae.modules() if hasattr(m, "mix_factor")]
-        for k, m in enumerate(blenders):
-            m.mix_factor.fill_(0.4 * k - 0.7)
-        vae.decoder.time_conv_out.weight.add_(torch.randn_like(vae.decoder.time_conv_out.weight) * 0.3)
-    return vae
-
-
-VAE = _vae()
+VAE = svd()
 
 
 def _latents(b: int, t: int, h: int = 7, w: int = 11, seed: int = 1):

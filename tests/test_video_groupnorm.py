@@ -143,15 +143,6 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
         assert (a - b).abs().max() <= TOL * b.abs().max()
 
 
-def test_fast_mode_runs_exact_and_the_plan_says_why():
-    vae = video_vae("hunyuan")
-    tv = tw.TiledVAE(vae, tile_size=3, mode="fast", progress=False)
-    z = _latent(1, 5, 5, seed=7)
-    with torch.no_grad():
-        assert (tv.decode(z).sample - _stock_decode(vae, z)).abs().max() <= TOL
-    assert "merged exactly over every tile of each step: the run is exact" in str(tv.plan(tuple(z.shape)))
-
-
 def test_drops_into_a_stock_hunyuan_video_pipeline():
     """pipe.vae = TiledVAE(pipe.vae) in HunyuanVideoPipeline (prompt embeddings given: its Llama and CLIP
     text encoders are not built): the decoded video (9 frames from 3 latent frames, a 3 x 4 grid of

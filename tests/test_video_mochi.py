@@ -97,15 +97,6 @@ def test_gradients_through_the_encode_equal_the_stock_vae():
                     lambda m, t: m.encode(t).latent_dist.mean.square().sum())
 
 
-def test_fast_mode_runs_exact_and_the_plan_says_why():
-    vae = video_vae("mochi")
-    tv = tw.TiledVAE(vae, tile_size=2, mode="fast", progress=False)
-    z = latent(1, 3, 3, seed=7)
-    with torch.no_grad():
-        assert (tv.decode(z).sample - vae.decode(z).sample).abs().max() <= TOL
-    assert "merged exactly over every tile of each step: the run is exact" in str(tv.plan(tuple(z.shape)))
-
-
 def test_its_own_framewise_and_tiled_paths_are_noted_and_the_tiled_result_is_the_one_pass(caplog):
     """Mochi's framewise decoding pads each chunk of latent frames on its own, its use_tiling blends tiles
     (both approximate): TiledVAE equals the one pass and says so."""

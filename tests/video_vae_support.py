@@ -321,3 +321,22 @@ def allegro(seed: int = 0, blocks: int = 2):
         dict(block_out_channels=(8, 16, 16, 16))
     vae = AutoencoderKLAllegro(latent_channels=4, layers_per_block=1, norm_num_groups=4, sample_size=32, **kw)
     return _group_norms(vae, seed + 1)
+
+
+def svd():
+    """A tiny seeded SVD VAE: two blocks of 32 channels (its GroupNorms have 32 groups), two layers a block
+    (the mid-block's attention, one head, runs between its two resnets only); its AlphaBlenders'
+    mix_factor (0 at init) set apart per block, so the temporal and spatial paths both count and differ
+    block by block; time_conv_out's weights perturbed (it mixes neighbouring frames more)."""
+    import diffusers as d
+    import torch
+
+    torch.manual_seed(0)
+    vae = d.AutoencoderKLTemporalDecoder(block_out_channels=(32, 32), latent_channels=4, layers_per_block=2,
+                                         down_block_types=("DownEncoderBlock2D",) * 2).eval()
+    with torch.no_grad():
+        blenders = [m for m in vae.modules() if hasattr(m, "mix_factor")]
+        for k, m in enumerate(blenders):
+            m.mix_factor.fill_(0.4 * k - 0.7)
+        vae.decoder.time_conv_out.weight.add_(torch.randn_like(vae.decoder.time_conv_out.weight) * 0.3)
+    return vae
