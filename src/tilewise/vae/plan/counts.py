@@ -76,9 +76,10 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
     at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
     `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core.
-    `regions` (tile index -> boxes of every value): tiles of one band that run on those boxes, not the
-    segment's own back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles,
-    whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`). Inside
+    `regions` (tile index -> boxes of every value, read for the tiles it counts): tiles of one band that
+    run on those boxes, not the segment's own back-propagation, and store their outputs' boxes (fast
+    mode's staged sampled tiles, whose boxes are back-propagated through the whole part from their cores:
+    `estimators.staged_tile_stats`; their rows are the cores' rows' as the segment's own are). Inside
     `remembered()`, a count made before for the same segment, grid and setting is reused."""
     table = _REMEMBERED.get()
     key = None if table is None or regions is not None else \
@@ -141,7 +142,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
     cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
-    like = _Translations(seg, shapes, by_axis=regions is None, split=s.run.device_rows if s.gpu else {})
+    like = _Translations(seg, shapes, split=s.run.device_rows if s.gpu else {})
     boxes = _ProbeBoxes(probes, scope) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
@@ -255,12 +256,12 @@ class _Translations:
     to the borders up to `reach` (past it no op's input box reaches the border). Boxes are products of
     a row interval and a column interval, and every op maps rows to rows and columns to columns, so the
     class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
-    each learned once per interval (`by_axis`; without it, from each tile's own boxes: fast mode's
-    staged sampled tiles' regions, and a tile where a value's box is empty; a pass's probes are counted
-    from each tile's own cores, beside its class)."""
+    each learned once per interval (`by_axis`; the regions of fast mode's staged sampled tiles too, which
+    are back-propagated from their cores; without it, from each tile's own boxes: after a tile where a
+    value's box is empty; a pass's probes are counted from each tile's own cores, beside its class)."""
 
-    def __init__(self, seg, shapes, by_axis: bool, split: dict[str, int] | None = None):
-        self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
+    def __init__(self, seg, shapes, split: dict[str, int] | None = None):
+        self.shapes, self.by_axis, self.outputs = shapes, True, set(seg.outputs)
         self.split = {v: r for v, r in (split or {}).items() if v in set(seg.inputs) | self.outputs}
         self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
         self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id

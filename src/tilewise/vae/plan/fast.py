@@ -222,7 +222,9 @@ class _FastPlan:
         fixed = frozenset(id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM)
         spec = PassSpec(PassKind.SAMPLED, part, pc.shape, pc.tile, pc.ref, fixed, sampled, together=True,
                         piece=pc.piece)
-        sp = self._with_copies(pass_plan(spec, s, self.job.profile, self.full), pc, grid, sampled)
+        sp = pass_plan(spec, s, self.job.profile, self.full)
+        if not staged:  # (staged, the pass below keeps only this one's work and FLOPs)
+            sp = self._with_copies(sp, pc, grid, sampled)
         if staged is None:
             budget = self.settings.memory_budget
             staged = s.run.staging is Place.DISK or (s.gpu and budget is not None and sp.peak + held > budget)
@@ -267,13 +269,11 @@ class _FastPlan:
         """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
         back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
         no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
-        part = pc.program
-        out_hw = pc.shapes[part.output]
-        regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, pc.hw, out_hw)}, pc.shapes)
-                   for t in grid if t.index in sampled}
+        regions = _Regions(pc, grid)
         unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
         kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
-        spec = PassSpec(kind, part, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions, piece=pc.piece)
+        spec = PassSpec(kind, pc.program, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions,
+                        piece=pc.piece)
         staged = pass_plan(spec, unchecked, self.job.profile, self.full)
         extra = ADJUST * norms if self.settings.fast.low else 0
         return staged.replace(work=sp.work, flops=sp.flops, launches=staged.launches + extra)
@@ -297,3 +297,19 @@ class PieceRef:
     @property
     def hw(self) -> tuple[int, int]:
         return self.shapes[self.ref]
+
+
+class _Regions(dict):
+    """Tile index -> the boxes of every value of a piece back-propagated from the tile's output core (a
+    staged sampled tile's regions), each back-propagated when first read: the count reads one tile of
+    each class (`counts._Translations`)."""
+
+    def __init__(self, pc: PieceRef, grid):
+        super().__init__()
+        self.pc, self.grid = pc, grid
+
+    def __missing__(self, index: int) -> dict:
+        part, pc = self.pc.program, self.pc
+        core = map_box(self.grid[index].core, pc.hw, pc.shapes[part.output])
+        self[index] = got = back_propagate(part.ops, {part.output: core}, pc.shapes)
+        return got
