@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...locality.boxes import box_area, map_box
+from ...locality.boxes import BoxIndex, box_area, box_empty, map_box
 from ...locality.ops import OpKind
 from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
@@ -186,7 +186,7 @@ class _ProbeBoxes:
 
     def __init__(self, probes, scope: Scope):
         self.scope = scope
-        self.mapped = {v: [map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes]
+        self.mapped = {v: BoxIndex([map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes])
                        for v in scope.tracked}
 
     def adds(self, cores, probed: dict) -> int:
@@ -194,11 +194,11 @@ class _ProbeBoxes:
         chans, tracked, s = self.scope.chans, self.scope.tracked, self.scope.s
         launches = 0
         for v, core in cores.items():
-            for b in self.mapped.get(v, ()):
-                b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
-                if b[0] < b[1] and b[2] < b[3]:
-                    probed[v] = probed.get(v, 0) + 1
-                    launches += len(tracked[v]) * moments(b, chans[v], s)
+            if v not in self.mapped or box_empty(core):
+                continue
+            for b in self.mapped[v].meeting(core):  # (each probe's part of the core)
+                probed[v] = probed.get(v, 0) + 1
+                launches += len(tracked[v]) * moments(b, chans[v], s)
         return launches
 
 
