@@ -108,21 +108,23 @@ def remembered():
 
 
 def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
-    """What a segment's count reads: its ops, the grid's cores, the input's shape, the statistics merged,
-    and of the setting what the segment can see (the placement of its own values; attention's options
-    only where it has an attention op)."""
+    """What a segment's count reads: its ops, its values' (and the reference's) shapes and channels, the
+    grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
+    each choice tried), the statistics its values' readers merge, and of the setting what the segment can
+    see (the placement of its own values; attention's options only where it has an attention op)."""
     s, run = scope.s, scope.s.run
     mine = set(seg.inputs) | set(seg.outputs)
+    values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
     run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine),
                       split=tuple((v, r) for v, r in run.split if v in mine), progress=True,
                       stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
     # says what it recomputes: its ops, inputs, measured values)
     if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
         run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
-    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items()))
-    return (id(scope.program), tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
-            seg.kind, tuple(seg.measured), seg.again, tuple(t.core for t in grid),
-            scope.shapes[scope.program.input], scope.ref, tracked,
+    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
+    return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
+            tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
+            tuple(seg.measured), seg.again, tuple(t.core for t in grid), scope.ref, tracked,
             replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
             frozenset(fixed), tuple(probes or ()))
 
