@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
@@ -117,6 +117,7 @@ class _FastPlan:
     full: int
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
         return {t.index for t in sample_tiles(grid, self.settings.fast.fraction(Estimator.TILES), self.most)}
@@ -215,10 +216,24 @@ class _FastPlan:
 
     def piece_pair(self, pc: PieceRef, held: int, staged: bool | None) -> tuple[Pass, Pass, bool]:
         """The sampled tiles' and the other tiles' passes over (a piece of) the part, holding `held` (its
-        input); staged None: staged when the sampled tiles do not fit at once."""
-        s, part = self.s, pc.program
+        input); staged None: staged when the sampled tiles do not fit at once. A piece planned before
+        with the same sample, held bytes and staging (under other cuts or caps, or staged at first) is
+        not planned again (`memo`)."""
         grid = tile_grid(pc.hw, pc.tile)  # (as the run)
         sampled = frozenset(self.sampled(grid))
+        key = (pc.program.input, pc.program.output, sampled, held)
+        got = self.memo.get((*key, staged))
+        if got is None:
+            got = self._piece_pair(pc, grid, sampled, held, staged)
+            self.memo[(*key, staged)] = self.memo[(*key, got[2])] = got  # (staged None: as decided)
+        sp, rp, staged = got
+        if sp.piece != pc.piece:  # (the same piece among other pieces)
+            sp, rp = (q.replace(program=pc.program.name, piece=pc.piece) for q in (sp, rp))
+        return sp, rp, staged and self.s.run.staging is not Place.DISK
+
+    def _piece_pair(self, pc: PieceRef, grid, sampled: frozenset, held: int, staged: bool | None) -> tuple:
+        """`piece_pair`, planned: (sampled tiles' pass, other tiles' pass, whether the first is staged)."""
+        s, part = self.s, pc.program
         fixed = frozenset(id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM)
         spec = PassSpec(PassKind.SAMPLED, part, pc.shape, pc.tile, pc.ref, fixed, sampled, together=True,
                         piece=pc.piece)
@@ -242,7 +257,7 @@ class _FastPlan:
         rest = frozenset(t.index for t in grid) - sampled
         rp = pass_plan(PassSpec(PassKind.OTHER, part, pc.shape, pc.tile, pc.ref, fixed, rest, banded=False,
                                 piece=pc.piece), s, self.job.profile, self.full)
-        return sp.with_held(held), rp.with_held(held + kept), staged and s.run.staging is not Place.DISK
+        return sp.with_held(held), rp.with_held(held + kept), staged
 
     def _with_copies(self, sp: Pass, pc: PieceRef, grid, sampled) -> Pass:
         """The sampled tiles' pass with the copies their statistics take: on a GPU plan of one segment the
