@@ -145,7 +145,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         scope = replace(scope, s=s.with_run(read_ahead=False))
     cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
     like = _Translations(seg, shapes, split=s.run.device_rows if s.gpu else {})
-    boxes = _ProbeBoxes(probes, scope) if probes else None
+    boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
@@ -182,14 +182,14 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
 
 
 class _ProbeBoxes:
-    """The probes of a pass (reference boxes: fast mode's low pass) mapped to each tracked value once,
+    """The probes of a pass (reference boxes: fast mode's low pass) mapped to each tracked output once,
     and the executor's probe statistics for one band's cores: a GroupStats.add for each probe box meeting
     a tracked core, per group count."""
 
-    def __init__(self, probes, scope: Scope):
+    def __init__(self, probes, scope: Scope, outputs):
         self.scope = scope
         self.mapped = {v: BoxIndex([map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes])
-                       for v in scope.tracked}
+                       for v in scope.tracked if v in outputs}  # (a band's cores are its outputs')
 
     def adds(self, cores, probed: dict) -> int:
         """Kernels of one band's probe statistics; `probed` (value -> adds) is updated."""

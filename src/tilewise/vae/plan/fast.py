@@ -14,6 +14,7 @@ from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
 from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
+from ..run.batches import axis_class, period_and_reach
 from ..run.options import Choices
 from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
@@ -235,16 +236,17 @@ class _FastPlan:
         """`piece_pair`, planned: (sampled tiles' pass, other tiles' pass, whether the first is staged)."""
         s, part = self.s, pc.program
         fixed = frozenset(id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM)
+        regions = _Regions(pc, grid)  # (the sampled tiles' boxes, for their peak together or staged)
         spec = PassSpec(PassKind.SAMPLED, part, pc.shape, pc.tile, pc.ref, fixed, sampled, together=True,
                         piece=pc.piece)
         sp = pass_plan(spec, s, self.job.profile, self.full)
         if not staged:  # (staged, the pass below keeps only this one's work and FLOPs)
-            sp = self._with_copies(sp, pc, grid, sampled)
+            sp = self._with_copies(sp, pc, regions, sampled)
         if staged is None:
             budget = self.settings.memory_budget
             staged = s.run.staging is Place.DISK or (s.gpu and budget is not None and sp.peak + held > budget)
         if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
-            sp = self._staged(sp, pc, grid, sampled, len(fixed))
+            sp = self._staged(sp, pc, regions, sampled, len(fixed))
         else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
             stats = sample_stats_cost(part, grid, sampled, pc.shapes, part.channels(), pc.ref, s,
                                       bool(self.settings.fast.low))
@@ -259,13 +261,13 @@ class _FastPlan:
                                 piece=pc.piece), s, self.job.profile, self.full)
         return sp.with_held(held), rp.with_held(held + kept), staged
 
-    def _with_copies(self, sp: Pass, pc: PieceRef, grid, sampled) -> Pass:
+    def _with_copies(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled) -> Pass:
         """The sampled tiles' pass with the copies their statistics take: on a GPU plan of one segment the
         tiles' values op by op, summed, and the copies where made; else the sum of the tiles' largest
         values and the largest copy beside them."""
         s, part = self.s, pc.program
         chans = part.channels()
-        chosen = [t for t in grid if t.index in sampled]
+        chosen = [t for t in regions.grid if t.index in sampled]
 
         def copy(k: int, op) -> int:  # (a tile's statistics of a GroupNorm's input, one tile at a time)
             return stats_copy(op.src[0], map_box(chosen[k].core, pc.hw, pc.shapes[op.dst]), chans, s,
@@ -273,18 +275,17 @@ class _FastPlan:
 
         if s.gpu and sp.segments == 1:
             outs = [map_box(t.core, pc.hw, pc.shapes[part.output]) for t in chosen]
-            needs = [back_propagate(part.ops, {part.output: b}, pc.shapes) for b in outs]
-            working = together_peak(part.ops, needs, outs, Sizes(pc.shapes, chans, s.batch * s.item),
-                                    part.output, copy)
+            working = together_peak(part.ops, lambda k: regions[chosen[k].index], outs,
+                                    Sizes(pc.shapes, chans, s.batch * s.item), part.output, copy,
+                                    [regions.tile_class(t.index) for t in chosen])
             return sp.replace(peak=sp.peak - sp.working + working, working=working)
         return sp.replace(peak=sp.peak + max((copy(k, op) for op in part.ops if op.kind is OpKind.GROUP_NORM
                                               for k in range(len(chosen))), default=0))
 
-    def _staged(self, sp: Pass, pc: PieceRef, grid, sampled, norms: int) -> Pass:
+    def _staged(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled, norms: int) -> Pass:
         """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
         back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
         no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
-        regions = _Regions(pc, grid)
         unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
         kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
         spec = PassSpec(kind, pc.program, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions,
@@ -316,12 +317,25 @@ class PieceRef:
 
 class _Regions(dict):
     """Tile index -> the boxes of every value of a piece back-propagated from the tile's output core (a
-    staged sampled tile's regions), each back-propagated when first read: the count reads one tile of
-    each class (`counts._Translations`)."""
+    sampled tile's regions), each back-propagated when first read: a count reads one tile of each class
+    (`counts._Translations`, `tile_class`)."""
 
     def __init__(self, pc: PieceRef, grid):
         super().__init__()
         self.pc, self.grid = pc, grid
+        self.period, self.reach = period_and_reach(pc.program.ops, pc.shapes)
+        self.rows: dict[tuple[int, int], tuple] = {}
+        self.cols: dict[tuple[int, int], tuple] = {}
+
+    def tile_class(self, index: int) -> tuple:
+        """The class of a tile's regions: their rows' and columns' `batches.axis_class`, each learned from
+        the first tile with the same core rows or columns (boxes map rows to rows, columns to columns)."""
+        core, shapes = self.grid[index].core, self.pc.shapes
+        if core[:2] not in self.rows:
+            self.rows[core[:2]] = axis_class([], [self[index]], shapes, self.period, self.reach, 0)
+        if core[2:] not in self.cols:
+            self.cols[core[2:]] = axis_class([], [self[index]], shapes, self.period, self.reach, 2)
+        return self.rows[core[:2]], self.cols[core[2:]]
 
     def __missing__(self, index: int) -> dict:
         part, pc = self.pc.program, self.pc
