@@ -143,25 +143,20 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         and batchable(seg) else 1
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
-    cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
-    like = _Translations(seg, shapes, split=s.run.device_rows if s.gpu else {})
+    cost, parts, probed, ran, items, memo = Cost(), 0, {}, 0, [], {}
+    like = _translations(seg, grid, scope, rows, regions)
     boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
-        key = like.known(tile.core)
-        if key is None:
-            bands, needs = _tile_boxes(seg, tile, scope, rows, regions)
-            key = like.remember(tile.core, bands, needs, lambda b=bands, n=needs: _tile_cost(
-                seg, b, n, scope, last, fixed) if b else None)
-            reps.setdefault(key, (bands, needs))
-        elif boxes is not None:  # (a tile of a class counted before: its cores, for its probes' adds)
-            bands = tile_bands(tile.core, seg.outputs, shapes, ref, rows)
-        items.append((tile, key))
-        for cores in bands if boxes is not None else ():
-            cost.launches += boxes.adds(cores, probed)
-    for key, times in Counter(key for _, key in items).items():  # (each class of tiles counted once)
-        n, tile_cost = like.memo[key]
+        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions))))
+        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows) if boxes is not None else ():
+            cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
+    for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
+        bands, needs = like.reps[key]
+        memo[key] = (len(bands), _tile_cost(seg, bands, needs, scope, last, fixed) if bands else None)
+    for key, times in Counter(key for _, key in items).items():
+        n, tile_cost = memo[key]
         if n:
             parts, ran = parts + n * times, ran + times
             if batch == 1:
@@ -169,8 +164,8 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     if batch > 1:  # (each class's groups of one size counted once, times its groups)
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
-            if like.memo[key][0]:
-                one = like.memo[key][1] if k == 1 else _tile_cost(seg, *reps[key], scope, last, fixed, k)
+            if memo[key][0]:
+                one = memo[key][1] if k == 1 else _tile_cost(seg, *like.reps[key], scope, last, fixed, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -247,10 +242,27 @@ def _tile_boxes(seg, tile, scope: Scope, rows, regions):
     return bands, [back_propagate(seg.ops, cores, shapes) for cores in bands]
 
 
+def _translations(seg, grid, scope: Scope, rows, regions) -> _Translations:
+    """The classes of a segment's tiles over `grid` (its boxes: in `rows` bands, or `regions`), made once
+    inside `remembered()`: each staging, batch or chunk a plan tries counts the same classes again."""
+    split = {v: r for v, r in (scope.s.run.device_rows if scope.s.gpu else {}).items()
+             if v in seg.inputs or v in seg.outputs}
+    table = _REMEMBERED.get()
+    if table is None:
+        return _Translations(seg, scope.shapes, split)
+    values = sorted({v for op in seg.ops for v in (op.dst, *op.src)} | set(seg.inputs) | {scope.ref})
+    key = ("classes", tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
+           tuple((v, scope.shapes[v]) for v in values), scope.ref, tuple(t.core for t in grid), rows,
+           tuple(sorted(split.items())), None if regions is None else id(regions))
+    if key not in table:
+        table[key] = (_Translations(seg, scope.shapes, split), seg.ops, regions)  # (their ids stay theirs)
+    return table[key][0]
+
+
 class _Translations:
     """Tiles whose boxes are one another's translates cost the same: a segment's tile is counted once per
-    class of its boxes and the count reused for the others (the interior tiles of a grid are one class;
-    a plan's search counts tens of thousands of tiles otherwise).
+    class of its boxes (`reps`: the boxes of its first tile) and the count reused for the others (the
+    interior tiles of a grid are one class; a plan's search counts tens of thousands of tiles otherwise).
 
     A tile's count reads its boxes only through their sides, their clipping at the value's borders and
     the integer divisions of the ops' factors. So two tiles count alike when every value's box has the
@@ -262,22 +274,28 @@ class _Translations:
     are back-propagated from their cores; without it, from each tile's own boxes: after a tile where a
     value's box is empty; a pass's probes are counted from each tile's own cores, beside its class)."""
 
-    def __init__(self, seg, shapes, split: dict[str, int] | None = None):
-        self.shapes, self.by_axis, self.outputs = shapes, True, set(seg.outputs)
-        self.split = {v: r for v, r in (split or {}).items() if v in set(seg.inputs) | self.outputs}
-        self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
+    def __init__(self, seg, shapes, split: dict[str, int]):
+        self.shapes, self.by_axis, self.outputs, self.split = shapes, True, set(seg.outputs), split
+        self.reps: dict[tuple[int, int], tuple[list, list]] = {}  # class -> its first tile's (bands, needs)
         self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
+        self.keys: dict[tuple, tuple[int, int]] = {}  # core -> class, of the tiles seen
         self.period, self.reach = period_and_reach(seg.ops, shapes)
 
-    def known(self, core) -> tuple[int, int] | None:
-        """The class of a tile known from its rows and columns (None: not known, or not counted yet)."""
-        if not self.by_axis:
-            return None
-        y, x = self.rows.get(core[:2]), self.cols.get(core[2:])
-        return None if y is None or x is None or (y, x) not in self.memo else (y, x)
+    def key(self, tile, boxes) -> tuple[int, int]:
+        """The class of a tile: known from its core, or its rows and columns, else from its boxes
+        (`boxes()`: its bands and the boxes they need)."""
+        core = tile.core
+        got = self.keys.get(core)
+        if got is None and self.by_axis:
+            y, x = self.rows.get(core[:2]), self.cols.get(core[2:])
+            got = None if y is None or x is None or (y, x) not in self.reps else (y, x)
+        if got is None:
+            got = self._remember(core, *boxes())
+        self.keys[core] = got
+        return got
 
-    def remember(self, core, bands, needs, count) -> tuple[int, int]:
-        """The class of a tile, counted (`count()`: its bands and cost in `memo`) unless it has been."""
+    def _remember(self, core, bands, needs) -> tuple[int, int]:
+        """The class of a tile from its boxes, which become its class's `reps` if it is the first."""
         if self.by_axis and any(set(c) != self.outputs for c in bands):
             self.by_axis = False  # (an empty box: rows and columns no longer say which values a band has)
         if self.by_axis:
@@ -285,8 +303,7 @@ class _Translations:
                 self.cols.setdefault(core[2:], self._id(self._axis(bands, needs, 2)))
         else:
             key = (self._id(self._axis(bands, needs, 0)), self._id(self._axis(bands, needs, 2)))
-        if key not in self.memo:
-            self.memo[key] = (len(bands), count())
+        self.reps.setdefault(key, (bands, needs))
         return key
 
     def _id(self, axis_class: tuple) -> int:
