@@ -318,7 +318,7 @@ class PieceRef:
 class _Regions(dict):
     """Tile index -> the boxes of every value of a piece back-propagated from the tile's output core (a
     sampled tile's regions), each back-propagated when first read: a count reads one tile of each class
-    (`counts._Translations`, `tile_class`)."""
+    (`translations.Translations`, `tile_class`)."""
 
     def __init__(self, pc: PieceRef, grid):
         super().__init__()
