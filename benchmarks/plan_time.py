@@ -8,6 +8,7 @@ stages, counts, estimated seconds, peaks); `--show` prints that text.
 
     PYTHONPATH=src .venv/bin/python benchmarks/plan_time.py
     PYTHONPATH=src .venv/bin/python benchmarks/plan_time.py --cases sd-fast-539 --profile 30
+    PYTHONPATH=src .venv/bin/python benchmarks/plan_time.py --sweep   # 80 more plans' digests, no times
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import cProfile
 import dataclasses
 import hashlib
+import itertools
 import pstats
 import time
 
@@ -23,7 +25,7 @@ import torch
 from counting import build_vae, fake
 
 import tilewise as tw
-from tilewise.vae.devices import CUDA
+from tilewise.vae.devices import CPU, CUDA
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -69,13 +71,35 @@ def digest(plan) -> str:
     return hashlib.sha256(canonical(plan).encode()).hexdigest()[:16]
 
 
+def sweep():
+    """The digests of a wider set of plans (no times): SD and Flux shapes, decode and encode at 1024 and
+    2048 px, exact and fast, GPU plans within 300 MiB, 1 GiB, 4 GiB and no budget, CPU plans within 1 GiB."""
+    cpu = CPU.replace(host_memory=64 * GIB)
+    with fake():
+        for kind in ("sd", "flux"):
+            vae = build_vae(kind, torch.float16, "meta")
+            for task, px, mode in itertools.product(("decode", "encode"), (1024, 2048), ("exact", "fast")):
+                c = vae.config.latent_channels
+                shape = (1, c, px // 8, px // 8) if task == "decode" else (1, 3, px, px)
+                for device, budget in [(GPU, b) for b in (300 * MIB, GIB, 4 * GIB, None)] + [(cpu, GIB)]:
+                    tv = tw.TiledVAE(vae, mode=mode, memory_budget=budget, progress=False, device_kind=device)
+                    try:
+                        got = digest(tv.plan(shape, kind=task))
+                    except ValueError as err:
+                        got = f"no plan {digest(str(err))}"
+                    print(kind, task, px, mode, device.kind, budget, got, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     ap.add_argument("--repeat", type=int, default=1, help="plans of each case, the least time printed")
     ap.add_argument("--profile", type=int, default=0, help="cProfile each case, print its N top functions")
     ap.add_argument("--show", action="store_true", help="print each plan (the digest's text)")
+    ap.add_argument("--sweep", action="store_true", help="only the digests of a wider set of plans (`sweep`)")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep()
     vaes = {}
     with fake():
         for name in a.cases.split(","):
