@@ -176,3 +176,24 @@ def test_upsampled_crop_equals_materialised():
     for want in [(2, 10, 4, 12), (3, 7, 5, 11), (9, 10, 11, 12)]:
         y0, y1, x0, x1 = want
         assert torch.equal(u.crop(want, want), full[..., y0 - 2 : y1 - 2, x0 - 4 : x1 - 4])
+
+
+def test_box_index_meets_what_brute_force_meets():
+    import random
+
+    from tilewise.locality.boxes import BoxIndex
+
+    rng = random.Random(0)
+    # a grid's cores mapped down (some empty, some repeated), and boxes of any size
+    boxes = [(y * 7 // 3, (y + 1) * 7 // 3, x * 5 // 4, (x + 1) * 5 // 4)
+             for y in range(9) for x in range(11)]
+    boxes += [(a, a + rng.randint(-2, 9), b, b + rng.randint(-2, 9)) for a, b in
+              ((rng.randint(0, 20), rng.randint(0, 14)) for _ in range(60))]
+    boxes += boxes[:5]
+    index = BoxIndex(boxes)
+    for _ in range(300):
+        y0, x0 = rng.randint(-3, 22), rng.randint(-3, 16)
+        box = (y0, y0 + rng.randint(1, 12), x0, x0 + rng.randint(1, 12))
+        want = [(max(b[0], box[0]), min(b[1], box[1]), max(b[2], box[2]), min(b[3], box[3])) for b in boxes]
+        want = sorted(c for c in want if c[0] < c[1] and c[2] < c[3])
+        assert sorted(index.meeting(box)) == want

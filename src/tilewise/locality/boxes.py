@@ -3,6 +3,7 @@ resolutions, and sliced out of the tensors that cover them (an upsampled box sli
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,38 @@ def map_box(box: Box, ref: tuple[int, int], shape: tuple[int, int]) -> Box:
     """Map a box on the reference grid to a value of another resolution (floor of the scaled edges)."""
     y0, y1, x0, x1 = box
     return y0 * shape[0] // ref[0], y1 * shape[0] // ref[0], x0 * shape[1] // ref[1], x1 * shape[1] // ref[1]
+
+
+class BoxIndex:
+    """Boxes, indexed to find those meeting a box without a pass over all of them: grouped by their rows,
+    the groups sorted by first row, each group's boxes by first column (the sampled cores a pass probes
+    are a grid's: a band of them meets a tile)."""
+
+    def __init__(self, boxes):
+        groups: dict[tuple[int, int], list] = {}
+        for b in boxes:
+            groups.setdefault(b[:2], []).append(b)
+        self.rows = sorted(groups)
+        self.starts = [r[0] for r in self.rows]
+        self.tall = max((r[1] - r[0] for r in self.rows), default=0)
+        self.cols = {r: sorted(bs, key=lambda b: b[2]) for r, bs in groups.items()}
+        self.col_starts = {r: [b[2] for b in bs] for r, bs in self.cols.items()}
+        self.wide = {r: max(b[3] - b[2] for b in bs) for r, bs in self.cols.items()}
+
+    def meeting(self, box: Box) -> list[Box]:
+        """The intersections with `box` of the boxes that meet it (each box's, duplicates too), in no
+        particular order."""
+        y0, y1, x0, x1 = box
+        got = []
+        # (a box of rows [a, b) with b - a <= tall meets rows [y0, y1) only if y0 - tall < a < y1)
+        for r in self.rows[bisect_left(self.starts, y0 - self.tall + 1):bisect_left(self.starts, y1)]:
+            if r[1] <= y0 or r[0] >= r[1]:
+                continue
+            bs, starts = self.cols[r], self.col_starts[r]
+            for b in bs[bisect_left(starts, x0 - self.wide[r] + 1):bisect_left(starts, x1)]:
+                if b[3] > x0 and b[2] < b[3]:
+                    got.append((max(b[0], y0), min(b[1], y1), max(b[2], x0), min(b[3], x1)))
+        return got
 
 
 def sub_tensor(t, have: Box, want: Box):

@@ -31,12 +31,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...locality.boxes import box_area, map_box
+from ...locality.boxes import BoxIndex, box_area, box_empty, map_box
 from ...locality.ops import OpKind
 from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
 from ..run.bands import band_rows, row_local, tile_bands, working_bytes
-from ..run.batches import axis_class, batch_groups, batchable, period_and_reach
+from ..run.batches import batch_groups, batchable
 from ..settings import Attention, Place
 from .live import Sizes, live_peak, pointwise_conv
 from .op_costs import (
@@ -54,6 +54,7 @@ from .op_costs import (
     stats_copy,
     streamed,
 )
+from .translations import Translations
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     """What one segment dispatches over the tiles of `grid` (those in `tiles`; all when None), one tile
     at a time, or `together` (working sets summed), in row bands where `banded` and the setting band;
     `probes` (reference boxes: fast mode's low pass) add the statistics of their part of each core.
-    `regions` (tile index -> boxes of every value): tiles of one band that run on those boxes, not the
-    segment's own back-propagation, and store their outputs' boxes (fast mode's staged sampled tiles,
-    whose boxes are back-propagated through the whole part: `estimators.staged_tile_stats`). Inside
+    `regions` (tile index -> boxes of every value, read for the tiles it counts): tiles of one band that
+    run on those boxes, not the segment's own back-propagation, and store their outputs' boxes (fast
+    mode's staged sampled tiles, whose boxes are back-propagated through the whole part from their cores:
+    `estimators.staged_tile_stats`; their rows are the cores' rows' as the segment's own are). Inside
     `remembered()`, a count made before for the same segment, grid and setting is reused."""
     table = _REMEMBERED.get()
     key = None if table is None or regions is not None else \
@@ -107,21 +109,23 @@ def remembered():
 
 
 def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
-    """What a segment's count reads: its ops, the grid's cores, the input's shape, the statistics merged,
-    and of the setting what the segment can see (the placement of its own values; attention's options
-    only where it has an attention op)."""
+    """What a segment's count reads: its ops, its values' (and the reference's) shapes and channels, the
+    grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
+    each choice tried), the statistics its values' readers merge, and of the setting what the segment can
+    see (the placement of its own values; attention's options only where it has an attention op)."""
     s, run = scope.s, scope.s.run
     mine = set(seg.inputs) | set(seg.outputs)
+    values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
     run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine),
                       split=tuple((v, r) for v, r in run.split if v in mine), progress=True,
                       stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
     # says what it recomputes: its ops, inputs, measured values)
     if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
         run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
-    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items()))
-    return (id(scope.program), tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
-            seg.kind, tuple(seg.measured), seg.again, tuple(t.core for t in grid),
-            scope.shapes[scope.program.input], scope.ref, tracked,
+    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
+    return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
+            tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
+            tuple(seg.measured), seg.again, tuple(t.core for t in grid), scope.ref, tracked,
             replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
             frozenset(fixed), tuple(probes or ()))
 
@@ -140,25 +144,20 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         and batchable(seg) else 1
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
-    cost, parts, probed, ran, items, reps = Cost(), 0, {}, 0, [], {}
-    like = _Translations(seg, shapes, by_axis=regions is None, split=s.run.device_rows if s.gpu else {})
-    boxes = _ProbeBoxes(probes, scope) if probes else None
+    cost, parts, probed, ran, items, memo = Cost(), 0, {}, 0, [], {}
+    like = _translations(seg, grid, scope, rows, regions)
+    boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
-        key = like.known(tile.core)
-        if key is None:
-            bands, needs = _tile_boxes(seg, tile, scope, rows, regions)
-            key = like.remember(tile.core, bands, needs, lambda b=bands, n=needs: _tile_cost(
-                seg, b, n, scope, last, fixed) if b else None)
-            reps.setdefault(key, (bands, needs))
-        elif boxes is not None:  # (a tile of a class counted before: its cores, for its probes' adds)
-            bands = tile_bands(tile.core, seg.outputs, shapes, ref, rows)
-        items.append((tile, key))
-        for cores in bands if boxes is not None else ():
-            cost.launches += boxes.adds(cores, probed)
-    for key, times in Counter(key for _, key in items).items():  # (each class of tiles counted once)
-        n, tile_cost = like.memo[key]
+        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions))))
+        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows) if boxes is not None else ():
+            cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
+    for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
+        bands, needs = like.reps[key]
+        memo[key] = (len(bands), _tile_cost(seg, bands, needs, scope, last, fixed) if bands else None)
+    for key, times in Counter(key for _, key in items).items():
+        n, tile_cost = memo[key]
         if n:
             parts, ran = parts + n * times, ran + times
             if batch == 1:
@@ -166,8 +165,8 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
     if batch > 1:  # (each class's groups of one size counted once, times its groups)
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
-            if like.memo[key][0]:
-                one = like.memo[key][1] if k == 1 else _tile_cost(seg, *reps[key], scope, last, fixed, k)
+            if memo[key][0]:
+                one = memo[key][1] if k == 1 else _tile_cost(seg, *like.reps[key], scope, last, fixed, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -179,25 +178,25 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
 
 
 class _ProbeBoxes:
-    """The probes of a pass (reference boxes: fast mode's low pass) mapped to each tracked value once,
+    """The probes of a pass (reference boxes: fast mode's low pass) mapped to each tracked output once,
     and the executor's probe statistics for one band's cores: a GroupStats.add for each probe box meeting
     a tracked core, per group count."""
 
-    def __init__(self, probes, scope: Scope):
+    def __init__(self, probes, scope: Scope, outputs):
         self.scope = scope
-        self.mapped = {v: [map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes]
-                       for v in scope.tracked}
+        self.mapped = {v: BoxIndex([map_box(pb, scope.shapes[scope.ref], scope.shapes[v]) for pb in probes])
+                       for v in scope.tracked if v in outputs}  # (a band's cores are its outputs')
 
     def adds(self, cores, probed: dict) -> int:
         """Kernels of one band's probe statistics; `probed` (value -> adds) is updated."""
         chans, tracked, s = self.scope.chans, self.scope.tracked, self.scope.s
         launches = 0
         for v, core in cores.items():
-            for b in self.mapped.get(v, ()):
-                b = (max(b[0], core[0]), min(b[1], core[1]), max(b[2], core[2]), min(b[3], core[3]))
-                if b[0] < b[1] and b[2] < b[3]:
-                    probed[v] = probed.get(v, 0) + 1
-                    launches += len(tracked[v]) * moments(b, chans[v], s)
+            if v not in self.mapped or box_empty(core):
+                continue
+            for b in self.mapped[v].meeting(core):  # (each probe's part of the core)
+                probed[v] = probed.get(v, 0) + 1
+                launches += len(tracked[v]) * moments(b, chans[v], s)
         return launches
 
 
@@ -244,58 +243,21 @@ def _tile_boxes(seg, tile, scope: Scope, rows, regions):
     return bands, [back_propagate(seg.ops, cores, shapes) for cores in bands]
 
 
-class _Translations:
-    """Tiles whose boxes are one another's translates cost the same: a segment's tile is counted once per
-    class of its boxes and the count reused for the others (the interior tiles of a grid are one class;
-    a plan's search counts tens of thousands of tiles otherwise).
-
-    A tile's count reads its boxes only through their sides, their clipping at the value's borders and
-    the integer divisions of the ops' factors. So two tiles count alike when every value's box has the
-    same sides, the same origin modulo `period` (a multiple of every op's factor) and the same distances
-    to the borders up to `reach` (past it no op's input box reaches the border). Boxes are products of
-    a row interval and a column interval, and every op maps rows to rows and columns to columns, so the
-    class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
-    each learned once per interval (`by_axis`; without it, from each tile's own boxes: fast mode's
-    staged sampled tiles' regions, and a tile where a value's box is empty; a pass's probes are counted
-    from each tile's own cores, beside its class)."""
-
-    def __init__(self, seg, shapes, by_axis: bool, split: dict[str, int] | None = None):
-        self.shapes, self.by_axis, self.outputs = shapes, by_axis, set(seg.outputs)
-        self.split = {v: r for v, r in (split or {}).items() if v in set(seg.inputs) | self.outputs}
-        self.memo: dict[tuple[int, int], tuple[int, Cost | None]] = {}  # class -> (bands, cost)
-        self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
-        self.period, self.reach = period_and_reach(seg.ops, shapes)
-
-    def known(self, core) -> tuple[int, int] | None:
-        """The class of a tile known from its rows and columns (None: not known, or not counted yet)."""
-        if not self.by_axis:
-            return None
-        y, x = self.rows.get(core[:2]), self.cols.get(core[2:])
-        return None if y is None or x is None or (y, x) not in self.memo else (y, x)
-
-    def remember(self, core, bands, needs, count) -> tuple[int, int]:
-        """The class of a tile, counted (`count()`: its bands and cost in `memo`) unless it has been."""
-        if self.by_axis and any(set(c) != self.outputs for c in bands):
-            self.by_axis = False  # (an empty box: rows and columns no longer say which values a band has)
-        if self.by_axis:
-            key = self.rows.setdefault(core[:2], self._id(self._axis(bands, needs, 0))), \
-                self.cols.setdefault(core[2:], self._id(self._axis(bands, needs, 2)))
-        else:
-            key = (self._id(self._axis(bands, needs, 0)), self._id(self._axis(bands, needs, 2)))
-        if key not in self.memo:
-            self.memo[key] = (len(bands), count())
-        return key
-
-    def _id(self, axis_class: tuple) -> int:
-        return self.ids.setdefault(axis_class, len(self.ids))
-
-    def _axis(self, bands, needs, a: int) -> tuple:
-        """The class of a tile's boxes along one axis (a = 0: rows, 2: columns; `batches.axis_class`)."""
-        got = axis_class(bands, needs, self.shapes, self.period, self.reach, a)
-        if a == 0 and self.split:  # (a split value's box: how many of its rows are on the device)
-            got += tuple(tuple((v, max(0, min(b[1], self.split[v]) - b[0])) for v, b in d.items()
-                               if v in self.split) for d in (*bands, *needs))
-        return got
+def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
+    """The classes of a segment's tiles over `grid` (its boxes: in `rows` bands, or `regions`), made once
+    inside `remembered()`: each staging, batch or chunk a plan tries counts the same classes again."""
+    split = {v: r for v, r in (scope.s.run.device_rows if scope.s.gpu else {}).items()
+             if v in seg.inputs or v in seg.outputs}
+    table = _REMEMBERED.get()
+    if table is None:
+        return Translations(seg, scope.shapes, split)
+    values = sorted({v for op in seg.ops for v in (op.dst, *op.src)} | set(seg.inputs) | {scope.ref})
+    key = ("classes", tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
+           tuple((v, scope.shapes[v]) for v in values), scope.ref, tuple(t.core for t in grid), rows,
+           tuple(sorted(split.items())), None if regions is None else id(regions))
+    if key not in table:
+        table[key] = (Translations(seg, scope.shapes, split), seg.ops, regions)  # (their ids stay theirs)
+    return table[key][0]
 
 
 def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:

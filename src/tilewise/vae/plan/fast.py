@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
 from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
+from ..run.batches import axis_class, period_and_reach
 from ..run.options import Choices
 from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
@@ -117,6 +118,7 @@ class _FastPlan:
     full: int
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
         return {t.index for t in sample_tiles(grid, self.settings.fast.fraction(Estimator.TILES), self.most)}
@@ -215,19 +217,36 @@ class _FastPlan:
 
     def piece_pair(self, pc: PieceRef, held: int, staged: bool | None) -> tuple[Pass, Pass, bool]:
         """The sampled tiles' and the other tiles' passes over (a piece of) the part, holding `held` (its
-        input); staged None: staged when the sampled tiles do not fit at once."""
-        s, part = self.s, pc.program
+        input); staged None: staged when the sampled tiles do not fit at once. A piece planned before
+        with the same sample, held bytes and staging (under other cuts or caps, or staged at first) is
+        not planned again (`memo`)."""
         grid = tile_grid(pc.hw, pc.tile)  # (as the run)
         sampled = frozenset(self.sampled(grid))
+        key = (pc.program.input, pc.program.output, sampled, held)
+        got = self.memo.get((*key, staged))
+        if got is None:
+            got = self._piece_pair(pc, grid, sampled, held, staged)
+            self.memo[(*key, staged)] = self.memo[(*key, got[2])] = got  # (staged None: as decided)
+        sp, rp, staged = got
+        if sp.piece != pc.piece:  # (the same piece among other pieces)
+            sp, rp = (q.replace(program=pc.program.name, piece=pc.piece) for q in (sp, rp))
+        return sp, rp, staged and self.s.run.staging is not Place.DISK
+
+    def _piece_pair(self, pc: PieceRef, grid, sampled: frozenset, held: int, staged: bool | None) -> tuple:
+        """`piece_pair`, planned: (sampled tiles' pass, other tiles' pass, whether the first is staged)."""
+        s, part = self.s, pc.program
         fixed = frozenset(id(op) for op in part.ops if op.kind is OpKind.GROUP_NORM)
+        regions = _Regions(pc, grid)  # (the sampled tiles' boxes, for their peak together or staged)
         spec = PassSpec(PassKind.SAMPLED, part, pc.shape, pc.tile, pc.ref, fixed, sampled, together=True,
                         piece=pc.piece)
-        sp = self._with_copies(pass_plan(spec, s, self.job.profile, self.full), pc, grid, sampled)
+        sp = pass_plan(spec, s, self.job.profile, self.full)
+        if not staged:  # (staged, the pass below keeps only this one's work and FLOPs)
+            sp = self._with_copies(sp, pc, regions, sampled)
         if staged is None:
             budget = self.settings.memory_budget
             staged = s.run.staging is Place.DISK or (s.gpu and budget is not None and sp.peak + held > budget)
         if staged:  # staged_tile_stats: cut at every GroupNorm, one tile at a time, its regions staged
-            sp = self._staged(sp, pc, grid, sampled, len(fixed))
+            sp = self._staged(sp, pc, regions, sampled, len(fixed))
         else:  # sampled_tile_stats: every sampled tile's values at once, op by op, and their statistics
             stats = sample_stats_cost(part, grid, sampled, pc.shapes, part.channels(), pc.ref, s,
                                       bool(self.settings.fast.low))
@@ -240,15 +259,15 @@ class _FastPlan:
         rest = frozenset(t.index for t in grid) - sampled
         rp = pass_plan(PassSpec(PassKind.OTHER, part, pc.shape, pc.tile, pc.ref, fixed, rest, banded=False,
                                 piece=pc.piece), s, self.job.profile, self.full)
-        return sp.with_held(held), rp.with_held(held + kept), staged and s.run.staging is not Place.DISK
+        return sp.with_held(held), rp.with_held(held + kept), staged
 
-    def _with_copies(self, sp: Pass, pc: PieceRef, grid, sampled) -> Pass:
+    def _with_copies(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled) -> Pass:
         """The sampled tiles' pass with the copies their statistics take: on a GPU plan of one segment the
         tiles' values op by op, summed, and the copies where made; else the sum of the tiles' largest
         values and the largest copy beside them."""
         s, part = self.s, pc.program
         chans = part.channels()
-        chosen = [t for t in grid if t.index in sampled]
+        chosen = [t for t in regions.grid if t.index in sampled]
 
         def copy(k: int, op) -> int:  # (a tile's statistics of a GroupNorm's input, one tile at a time)
             return stats_copy(op.src[0], map_box(chosen[k].core, pc.hw, pc.shapes[op.dst]), chans, s,
@@ -256,24 +275,21 @@ class _FastPlan:
 
         if s.gpu and sp.segments == 1:
             outs = [map_box(t.core, pc.hw, pc.shapes[part.output]) for t in chosen]
-            needs = [back_propagate(part.ops, {part.output: b}, pc.shapes) for b in outs]
-            working = together_peak(part.ops, needs, outs, Sizes(pc.shapes, chans, s.batch * s.item),
-                                    part.output, copy)
+            working = together_peak(part.ops, lambda k: regions[chosen[k].index], outs,
+                                    Sizes(pc.shapes, chans, s.batch * s.item), part.output, copy,
+                                    [regions.tile_class(t.index) for t in chosen])
             return sp.replace(peak=sp.peak - sp.working + working, working=working)
         return sp.replace(peak=sp.peak + max((copy(k, op) for op in part.ops if op.kind is OpKind.GROUP_NORM
                                               for k in range(len(chosen))), default=0))
 
-    def _staged(self, sp: Pass, pc: PieceRef, grid, sampled, norms: int) -> Pass:
+    def _staged(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled, norms: int) -> Pass:
         """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
         back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
         no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
-        part = pc.program
-        out_hw = pc.shapes[part.output]
-        regions = {t.index: back_propagate(part.ops, {part.output: map_box(t.core, pc.hw, out_hw)}, pc.shapes)
-                   for t in grid if t.index in sampled}
         unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
         kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
-        spec = PassSpec(kind, part, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions, piece=pc.piece)
+        spec = PassSpec(kind, pc.program, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions,
+                        piece=pc.piece)
         staged = pass_plan(spec, unchecked, self.job.profile, self.full)
         extra = ADJUST * norms if self.settings.fast.low else 0
         return staged.replace(work=sp.work, flops=sp.flops, launches=staged.launches + extra)
@@ -297,3 +313,32 @@ class PieceRef:
     @property
     def hw(self) -> tuple[int, int]:
         return self.shapes[self.ref]
+
+
+class _Regions(dict):
+    """Tile index -> the boxes of every value of a piece back-propagated from the tile's output core (a
+    sampled tile's regions), each back-propagated when first read: a count reads one tile of each class
+    (`translations.Translations`, `tile_class`)."""
+
+    def __init__(self, pc: PieceRef, grid):
+        super().__init__()
+        self.pc, self.grid = pc, grid
+        self.period, self.reach = period_and_reach(pc.program.ops, pc.shapes)
+        self.rows: dict[tuple[int, int], tuple] = {}
+        self.cols: dict[tuple[int, int], tuple] = {}
+
+    def tile_class(self, index: int) -> tuple:
+        """The class of a tile's regions: their rows' and columns' `batches.axis_class`, each learned from
+        the first tile with the same core rows or columns (boxes map rows to rows, columns to columns)."""
+        core, shapes = self.grid[index].core, self.pc.shapes
+        if core[:2] not in self.rows:
+            self.rows[core[:2]] = axis_class([], [self[index]], shapes, self.period, self.reach, 0)
+        if core[2:] not in self.cols:
+            self.cols[core[2:]] = axis_class([], [self[index]], shapes, self.period, self.reach, 2)
+        return self.rows[core[:2]], self.cols[core[2:]]
+
+    def __missing__(self, index: int) -> dict:
+        part, pc = self.pc.program, self.pc
+        core = map_box(self.grid[index].core, pc.hw, pc.shapes[part.output])
+        self[index] = got = back_propagate(part.ops, {part.output: core}, pc.shapes)
+        return got

@@ -142,23 +142,25 @@ def pointwise_conv(op) -> bool:
     return op._pointwise()
 
 
-def together_peak(ops, needs, cores, sizes: Sizes, out: str, copies) -> int:
+def together_peak(ops, need, cores, sizes: Sizes, out: str, copies, classes) -> int:
     """Peak bytes of tiles run op by op together (fast mode's sampled tiles, `estimators.
-    sampled_tile_stats`), each on its boxes `needs[t]`, its output core `cores[t]` kept. Each op runs
-    tile after tile: while tile t runs op i, the tiles before it hold what they hold after op i, those
-    after it what they hold before it. Before a GroupNorm, the statistics of its input are taken tile
-    after tile, each through a copy (`copies(t, op)`: bytes) while every tile holds its values."""
+    sampled_tile_stats`), each on its boxes `need(t)`, its output core `cores[t]` kept; tiles of one of
+    `classes` (a key a tile: boxes that are translates, clipped alike) hold alike, followed once. Each op
+    runs tile after tile: while tile t runs op i, the tiles before it hold what they hold after op i,
+    those after it what they hold before it. Before a GroupNorm, the statistics of its input are taken
+    tile after tile, each through a copy (`copies(t, op)`: bytes) while every tile holds its values."""
     last = last_use(ops, [out])
-    profiles = []
-    for need, core in zip(needs, cores, strict=True):
-        prof: list = []
-        live_peak(ops, need, sizes, set(), {out: core}, last, profile=prof)
-        profiles.append(prof)
+    profiles, known = [], {}
+    for t, key in enumerate(classes):
+        if key not in known:
+            known[key] = prof = []
+            live_peak(ops, need(t), sizes, set(), {out: cores[t]}, last, profile=prof)
+        profiles.append(known[key])
     peak = 0
     for i, op in enumerate(ops):
         before = [p[i][0] for p in profiles]
         if op.kind is OpKind.GROUP_NORM:
-            peak = max(peak, sum(before) + max(copies(t, op) for t in range(len(needs))))
+            peak = max(peak, sum(before) + max(copies(t, op) for t in range(len(cores))))
         done, waiting = 0, sum(before)  # (bytes of the tiles past op i, and of those before it)
         for p in profiles:
             waiting -= p[i][0]

@@ -1,0 +1,65 @@
+"""Classes of translated tiles: tiles of a segment whose boxes are one another's translates, counted once
+per class (`counts.segment_cost`)."""
+
+from __future__ import annotations
+
+from ..run.batches import axis_class, period_and_reach
+
+
+class Translations:
+    """Tiles whose boxes are one another's translates cost the same: a segment's tile is counted once per
+    class of its boxes (`reps`: the boxes of its first tile) and the count reused for the others (the
+    interior tiles of a grid are one class; a plan's search counts tens of thousands of tiles otherwise).
+
+    A tile's count reads its boxes only through their sides, their clipping at the value's borders and
+    the integer divisions of the ops' factors. So two tiles count alike when every value's box has the
+    same sides, the same origin modulo `period` (a multiple of every op's factor) and the same distances
+    to the borders up to `reach` (past it no op's input box reaches the border). Boxes are products of
+    a row interval and a column interval, and every op maps rows to rows and columns to columns, so the
+    class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
+    each learned once per interval (`by_axis`; the regions of fast mode's staged sampled tiles too, which
+    are back-propagated from their cores; without it, from each tile's own boxes: after a tile where a
+    value's box is empty; a pass's probes are counted from each tile's own cores, beside its class)."""
+
+    def __init__(self, seg, shapes, split: dict[str, int]):
+        self.shapes, self.by_axis, self.outputs, self.split = shapes, True, set(seg.outputs), split
+        self.reps: dict[tuple[int, int], tuple[list, list]] = {}  # class -> its first tile's (bands, needs)
+        self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
+        self.keys: dict[tuple, tuple[int, int]] = {}  # core -> class, of the tiles seen
+        self.period, self.reach = period_and_reach(seg.ops, shapes)
+
+    def key(self, tile, boxes) -> tuple[int, int]:
+        """The class of a tile: known from its core, or its rows and columns, else from its boxes
+        (`boxes()`: its bands and the boxes they need)."""
+        core = tile.core
+        got = self.keys.get(core)
+        if got is None and self.by_axis:
+            y, x = self.rows.get(core[:2]), self.cols.get(core[2:])
+            got = None if y is None or x is None or (y, x) not in self.reps else (y, x)
+        if got is None:
+            got = self._remember(core, *boxes())
+        self.keys[core] = got
+        return got
+
+    def _remember(self, core, bands, needs) -> tuple[int, int]:
+        """The class of a tile from its boxes, which become its class's `reps` if it is the first."""
+        if self.by_axis and any(set(c) != self.outputs for c in bands):
+            self.by_axis = False  # (an empty box: rows and columns no longer say which values a band has)
+        if self.by_axis:
+            key = self.rows.setdefault(core[:2], self._id(self._axis(bands, needs, 0))), \
+                self.cols.setdefault(core[2:], self._id(self._axis(bands, needs, 2)))
+        else:
+            key = (self._id(self._axis(bands, needs, 0)), self._id(self._axis(bands, needs, 2)))
+        self.reps.setdefault(key, (bands, needs))
+        return key
+
+    def _id(self, axis_class: tuple) -> int:
+        return self.ids.setdefault(axis_class, len(self.ids))
+
+    def _axis(self, bands, needs, a: int) -> tuple:
+        """The class of a tile's boxes along one axis (a = 0: rows, 2: columns; `batches.axis_class`)."""
+        got = axis_class(bands, needs, self.shapes, self.period, self.reach, a)
+        if a == 0 and self.split:  # (a split value's box: how many of its rows are on the device)
+            got += tuple(tuple((v, max(0, min(b[1], self.split[v]) - b[0])) for v, b in d.items()
+                               if v in self.split) for d in (*bands, *needs))
+        return got
