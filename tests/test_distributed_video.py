@@ -114,7 +114,8 @@ def test_a_process_group_plans_and_runs_frame_by_frame():
 
 # the traced families beyond Wan / LTX / Qwen-Image, 2 ranks: GroupNorms over every frame (HunyuanVideo,
 # Mochi), a chunked loop of several steps (CogVideoX, KVAE video), rows along time (VidTok), frames-first
-# output and GroupNorms of each frame (Allegro); name -> (builder in video_vae_support, task, shape, options)
+# output and GroupNorms of each frame (Allegro); fast mode (every rank estimates the same statistics, then
+# runs its band); name -> (builder in video_vae_support, task, shape, options)
 TRACED = {
     "hunyuan": ("hunyuan", "decode", (1, 4, 2, 7, 6), dict(tile_size=3)),
     "mochi": ("mochi", "decode", (1, 4, 2, 7, 6), dict(tile_size=3)),
@@ -122,6 +123,8 @@ TRACED = {
     "kvae": ("kvae_video", "encode", (1, 3, 9, 40, 48), dict(tile_size=2)),
     "vidtok": ("vidtok", "decode", (1, 4, 3, 7, 6), dict(tile_size=3)),
     "allegro": ("allegro", "encode", (1, 3, 8, 28, 24), dict(tile_size=3)),
+    "hunyuan_fast": ("hunyuan", "decode", (1, 4, 2, 7, 6), dict(tile_size=3, mode="fast")),
+    "allegro_fast": ("allegro", "encode", (1, 3, 8, 28, 24), dict(tile_size=3, mode="fast")),
 }
 _BUILT: dict = {}  # (built in the parent before the ranks fork: each rank has the same weights)
 
