@@ -242,6 +242,22 @@ def test_a_scaled_family_folder_decodes_and_encodes_as_its_pipeline(scaled, tmp_
     assert got.shape == want.shape == (9, 24, 40, 3) and np.abs(got - want).max() <= TOL
 
 
+def test_mode_fast_decodes_a_video_family_with_its_named_approximation(scaled, tmp_path):
+    """--mode fast on a 3-D VAE with GroupNorms (Magvit): its plan says what is estimated, and the frames
+    are close to the stock decode's, not equal (the estimate, measured)."""
+    folder, vae = scaled("magvit")
+    z = torch.randn(1, 4, 3, 6, 6, generator=torch.Generator().manual_seed(7))
+    save_file({"latents": z}, str(tmp_path / "z.safetensors"))
+    text = _run("decode", tmp_path / "z.safetensors", "--model", folder, "--out", tmp_path / "x.npy",
+                "--bits", 32, "--tile", 2, "--mode", "fast", "--quiet")
+    assert "mode=fast" in text and "estimated from a sample of its tiles" in text
+    with torch.no_grad():
+        want = vae.decode(z / SF).sample[0].permute(1, 2, 3, 0).numpy()
+    got = np.load(tmp_path / "x.npy")
+    err = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+    assert got.shape == want.shape and 1e-4 < err < 0.6
+
+
 def test_what_the_scaled_families_cannot_take_is_refused_naming_it(scaled, tmp_path, capsys):
     """A frame count HunyuanVideo 1.5's encoder cannot take (from the headers, before the VAE is lowered);
     CogVideoX's pipeline latents left frames first; a Magvit whose GroupNorms span each chunk's frames."""
