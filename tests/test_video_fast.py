@@ -123,3 +123,10 @@ def test_fast_mode_within_a_budget_plans_below_exact_mode():
     exact, fast = (tw.TiledVAE(_vae("hunyuan"), tile_size=4, mode=mode, progress=False)
                    .plan(shape, staging="device") for mode in ("exact", "fast"))
     assert fast.staged_peak < exact.staged_peak and fast.segments < exact.segments
+
+
+def test_fast_mode_has_no_backward_and_says_so():
+    tv = tw.TiledVAE(_vae("hunyuan"), tile_size=3, mode="fast", progress=False)
+    z = _input("hunyuan", "decode").requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no backward in fast mode"):
+        tv.decode(z)

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from ..settings import Job, Place, Settings
 from .backward import choose_backward, param_bytes
 from .executor import Order, VideoExecutor, _VideoRun
+from .fast import FastSplit, fast_split
 from .plan import choose_video
 from .reverse import StepReverse
 from .stores import nbytes
@@ -48,6 +49,9 @@ def run(settings: Settings, job: Job, t, vae) -> tuple:
     if settings.process_group is not None:
         raise RuntimeError(f"TiledVAE {job.kind} of a {job.model} has no backward with a process group (the "
                            "reverse runs in one process); use the wrapped VAE to train")
+    if isinstance(fast_split(settings, job, tuple(t.shape)), FastSplit):
+        raise RuntimeError(f"TiledVAE {job.kind} of a {job.model} has no backward in fast mode (its "
+                           "statistics are estimated by passes of their own); use mode='exact' to train")
     if settings.staging is Place.DISK:
         raise ValueError(f"TiledVAE {job.kind} of a {job.model} with gradients keeps every staged value of "
                          "the step it reverses in memory: staging='disk' is for no_grad calls; use "
