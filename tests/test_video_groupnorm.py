@@ -12,8 +12,9 @@ from video_vae_support import video_vae  # noqa: E402
 import tilewise as tw  # noqa: E402
 from tilewise.locality.ops3d_sync import StepAttention, VideoGroupNorm  # noqa: E402
 from tilewise.locality.program3d import VideoProgram  # noqa: E402
-from tilewise.vae.video.executor import VideoExecutor, video_segments  # noqa: E402
+from tilewise.vae.video.executor import VideoExecutor  # noqa: E402
 from tilewise.vae.video.plan import make_video_plan  # noqa: E402
+from tilewise.vae.video.units import video_segments  # noqa: E402
 
 TOL = 1e-4
 

@@ -27,8 +27,8 @@ from ...memory import format_bytes
 from ..run.reverse import NORM_ROWS_BYTES
 from ..run.segments import tile_grid
 from ..settings import Job, Place, Settings
-from .executor import IN_MEMORY, Order, layout, video_segments
 from .plan import VideoPlan, _plan, make_video_plan
+from .units import IN_MEMORY, Order, layout, video_segments
 
 TILES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)  # the tiles a budgeted differentiable call tries
 

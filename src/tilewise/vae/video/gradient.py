@@ -35,11 +35,12 @@ from tqdm.auto import tqdm
 
 from ..settings import Job, Place, Settings
 from .backward import choose_backward, param_bytes
-from .executor import Order, VideoExecutor, _VideoRun
+from .executor import VideoExecutor, _VideoRun
 from .fast import FastSplit, fast_split
 from .plan import choose_video
 from .reverse import StepReverse
 from .stores import nbytes
+from .units import Order
 
 __all__ = ["run"]
 

@@ -18,10 +18,10 @@ from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
 from ..run.segments import tile_grid
 from ..settings import Job, Kind, Mode, Place, Settings
-from .executor import IN_MEMORY, VIDEO_STAGINGS, Order, layout, video_segments
 from .fast import FastSplit, estimation_bytes, fast_note, fast_split
 from .live import FrameSizes, unit_peak
 from .stores import write_bytes
+from .units import IN_MEMORY, VIDEO_STAGINGS, Order, layout, video_segments
 
 
 @dataclass
