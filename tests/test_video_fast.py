@@ -130,3 +130,18 @@ def test_fast_mode_has_no_backward_and_says_so():
     z = _input("hunyuan", "decode").requires_grad_(True)
     with pytest.raises(RuntimeError, match="no backward in fast mode"):
         tv.decode(z)
+
+
+def test_the_estimation_holds_its_regions_in_host_memory_where_the_run_stages_there():
+    """staging="host": the sampled tiles' regions and a decode's head output wait in host memory (a GPU
+    plan counts them there), and the run equals the one staged on the device."""
+    x = _input("mochi", "decode")
+    runs = {st: _run("mochi", "decode", x, mode="fast", staging=st)[1] for st in ("device", "host")}
+    assert (runs["host"] - runs["device"]).abs().max() <= 1e-6
+    tv = tw.TiledVAE(_vae("mochi"), tile_size=3, mode="fast", device_kind="cuda", progress=False)
+    plans = {st: tv.plan(tuple(x.shape), staging=st) for st in runs}
+    job = tv.job("decode")
+    split = fast_split(tv.settings, job, tuple(x.shape))
+    held = estimation_bytes(tv.settings, job, split, tuple(x.shape), plans["host"].tile_size)
+    assert plans["host"].host_bytes >= held > 0
+    assert plans["host"].estimate_peak < plans["device"].estimate_peak

@@ -18,7 +18,7 @@ import torch
 
 from ...distributed import rank_world, resolve_group
 from ..checks import check_device
-from ..settings import Job, Kind, Mode, Settings
+from ..settings import Job, Kind, Mode, Place, Settings
 from .executor import VideoExecutor
 from .fast import FastSplit, fast_note, fast_split, fast_stats
 from .plan import choose_video, make_video_plan
@@ -105,8 +105,9 @@ def _tiled(settings: Settings, job: Job, t, emit, tile: int, staging, order, gro
                              stage_dir=settings.stage_dir, fixed_stats=stats)
 
     stats, held = None, 0
-    if isinstance(split, FastSplit):
-        stats, held = fast_stats(settings, job, split, t, tile, executor)
+    if isinstance(split, FastSplit):  # (held in host memory where the run stages there)
+        home = torch.device("cpu") if staging is not Place.DEVICE else None
+        stats, held = fast_stats(settings, job, split, t, tile, executor, home)
     res = executor(job.program, job.ref, stats).run(t, emit=emit)
     return res.output, max(res.staged_peak, held)
 

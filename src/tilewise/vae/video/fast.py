@@ -106,19 +106,22 @@ def fast_split(settings: Settings, job: Job, shape) -> FastSplit | str | None:
     return split
 
 
-def fast_stats(settings: Settings, job: Job, split: FastSplit, x, tile: int, executor) -> tuple[dict, int]:
+def fast_stats(settings: Settings, job: Job, split: FastSplit, x, tile: int, executor,
+               home=None) -> tuple[dict, int]:
     """The estimated statistics ((id(GroupNorm), step) -> (mean, var)) and the most bytes held while making
-    them; `executor(program, ref)` makes an exact video executor (the decode's head)."""
+    them; `executor(program, ref)` makes an exact video executor (the decode's head); `home`: where the
+    estimation holds what it keeps (the host where the run stages there; None: x's device)."""
     given, held = {job.program.input: x}, 0
     if job.kind is Kind.DECODE:
         res = executor(split.head, split.head.input).run(x)
-        given[split.cut], held = res.output, res.staged_peak + nbytes(res.output)
+        h = res.output if home is None else res.output.to(home)
+        given[split.cut], held = h, res.staged_peak + nbytes(h)
     shapes = job.program.shapes(tuple(x.shape[-2:]))
     tiles = sampled(shapes, split.cut, part_tile(job, split, x.shape, tile),
                     settings.fast.fraction(Estimator.TILES))
     logger.info("TiledVAE %s: fast mode estimates %d GroupNorms from %d sampled tiles", job.model,
                 len(split.fixed), len(tiles))
-    est = SampledStats(job.program, split.part, split.cut, tiles, settings.query_chunk)
+    est = SampledStats(job.program, split.part, split.cut, tiles, settings.query_chunk, x.device, home)
     stats = est.run(given)
     head = nbytes(given[split.cut]) if job.kind is Kind.DECODE else 0
     return stats, max(held, est.held_peak + head)

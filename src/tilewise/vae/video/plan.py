@@ -256,9 +256,13 @@ def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Orde
     notes, est = [], 0
     if settings.mode is Mode.FAST:
         notes.append(fast_note(split, p, one))
-    if fast:  # (the estimation pass: the sampled tiles' regions beside one unit's working set, and a
-        # decode's head run exact first, its output held)
-        est = estimation_bytes(settings, job, split, shape, tile) + f["working"]
+    if fast:  # (the estimation pass: the sampled tiles' regions beside one unit's working set, held on
+        # the host where the run stages there; a decode's head run exact first, its output held)
+        held = estimation_bytes(settings, job, split, shape, tile)
+        on_host = st is not Place.DEVICE and job.gpu  # (a CPU plan's host memory is its device's)
+        est = f["working"] + (0 if on_host else held)
+        if on_host:
+            f["host_bytes"] = max(f["host_bytes"], held)
         if job.kind is Kind.DECODE:
             head = count(split.head, shape, tile, split.head.input, **figures)
             est = max(est, head["peak"])

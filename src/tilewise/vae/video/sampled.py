@@ -13,6 +13,9 @@ own regions (not full-size values), and its causal caches per segment, as the ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
@@ -45,13 +48,17 @@ class SampledStats:
     """The estimation pass over `part` (ops of `program` from `given` values to an output) for the
     sampled `tiles` of a grid on value `ref`: `run(given)`, given the part's inputs whole ((B, C, T, H, W)
     value -> tensor of every frame), returns (id(GroupNorm), step) -> (mean, var) for every GroupNorm of
-    the part; `held_peak` is then the most bytes of regions and caches it held at once."""
+    the part; `held_peak` is then the most bytes of regions and caches it held at once. They are held on
+    `home` (the host, where the run stages there; None: where they are computed) and each unit's read to
+    `device`, as the executor's staged values are."""
 
     program: VideoProgram  # (its causal steps, frames and shapes)
     part: Program
     ref: str
     tiles: list
     query_chunk: int = 4096
+    device: Any = None  # where the units run (None: where the given values are)
+    home: Any = None  # where the regions and caches are held between units (None: the device)
 
     def run(self, given: dict) -> dict:
         p, x = self.program, given[self.program.input]  # (given: the program input too)
@@ -60,7 +67,8 @@ class SampledStats:
         frames = p.frames(self.chunks)
         self.needs = regions(self.part, self.shapes, self.ref, self.tiles)
         self.segs = norm_segments(self.part)
-        self.ctx = VideoContext(query_chunk=self.query_chunk)
+        self.device = x.device if self.device is None else torch.device(self.device)
+        self.ctx = VideoContext(query_chunk=self.query_chunk, cache_device=self.home)
         self.caches: dict[tuple[int, int], dict] = {}
         self.held_peak = 0
         readers = {v: i for i, seg in enumerate(self.segs) for v in seg.inputs}
@@ -88,13 +96,14 @@ class SampledStats:
     def _unit(self, i: int, seg, j: int, held: dict, last: dict) -> None:
         """Segment i on sampled tile j for the running step: its regions of the segment's outputs held."""
         need = self.needs[j]
-        vals = {v: (held[v, j], need[v]) for v in seg.inputs}
+        vals = {v: (held[v, j].to(self.device, non_blocking=True), need[v]) for v in seg.inputs}
         shared = [t for t, _ in vals.values()]  # (held regions and the input: never overwritten)
         self.ctx.caches = self.caches.setdefault((i, j), {})
         for n in range(len(seg.ops)):
             run_op(seg.ops, n, self.ctx, vals, need, self.shapes, last, keep=seg.outputs, shared=shared)
         for v in seg.outputs:
-            held[v, j] = vals[v][0]
+            t = vals[v][0]
+            held[v, j] = t if self.home is None else t.to(self.home)
 
     def _publish(self, seg, k: int, held: dict) -> None:
         """The statistics of the segment's GroupNorms for step k, merged over the sampled tiles' cores."""
@@ -109,7 +118,7 @@ class SampledStats:
                 core = (max(c[0], box[0]), min(c[1], box[1]), max(c[2], box[2]), min(c[3], box[3]))
                 if not box_empty(core):
                     acc.add(folded(sub_tensor(held[v, j], box, core), op.per_frame))
-            self.ctx.step_stats[id(op), k] = acc.result()
+            self.ctx.step_stats[id(op), k] = tuple(t.to(self.device) for t in acc.result())
 
     def _bytes(self, held: dict, views: set) -> int:
         """Bytes of the regions held (not the given values' views) and of every tile's caches."""
