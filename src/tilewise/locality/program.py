@@ -196,8 +196,9 @@ def recomputable(segments: list[Segment], given: str, longer: bool = False) -> l
     a GroupNorm input made in a local segment by local ops (RECOMPUTABLE) from that segment's staged
     inputs, each of which stays staged until the value's last reader anyway (`given`, the program input,
     stays to the end). `longer`: those inputs may also be staged longer for it (read by the value's
-    readers too), and a value may be made from values recomputed themselves (a chain: its readers remake
-    it from the chain's staged leaves)."""
+    readers too), a value may be made from values recomputed themselves (a chain: its readers remake
+    it from the chain's staged leaves), and it may be any value only local segments read (a resnet's
+    shortcut, read by its residual add)."""
     last = _last_readers(segments, given)
     out = []
     for seg in segments:
@@ -207,9 +208,11 @@ def recomputable(segments: list[Segment], given: str, longer: bool = False) -> l
             readers = [s for s in segments if v in s.inputs]
             normed = all(any(op.kind is OpKind.GROUP_NORM and op.src[0] == v for op in s.ops)
                          for s in readers)
+            local = all(s.kind is SegmentKind.LOCAL for s in readers)
             made = _made_from(seg, v)
-            if normed and made is not None and (longer or all(u == given or last.get(u, -1) >= last[v]
-                                                              for u in made[1])):
+            if made is None or not (normed or (longer and local)):
+                continue
+            if longer or all(u == given or last.get(u, -1) >= last[v] for u in made[1]):
                 out.append(v)
     return out
 
