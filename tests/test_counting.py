@@ -138,7 +138,10 @@ def test_device_plan_places_what_fits_on_the_device_and_the_rest_in_host_memory(
         plan = tv.plan(tuple(z.shape))
         c = _counted("meta", tv.decode, z)
     assert plan.staging == "device+host" and 0 < len(plan.on_device) < len(plan.stages)
-    assert {"device", "host"} <= {s.where for s in plan.stages} <= {"device", "host", "device+host"}
+    where = {s.where for s in plan.stages}  # (the rest in host memory, whole or split at a row: with
+    # chains recomputed, the values left wholly in host memory may be none)
+    assert "device" in where and where & {"host", "device+host"}
+    assert where <= {"device", "host", "device+host"}
     assert c.device_peak("meta") <= plan.peak <= (hi + lo) // 2
     assert 0 < c.h2d < host.plan(tuple(z.shape)).h2d and plan.d2h == c.d2h
 
@@ -158,7 +161,7 @@ def test_split_placement_prints_what_its_run_moves_and_moves_less_than_whole_val
         cpu = tw.TiledVAE(vae, memory_budget=48 << 20, progress=False, device_kind="cpu").plan(tuple(z.shape))
     for budget, (plan, c, whole) in zip(budgets, got, strict=True):
         assert plan.staging == "device+host" and plan.choices.split  # (values split at a row)
-        assert {s.where for s in plan.stages} >= {"device+host", "host"}
+        assert "device+host" in {s.where for s in plan.stages}
         assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h) and plan.flops == c.flops  # (to the byte)
         assert abs(plan.launches - c.launches) <= 0.03 * c.launches
         assert c.device_peak("meta") <= plan.peak <= budget

@@ -192,11 +192,14 @@ def _link(segments: list[Segment], program: Program) -> None:
 RECOMPUTABLE = (OpKind.CONV, OpKind.POINTWISE, OpKind.ADD, OpKind.GROUP_NORM, OpKind.RESAMPLE)
 
 
-def recomputable(segments: list[Segment], given: str) -> list[str]:
+def recomputable(segments: list[Segment], given: str, longer: bool = False) -> list[str]:
     """Staged values a later segment could recompute instead of reading (`recompute`), in program order:
     a GroupNorm input made in a local segment by local ops (RECOMPUTABLE) from that segment's staged
     inputs, each of which stays staged until the value's last reader anyway (`given`, the program input,
-    stays to the end)."""
+    stays to the end). `longer`: those inputs may also be staged longer for it (read by the value's
+    readers too), a value may be made from values recomputed themselves (a chain: its readers remake
+    it from the chain's staged leaves), and it may be any value only local segments read (a resnet's
+    shortcut, read by its residual add)."""
     last = _last_readers(segments, given)
     out = []
     for seg in segments:
@@ -206,8 +209,11 @@ def recomputable(segments: list[Segment], given: str) -> list[str]:
             readers = [s for s in segments if v in s.inputs]
             normed = all(any(op.kind is OpKind.GROUP_NORM and op.src[0] == v for op in s.ops)
                          for s in readers)
+            local = all(s.kind is SegmentKind.LOCAL for s in readers)
             made = _made_from(seg, v)
-            if normed and made is not None and all(u == given or last.get(u, -1) >= last[v] for u in made[1]):
+            if made is None or not (normed or (longer and local)):
+                continue
+            if longer or all(u == given or last.get(u, -1) >= last[v] for u in made[1]):
                 out.append(v)
     return out
 
@@ -216,14 +222,16 @@ def recompute(segments: list[Segment], values, given: str) -> list[Segment]:
     """The segments with each of `values` recomputed, not staged: the segment making it still computes
     it for its statistics (`Segment.measured`) but stores nothing; each segment reading it first runs
     the ops that make it, on its own tile from the staged values they read (a bigger halo, more FLOPs,
-    fewer staged bytes). Values in program order, each `recomputable` among the segments so far."""
+    fewer staged bytes; those values staged until its last reader). Values in program order, each
+    `recomputable` (`longer`) among the segments so far: a value made from one recomputed before it is
+    remade from that one's staged leaves (a chain)."""
     segs = [replace(s, ops=list(s.ops), inputs=list(s.inputs), outputs=list(s.outputs),
                     measured=list(s.measured)) for s in segments]
     order = {id(op): k for k, op in enumerate(op for s in segments for op in s.ops)}
     for v in values:
-        if v not in recomputable(segs, given):
+        if v not in recomputable(segs, given, longer=True):
             raise ValueError(f"value {v!r} cannot be recomputed by its readers; recomputable: "
-                             f"{recomputable(segs, given)}")
+                             f"{recomputable(segs, given, longer=True)}")
         i = next(k for k, s in enumerate(segs) if v in s.outputs)
         ops, leaves = _made_from(segs[i], v)
         segs[i].measured.append(v)

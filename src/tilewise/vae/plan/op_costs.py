@@ -101,9 +101,12 @@ def op_cost(ops, i: int, box, need, shapes, chans, s: Setting, last, keep, fixed
     cost = Cost()
     if op.kind is OpKind.CONV:
         lazy = lazy_input(ops, i, last, keep)
-        macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] * box_area(box)
+        whole = pointwise_conv(op) and not lazy  # (run on its whole input box: a bigger one where another
+        # op reads that input on a bigger halo, a chain's value recomputed beside a shortcut)
+        macs = op.weight.shape[1] * op.weight.shape[0] * op.kernel[0] * op.kernel[1] \
+            * box_area(need[op.src[0]] if whole else box)
         cost.work, cost.flops = macs, 2 * macs * s.batch
-        if pointwise_conv(op) and not lazy:
+        if whole:
             cost.launches = 1
             return cost
         rows = box[1] - box[0]

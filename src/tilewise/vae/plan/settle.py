@@ -95,19 +95,39 @@ def _settle_device(settings: Settings, job: Job, shape, streamed: bool) -> Plan:
 
 def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     """`plan` with the staged values its time model finds cheaper to recompute than to move across the
-    link (`locality.program.recompute`: the reader remakes a GroupNorm input from staged values it
-    reads anyway): each recomputable value in program order, kept where the plan with it fits and is
-    faster (exact host-staged plans on one process; device staging moves nothing to save)."""
+    link (`locality.program.recompute`, `longer`: a reader remakes a value from staged ones, through
+    chains of recomputed values): each recomputable value in program order, kept where the plan with it
+    fits and is faster (one kept may make later ones recomputable through it), then each pair of the
+    others that one segment reads (a resnet's residual and shortcut: recomputing one alone still reads
+    the other's leaves). Exact host-staged plans on one process; device staging moves nothing to save."""
     if settings.mode is not Mode.EXACT or plan.untiled or plan.staging is Place.DEVICE \
             or settings.process_group is not None:
         return plan
     p = job.program
-    best = plan
-    for v in recomputable(cut(p, {}, settings.attention), p.input):
-        got = _plan_at(settings, job, shape, best.choices.replace(recompute=(*best.choices.recompute, v)))
-        if got is not None and got.peak <= settings.memory_budget and got.seconds < best.seconds:
-            best = got
+    best, tried = plan, set()
+    while True:  # (values one by one, in program order)
+        segs = cut(p, {}, settings.attention, best.choices.recompute)
+        v = next((v for v in recomputable(segs, p.input, longer=True) if v not in tried), None)
+        if v is None:
+            break
+        tried.add(v)
+        best = _faster(settings, job, shape, best, (v,))
+    segs = cut(p, {}, settings.attention, best.choices.recompute)
+    left = recomputable(segs, p.input, longer=True)
+    for i, v in enumerate(left):  # (then pairs one segment reads: alone, neither paid)
+        for w in left[i + 1:]:
+            if any(v in s.inputs and w in s.inputs for s in segs) \
+                    and not {v, w} & set(best.choices.recompute):
+                best = _faster(settings, job, shape, best, (v, w))
     return best
+
+
+def _faster(settings: Settings, job: Job, shape, plan: Plan, values) -> Plan:
+    """`plan` with `values` recomputed too where that fits and is faster, else `plan`."""
+    got = _plan_at(settings, job, shape, plan.choices.replace(recompute=(*plan.choices.recompute, *values)))
+    if got is not None and got.peak <= settings.memory_budget and got.seconds < plan.seconds:
+        return got
+    return plan
 
 
 def _batched(settings: Settings, job: Job, shape, plan: Plan) -> Plan:

@@ -201,7 +201,8 @@ class Staging:
         if self.where is Place.DISK:
             self.dir = tempfile.TemporaryDirectory(prefix="tilewise-stage-", dir=directory)
         self.lane = copies.copy_lane(device, where)  # device -> host copies (a side stream on CUDA)
-        self.fetched: dict = {}  # (value, box) -> a lane handle of a box read ahead (`prefetch`)
+        self.fetched: dict = {}  # (value, box) -> lane handles of boxes read ahead (`prefetch`), oldest
+        # first (two tiles in a row may need the same box: a chain's halo clipped to the whole value)
         self.given: set[str] = set()  # values staged as given (`put`: the program input)
         self.tensors: dict[str, Any] = {}  # value -> tensor (device / host) or DiskValue
         self.offsets: dict[str, int] = {}  # first stored row of values held as a band of rows
@@ -252,7 +253,7 @@ class Staging:
             return t.read(y0 - off, y1 - off, x0, x1).to(self.device, non_blocking=True)
         if isinstance(t, SplitValue):
             return self._read_split(name, t, tuple(box))
-        handle = self.fetched.pop((name, tuple(box)), None)
+        handle = self._take((name, tuple(box)))
         if handle is not None:
             return self.lane.take(handle)
         self.lane.ready(name)
@@ -263,7 +264,7 @@ class Staging:
         lo = t.host_box(box)
         if lo is None:
             return t.device_view(box)
-        handle = self.fetched.pop((name, lo), None)
+        handle = self._take((name, lo))
         if handle is not None:
             bottom = self.lane.take(handle)
         else:
@@ -286,10 +287,21 @@ class Staging:
         if isinstance(t, SplitValue):  # (its host rows only; none: the box is a view on the device)
             lo = t.host_box(tuple(box))
             if lo is not None:
-                self.fetched[(name, lo)] = self.lane.fetch(name, t.host_view(box), self.device)
+                self.fetched.setdefault((name, lo), []).append(self.lane.fetch(name, t.host_view(box),
+                                                                               self.device))
             return
         src = t[..., y0 - off : y1 - off, x0:x1]
-        self.fetched[(name, tuple(box))] = self.lane.fetch(name, src, self.device)
+        self.fetched.setdefault((name, tuple(box)), []).append(self.lane.fetch(name, src, self.device))
+
+    def _take(self, key):
+        """The oldest handle read ahead for (value, box), or None (each tile takes the one read for it)."""
+        handles = self.fetched.get(key)
+        if not handles:
+            return None
+        handle = handles.pop(0)
+        if not handles:
+            del self.fetched[key]
+        return handle
 
     def drop_fetched(self) -> None:
         """Forget boxes read ahead that no tile took."""
