@@ -56,14 +56,17 @@ class FastSplit:
 
     @property
     def part(self) -> Program:
-        """The estimated part: a decode's tail (from the cut, and the latent where it reads it), an
-        encode's head."""
+        """The estimated part up to its last GroupNorm (what follows changes no statistic): a decode's
+        tail (from the cut, and the latent where it reads it), an encode's head."""
         p = self.program
-        if self.kind is Kind.DECODE:
-            return Program(ops=p.ops[self.at :], input=self.cut, output=p.output,
-                           in_channels=p.channels()[self.cut], name=p.name + "[tail]")
-        return Program(ops=p.ops[: self.at], input=p.input, output=self.cut, in_channels=p.in_channels,
-                       name=p.name + "[head]")
+        a, b = (self.at, len(p.ops)) if self.kind is Kind.DECODE else (0, self.at)
+        last = max((i for i in range(a, b) if p.ops[i].kind is OpKind.GROUP_NORM), default=b - 1)
+        if not _feeds(p.ops[a : last + 1]):  # (a GroupNorm off the path to the last: the part whole)
+            last = b - 1
+        first, channels = (self.cut, p.channels()[self.cut]) if self.kind is Kind.DECODE \
+            else (p.input, p.in_channels)
+        return Program(ops=p.ops[a : last + 1], input=first, output=p.ops[last].dst, in_channels=channels,
+                       name=p.name + ("[tail]" if self.kind is Kind.DECODE else "[head]"))
 
     @property
     def fixed(self) -> frozenset[int]:
@@ -159,6 +162,15 @@ def fast_note(split: FastSplit | str | None, p, one: bool = False) -> str:
     part = "high-resolution tail" if split.kind is Kind.DECODE else "high-resolution head"
     return (f"fast mode (approximate): the statistics of the {len(split.fixed)} GroupNorms of its {part} are "
             "estimated from a sample of its tiles, then every tile runs through them end to end")
+
+
+def _feeds(ops) -> bool:
+    """Whether every GroupNorm of `ops` feeds the last op's output."""
+    wanted = {ops[-1].dst}
+    for op in reversed(ops):
+        if op.dst in wanted:
+            wanted.update(op.src)
+    return all(op.dst in wanted for op in ops if op.kind is OpKind.GROUP_NORM)
 
 
 def _crossing(p, k: int, kind: Kind) -> set[str]:

@@ -96,14 +96,17 @@ class SampledStats:
     def _unit(self, i: int, seg, j: int, held: dict, last: dict) -> None:
         """Segment i on sampled tile j for the running step: its regions of the segment's outputs held."""
         need = self.needs[j]
-        vals = {v: (held[v, j].to(self.device, non_blocking=True), need[v]) for v in seg.inputs}
+        vals = {v: (held[v, j].to(self.device, non_blocking=True), need[v]) for v in seg.inputs if v in need}
         shared = [t for t, _ in vals.values()]  # (held regions and the input: never overwritten)
         self.ctx.caches = self.caches.setdefault((i, j), {})
-        for n in range(len(seg.ops)):
-            run_op(seg.ops, n, self.ctx, vals, need, self.shapes, last, keep=seg.outputs, shared=shared)
+        for n, op in enumerate(seg.ops):
+            if op.dst in need:  # (the ops the part's output needs; a tail cut at its last GroupNorm
+                # leaves out what only reads past it)
+                run_op(seg.ops, n, self.ctx, vals, need, self.shapes, last, keep=seg.outputs, shared=shared)
         for v in seg.outputs:
-            t = vals[v][0]
-            held[v, j] = t if self.home is None else t.to(self.home)
+            if v in vals:
+                t = vals[v][0]
+                held[v, j] = t if self.home is None else t.to(self.home)
 
     def _publish(self, seg, k: int, held: dict) -> None:
         """The statistics of the segment's GroupNorms for step k, merged over the sampled tiles' cores."""
