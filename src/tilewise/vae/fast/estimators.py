@@ -5,7 +5,7 @@
 - `sampled_tile_stats` / `staged_tile_stats`: a stratified sample of the real tiles run on exactly the
   regions the tiled run computes (no crop padding), together op by op or segment by segment staged;
   their outputs are final, so the tiled pass skips them.
-- `_adjusted`: the difference / ratio correction of sample statistics by a cheap low-resolution pass.
+- `adjusted`: the difference / ratio correction of sample statistics by a cheap low-resolution pass.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
     GroupNorm in `fixed` the statistics are merged (Chan) over the regions the sampled tiles hold, then
     applied. Returns (id(op) -> (mean, var), tile index -> output core): the sampled tiles' outputs are
     final, so the tiled pass skips them. Memory: the sampled tiles' working sets at once. `options`:
-    the pass's query_chunk, conv_workspace and stats_chunk; `adjust`: the low pass's (`_adjusted`).
+    the pass's query_chunk, conv_workspace and stats_chunk; `adjust`: the low pass's (`adjusted`).
     """
     shapes = program.shapes(tuple(x.shape[-2:]))
     out_v = program.output
@@ -127,7 +127,7 @@ def sampled_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[in
                 core = map_box(t.core, shapes[ref], shapes[op.dst])
                 if op.dst in need and not box_empty(core):
                     acc.add(sub_tensor(*v[op.src[0]], core))
-            ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
+            ctx.stats[id(op)] = adjusted(acc.result(), (adjust or {}).get(id(op)))
         for need, v in zip(needs, vals, strict=True):
             if op.dst in need:
                 run_op(program.ops, i, ctx, v, need, shapes, last, shared=[x])
@@ -201,7 +201,7 @@ class _StagedRun:
                 if acc is None:  # (the part's input: staged as given)
                     acc = _staged_group_stats(op, stage, self.tiles, self.needs, self.shapes, self.ref,
                                               self.options.stats_chunk)
-                self.ctx.stats[id(op)] = _adjusted(acc.result(), (adjust or {}).get(id(op)))
+                self.ctx.stats[id(op)] = adjusted(acc.result(), (adjust or {}).get(id(op)))
 
     def tile(self, seg, t, need, stage: Staging) -> None:
         """One sampled tile through one segment, band by band: its regions written to staging, the cores
@@ -254,7 +254,7 @@ def _staged_group_stats(op, stage: Staging, tiles, needs, shapes, ref: str, chun
     return acc
 
 
-def _adjusted(sample, low):
+def adjusted(sample, low):
     """Difference / ratio estimator: sample statistics moved by (global - sample) of a cheap full pass.
 
     low = ((mean, var) over the whole image, (mean, var) over the sampled regions) of the low-resolution

@@ -215,7 +215,7 @@ def sample_stats_cost(part, grid, sampled: set[int], shapes, chans, ref: str, s:
                       adjusted: bool) -> Cost:
     """What fast mode's sampled tiles add for their statistics when they run together
     (`estimators.sampled_tile_stats`): per GroupNorm, a GroupStats.add per sampled tile meeting it,
-    the merge and, with a low pass, the difference / ratio correction (`_adjusted`)."""
+    the merge and, with a low pass, the difference / ratio correction (`adjusted`)."""
     cost = Cost()
     for op in part.ops:
         if op.kind is not OpKind.GROUP_NORM:

@@ -54,6 +54,7 @@ from ..run.segments import tile_grid
 from ..run.sharding import RowBands, merge_group_stats
 from ..run.stats import GroupStats
 from ..settings import Attention, Place
+from .probes import Probes
 from .stores import Store, VideoContext, cache_bytes, folded
 from .units import VIDEO_STAGINGS, Order, check_steps, layout, video_segments
 
@@ -64,13 +65,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class VideoResult:
     """What one video run made: its output (None when streamed), the most cache bytes held at once (every
-    tile's), the most staged bytes held at once, and every GroupNorm's statistics it merged ((id(op),
-    step) -> (mean, var), float64)."""
+    tile's), the most staged bytes held at once, every GroupNorm's statistics it merged ((id(op), step)
+    -> (mean, var), float64) and those over the probed boxes (`VideoExecutor.probes`)."""
 
     output: Any
     cache_peak: int
     staged_peak: int
     stats: dict = field(default_factory=dict)
+    probe_stats: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class VideoExecutor:
     # (id(GroupNorm), step) -> (mean, var) given for these GroupNorms (a run's `stats`, or an estimate):
     # applied as an affine per channel (and frame), they cut no segment and nothing before them is staged
     fixed_stats: dict | None = None
+    # (reference shape, boxes in its pixels): every GroupNorm input's moments over them too (`probes`)
+    probes: tuple | None = None
 
     def __post_init__(self):
         put = object.__setattr__
@@ -154,6 +158,7 @@ class _VideoRun:
                       for i, seg in enumerate(self.segs)}
         self.tracked = {(op.src[0], op.groups, op.per_frame) for ops in self.norms.values() for op in ops}
         self.moments: dict[tuple[str, int, bool, int], GroupStats] = {}
+        self.probes = None if ex.probes is None else Probes(*ex.probes, self.shapes)
         self.merged: set[tuple[str, int, bool, int]] = set()
         self.caches: dict[tuple[int, int], dict] = {}
         self.cache_alive = self.cache_peak = 0
@@ -176,7 +181,9 @@ class _VideoRun:
             self.store.close()  # (disk staging: every file removed, also after an error)
         if self.out is not None and self.ex.group is not None:
             all_reduce_sum([self.out], self.ex.group, self.out.dtype)
-        return VideoResult(self.out, self.cache_peak, self.store.peak, self._stats())
+        probed = {} if self.probes is None else self.probes.stats(
+            [op for ops in self.norms.values() for op in ops], len(self.chunks))
+        return VideoResult(self.out, self.cache_peak, self.store.peak, self._stats(), probed)
 
     def _stats(self) -> dict:
         """(id(op), step) -> (mean, var) of every GroupNorm the run merged statistics for."""
@@ -231,9 +238,14 @@ class _VideoRun:
                 if op.src[0] == self.program.input:  # (every rank holds all of it)
                     a, b = self.chunks[k]
                     acc.add(folded(self.x[:, :, a:b], op.per_frame))
+                    if self.probes is not None:
+                        h, w = self.shapes[op.src[0]]
+                        self.probes.add(key, (0, h, 0, w), self.x[:, :, a:b])
                 elif self.ex.group is not None:
                     rows = self.frames[op.src[0]][k] if op.per_frame else 1
                     merge_group_stats(acc, self.ex.group, self.x.shape[0] * rows)
+                    if self.probes is not None:
+                        self.probes.merge(key, self.ex.group, self.x.shape[0] * rows)
                 self.merged.add(key)
             self.ctx.step_stats[id(op), k] = self.moments[key].result()
 
@@ -337,6 +349,8 @@ class _VideoRun:
             if key not in self.moments:
                 self.moments[key] = GroupStats(g)
             self.moments[key].add(folded(block, per_frame))
+            if self.probes is not None:
+                self.probes.add(key, core, block)
         if v != self.program.output:
             self.store.write((v, k), self._step_shape(v, k), block.dtype, core, block)
         elif self.emit is not None:

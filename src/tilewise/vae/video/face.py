@@ -98,11 +98,11 @@ def _tiled(settings: Settings, job: Job, t, emit, tile: int, staging, order, gro
     estimates its statistics first (`video.fast`), its decode's head run on the same tile, staging and
     order; with a process group every rank estimates them alike."""
 
-    def executor(program, ref, stats=None):
+    def executor(program, ref, stats=None, probes=None):
         return VideoExecutor(program, tile, ref, attention=settings.attention, staging=staging, order=order,
                              device=t.device, query_chunk=settings.query_chunk,
                              progress=settings.progress and rank_world(group)[0] == 0, group=group,
-                             stage_dir=settings.stage_dir, fixed_stats=stats)
+                             stage_dir=settings.stage_dir, fixed_stats=stats, probes=probes)
 
     stats, held = None, 0
     if isinstance(split, FastSplit):  # (held in host memory where the run stages there)

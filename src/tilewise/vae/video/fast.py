@@ -26,9 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from ...locality.ops import OpKind
+from ...locality.ops3d import Rearrange
 from ...locality.program import Program
 from ...locality.program3d import VideoProgram
 from ..settings import Estimator, Job, Kind, Mode, Settings
@@ -122,12 +127,74 @@ def fast_stats(settings: Settings, job: Job, split: FastSplit, x, tile: int, exe
     shapes = job.program.shapes(tuple(x.shape[-2:]))
     tiles = sampled(shapes, split.cut, part_tile(job, split, x.shape, tile),
                     settings.fast.fraction(Estimator.TILES))
-    logger.info("TiledVAE %s: fast mode estimates %d GroupNorms from %d sampled tiles", job.model,
-                len(split.fixed), len(tiles))
-    est = SampledStats(job.program, split.part, split.cut, tiles, settings.query_chunk, x.device, home)
+    adjust = None
+    if settings.fast.low > 1:  # (the low pass first: the sample's statistics corrected as they are made)
+        small, xs, ref = low_pass(job, x, settings.fast.low)
+        probes = (shapes[split.cut], tuple(t.core for t in tiles))
+        low = executor(small, ref, probes=probes).run(xs, emit=lambda *_: None)
+        adjust = {k: (low.stats[k], low.probe_stats[k]) for k in low.probe_stats if k in low.stats}
+        held = max(held, low.staged_peak)
+    logger.info("TiledVAE %s: fast mode estimates %d GroupNorms from %d sampled tiles%s", job.model,
+                len(split.fixed), len(tiles), f", corrected by a {settings.fast.low}x smaller low pass"
+                if adjust is not None else "")
+    est = SampledStats(job.program, split.part, split.cut, tiles, settings.query_chunk, x.device, home,
+                       adjust)
     stats = est.run(given)
     head = nbytes(given[split.cut]) if job.kind is Kind.DECODE else 0
     return stats, max(held, est.held_peak + head)
+
+
+def low_pass(job: Job, x, low: int):
+    """(program, input, reference value) of fast mode's low pass, `low` times smaller in space; x may be a
+    shape (planning). Decode: the upsamplings take the reduction out (`low_program`: a nearest x2
+    becomes x1), so the low pass sees all of the latent-resolution content and runs the head at full
+    size; what they cannot absorb is average-pooled out of the latent. Encode: the video resized down
+    frame by frame (antialiased) to multiples of the VAE's factor, as the 2-D encode's low pass."""
+    tensor = isinstance(x, torch.Tensor)
+    shape = tuple(int(d) for d in (x.shape if tensor else x))
+    p = job.program
+    if job.kind is Kind.DECODE:
+        small, left = low_program(p, shape[-2:], low)
+        if tensor:
+            return small, (F.avg_pool3d(x, (1, left, left), ceil_mode=True) if left > 1 else x), p.input
+        return small, (*shape[:3], -(-shape[-2] // left), -(-shape[-1] // left)), p.input
+    f = job.factor
+    size = tuple(max(f, round(d / low / f) * f) for d in shape[-2:])
+    if not tensor:
+        return p, (*shape[:3], *size), p.output
+    b, c, t = shape[:3]
+    frames = F.interpolate(x.transpose(1, 2).flatten(0, 1), size=size, mode="bilinear", antialias=True,
+                           align_corners=False)
+    return p, frames.view(b, t, c, *size).transpose(1, 2), p.output
+
+
+def low_program(p: VideoProgram, hw, factor: int) -> tuple[VideoProgram, int]:
+    """The decode program `factor` times smaller after its first spatial upsampling, stopped at its last
+    GroupNorm: each upsampling by r followed by the mean over its blocks of gcd(r, the factor left) (a
+    `Rearrange` packing them: a nearest upsampling so undone, a depth-to-space or transposed convolution
+    box-filtered), as far as they absorb the factor; returns it and the factor left over."""
+    shapes = p.shapes(tuple(hw))
+    left, ops = factor, []
+    for op in p.ops:
+        r = _scale(op, shapes)
+        if left > 1 and r > 1 and r == int(r):
+            g = math.gcd(int(r), left)
+            left //= g
+            made = f"{op.dst}[x{int(r)}]"
+            ops += [dataclasses.replace(op, dst=made),
+                    Rearrange(src=(made,), dst=op.dst, name=f"{op.name}[low pass]", fn=_mean_of(g), down=g,
+                              label=f"mean of {g}x{g} blocks (fast mode's low pass)")]
+        else:
+            ops.append(op)
+    last = max(i for i, op in enumerate(ops) if op.kind is OpKind.GROUP_NORM)
+    ops = _needed(ops[: last + 1])  # (not what only reads past the last GroupNorm: a spatial norm's)
+    small = dataclasses.replace(p, ops=ops, output=ops[-1].dst, name=p.name + "[low pass]")
+    return small, left
+
+
+def _mean_of(g: int):
+    """(x, ctx) -> the mean of every g x g block of each frame of x (B, C, T, H, W)."""
+    return lambda t, ctx: F.avg_pool3d(t, (1, g, g))
 
 
 def estimation_bytes(settings: Settings, job: Job, split: FastSplit, shape, tile: int) -> int:
@@ -164,13 +231,19 @@ def fast_note(split: FastSplit | str | None, p, one: bool = False) -> str:
             "estimated from a sample of its tiles, then every tile runs through them end to end")
 
 
-def _feeds(ops) -> bool:
-    """Whether every GroupNorm of `ops` feeds the last op's output."""
+def _needed(ops) -> list:
+    """The ops of `ops` whose value the last op's output needs."""
     wanted = {ops[-1].dst}
     for op in reversed(ops):
         if op.dst in wanted:
             wanted.update(op.src)
-    return all(op.dst in wanted for op in ops if op.kind is OpKind.GROUP_NORM)
+    return [op for op in ops if op.dst in wanted]
+
+
+def _feeds(ops) -> bool:
+    """Whether every GroupNorm of `ops` feeds the last op's output."""
+    kept = {id(op) for op in _needed(ops)}
+    return all(id(op) in kept for op in ops if op.kind is OpKind.GROUP_NORM)
 
 
 def _crossing(p, k: int, kind: Kind) -> set[str]:

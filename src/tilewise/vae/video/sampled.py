@@ -21,7 +21,7 @@ from ...locality.boxes import box_area, box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate, last_use, run_op, split_segments
 from ...locality.program3d import VideoProgram
-from ..fast.estimators import sample_tiles
+from ..fast.estimators import adjusted, sample_tiles
 from ..run.segments import tile_grid
 from ..run.stats import GroupStats
 from .stores import VideoContext, folded
@@ -59,6 +59,9 @@ class SampledStats:
     query_chunk: int = 4096
     device: Any = None  # where the units run (None: where the given values are)
     home: Any = None  # where the regions and caches are held between units (None: the device)
+    # (id(GroupNorm), step) -> the low pass's (whole, over the sampled cores) statistics: each sampled
+    # statistic corrected as it is made (`fast.estimators.adjusted`), before the segments after it run
+    adjust: dict | None = None
 
     def run(self, given: dict) -> dict:
         p, x = self.program, given[self.program.input]  # (given: the program input too)
@@ -121,7 +124,8 @@ class SampledStats:
                 core = (max(c[0], box[0]), min(c[1], box[1]), max(c[2], box[2]), min(c[3], box[3]))
                 if not box_empty(core):
                     acc.add(folded(sub_tensor(held[v, j], box, core), op.per_frame))
-            self.ctx.step_stats[id(op), k] = tuple(t.to(self.device) for t in acc.result())
+            stats = adjusted(acc.result(), (self.adjust or {}).get((id(op), k)))
+            self.ctx.step_stats[id(op), k] = tuple(t.to(self.device) for t in stats)
 
     def _bytes(self, held: dict, views: set) -> int:
         """Bytes of the regions held (not the given values' views) and of every tile's caches."""
