@@ -25,9 +25,7 @@ cost are in `op_costs`. `benchmarks/counting.py` counts the same on a real (or f
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,6 +37,7 @@ from ..run.bands import band_rows, row_local, tile_bands, working_bytes
 from ..run.batches import batch_groups, batchable
 from ..settings import Attention, Place
 from .live import Sizes, live_peak, pointwise_conv
+from .memo import table as memo_table
 from .op_costs import (
     ADJUST,
     AFFINE,
@@ -82,7 +81,7 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     mode's staged sampled tiles, whose boxes are back-propagated through the whole part from their cores:
     `estimators.staged_tile_stats`; their rows are the cores' rows' as the segment's own are). Inside
     `remembered()`, a count made before for the same segment, grid and setting is reused."""
-    table = _REMEMBERED.get()
+    table = memo_table()
     key = None if table is None or regions is not None else \
         _memo_key(seg, grid, scope, tiles, together, banded, fixed, probes)
     if key is not None and key in table:
@@ -91,21 +90,6 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     if key is not None:
         table[key] = (replace(cost), seg.ops, scope.program)  # (their ids stay theirs while remembered)
     return cost
-
-
-_REMEMBERED: ContextVar[dict | None] = ContextVar("segment_costs", default=None)
-
-
-@contextlib.contextmanager
-def remembered():
-    """Segment counts remembered inside: a plan's search counts the same segment over the same grid in
-    the same setting many times (each staging placement, key chunk or query band it tries changes a few
-    segments' counts, not the others')."""
-    token = _REMEMBERED.set({})
-    try:
-        yield
-    finally:
-        _REMEMBERED.reset(token)
 
 
 def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
@@ -248,7 +232,7 @@ def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
     inside `remembered()`: each staging, batch or chunk a plan tries counts the same classes again."""
     split = {v: r for v, r in (scope.s.run.device_rows if scope.s.gpu else {}).items()
              if v in seg.inputs or v in seg.outputs}
-    table = _REMEMBERED.get()
+    table = memo_table()
     if table is None:
         return Translations(seg, scope.shapes, split)
     values = sorted({v for op in seg.ops for v in (op.dst, *op.src)} | set(seg.inputs) | {scope.ref})

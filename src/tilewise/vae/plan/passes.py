@@ -11,9 +11,10 @@ from ...locality.ops import OpKind
 from ...locality.program import Program, SegmentKind
 from ..devices import DeviceProfile
 from ..run.attention import query_grid
-from ..run.segments import cut, last_readers, tile_grid
+from ..run.segments import last_readers, tile_grid
 from ..settings import Place
 from .counts import Scope, segment_cost
+from .memo import segments
 from .op_costs import Cost, Setting, untiled_cost
 from .records import Pass, PassKind, Stage
 
@@ -103,7 +104,7 @@ class _Walk:
     def __post_init__(self):
         spec, p = self.spec, self.spec.program
         self.shapes, self.chans = p.shapes(tuple(spec.shape[-2:])), p.channels()
-        self.segs = cut(p, spec.fixed, self.s.run.attention, self.s.run.recompute)
+        self.segs = segments(p, spec.fixed, self.s.run.attention, self.s.run.recompute)
         self.last = last_readers(self.segs, p.input)
         self.grid = tile_grid(self.shapes[spec.ref], spec.tile)
         self.producer = {op.dst: op.name for op in p.ops}
