@@ -97,21 +97,33 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -
     grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
     each choice tried), the statistics its values' readers merge, and of the setting what the segment can
     see (the placement of its own values; attention's options only where it has an attention op)."""
-    s, run = scope.s, scope.s.run
+    s = scope.s
     mine = set(seg.inputs) | set(seg.outputs)
     values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
-    run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine),
-                      split=tuple((v, r) for v, r in run.split if v in mine), progress=True,
-                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
-    # says what it recomputes: its ops, inputs, measured values)
-    if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
-        run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
+    run = _seen_run(seg, scope, mine)
     tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
     return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
             tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
             tuple(seg.measured), seg.again, tuple(t.core for t in grid), scope.ref, tracked,
             replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
             frozenset(fixed), tuple(probes or ()))
+
+
+def _seen_run(seg, scope: Scope, mine: set[str]):
+    """The run options as one segment's count sees them: the places of its own values (a device+host
+    staging without a split value of its own places them as host staging with the same values on the
+    device does), the tiles' reads ahead only where it reads a value across the link, attention's options
+    only where it has an attention op, none of what the count never reads."""
+    s, run = scope.s, scope.s.run
+    split = tuple((v, r) for v, r in run.split if v in mine)
+    ahead = run.read_ahead and any(s.off(v) for v in seg.inputs if v != scope.program.input)
+    run = run.replace(staging=run.staging if split else run.staging.home, split=split, read_ahead=ahead,
+                      on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
+                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
+    # says what it recomputes: its ops, inputs, measured values)
+    if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
+        run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
+    return run
 
 
 def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, regions) -> Cost:
