@@ -92,15 +92,16 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     return cost
 
 
-def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
+def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, rows: bool = True) -> tuple:
     """What a segment's count reads: its ops, its values' (and the reference's) shapes and channels, the
     grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
     each choice tried), the statistics its values' readers merge, and of the setting what the segment can
-    see (the placement of its own values; attention's options only where it has an attention op)."""
+    see (the placement of its own values; attention's options only where it has an attention op). `rows`
+    False: its split values' device rows apart (`_class_cost`)."""
     s = scope.s
     mine = set(seg.inputs) | set(seg.outputs)
     values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
-    run = _seen_run(seg, scope, mine)
+    run = _seen_run(seg, scope, mine, rows)
     tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
     return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
             tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
@@ -109,13 +110,13 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -
             frozenset(fixed), tuple(probes or ()))
 
 
-def _seen_run(seg, scope: Scope, mine: set[str]):
+def _seen_run(seg, scope: Scope, mine: set[str], rows: bool = True):
     """The run options as one segment's count sees them: the places of its own values (a device+host
     staging without a split value of its own places them as host staging with the same values on the
     device does), the tiles' reads ahead only where it reads a value across the link, attention's options
     only where it has an attention op, none of what the count never reads."""
     s, run = scope.s, scope.s.run
-    split = tuple((v, r) for v, r in run.split if v in mine)
+    split = tuple((v, r if rows else 0) for v, r in run.split if v in mine)
     ahead = run.read_ahead and any(s.off(v) for v in seg.inputs if v != scope.program.input)
     run = run.replace(staging=run.staging if split else run.staging.home, split=split, read_ahead=ahead,
                       on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
@@ -142,16 +143,19 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         scope = replace(scope, s=s.with_run(read_ahead=False))
     cost, parts, probed, ran, items, memo = Cost(), 0, {}, 0, [], {}
     like = _translations(seg, grid, scope, rows, regions)
+    split = {v: r for v, r in s.run.device_rows.items() if s.gpu and (v in seg.inputs or v in seg.outputs)}
+    same = None if memo_table() is None or regions is not None else \
+        _memo_key(seg, grid, scope, tiles, together, banded, fixed, probes, rows=False)
     boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
     for tile in grid:
         if tiles is not None and tile.index not in tiles:
             continue
-        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions))))
+        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions), split)))
         for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows) if boxes is not None else ():
             cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
     for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
-        bands, needs = like.reps[key]
-        memo[key] = (len(bands), _tile_cost(seg, bands, needs, scope, last, fixed) if bands else None)
+        n = len(like.reps[key][0])
+        memo[key] = (n, _class_cost(seg, like, key, scope, last, fixed, same) if n else None)
     for key, times in Counter(key for _, key in items).items():
         n, tile_cost = memo[key]
         if n:
@@ -162,7 +166,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
             if memo[key][0]:
-                one = memo[key][1] if k == 1 else _tile_cost(seg, *like.reps[key], scope, last, fixed, k)
+                one = memo[key][1] if k == 1 else _class_cost(seg, like, key, scope, last, fixed, same, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -241,19 +245,30 @@ def _tile_boxes(seg, tile, scope: Scope, rows, regions):
 
 def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
     """The classes of a segment's tiles over `grid` (its boxes: in `rows` bands, or `regions`), made once
-    inside `remembered()`: each staging, batch or chunk a plan tries counts the same classes again."""
-    split = {v: r for v, r in (scope.s.run.device_rows if scope.s.gpu else {}).items()
-             if v in seg.inputs or v in seg.outputs}
+    inside `remembered()`: each staging, split, batch or chunk a plan tries counts the same classes again."""
     table = memo_table()
     if table is None:
-        return Translations(seg, scope.shapes, split)
+        return Translations(seg, scope.shapes)
     values = sorted({v for op in seg.ops for v in (op.dst, *op.src)} | set(seg.inputs) | {scope.ref})
     key = ("classes", tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
            tuple((v, scope.shapes[v]) for v in values), scope.ref, tuple(t.core for t in grid), rows,
-           tuple(sorted(split.items())), None if regions is None else id(regions))
+           None if regions is None else id(regions))
     if key not in table:
-        table[key] = (Translations(seg, scope.shapes, split), seg.ops, regions)  # (their ids stay theirs)
+        table[key] = (Translations(seg, scope.shapes), seg.ops, regions)  # (their ids stay theirs)
     return table[key][0]
+
+
+def _class_cost(seg, like: Translations, key, scope: Scope, last, fixed, same, n: int = 1) -> Cost:
+    """`_tile_cost` of a class of tiles (`like.reps[key]`), n at a time; inside `remembered()` once per
+    class and `same` (the segment's memo key but its split values' device rows, which the class holds:
+    the count of a tile reads a split only through how many of its boxes' rows are on the device)."""
+    table = memo_table()
+    if table is None or same is None:
+        return _tile_cost(seg, *like.reps[key], scope, last, fixed, n)
+    at = ("class", id(like), key, n, same)
+    if at not in table:
+        table[at] = (_tile_cost(seg, *like.reps[key], scope, last, fixed, n), like)
+    return table[at][0]
 
 
 def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
