@@ -37,6 +37,7 @@ from ..run.bands import band_rows, row_local, tile_bands, working_bytes
 from ..run.batches import batch_groups, batchable
 from ..settings import Attention, Place
 from .live import Sizes, live_peak, pointwise_conv
+from .memo import recall
 from .memo import table as memo_table
 from .op_costs import (
     ADJUST,
@@ -98,33 +99,40 @@ def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, r
     each choice tried), the statistics its values' readers merge, and of the setting what the segment can
     see (the placement of its own values; attention's options only where it has an attention op). `rows`
     False: its split values' device rows apart (`_class_cost`)."""
-    s = scope.s
     mine = set(seg.inputs) | set(seg.outputs)
     values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
-    run = _seen_run(seg, scope, mine, rows)
     tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
     return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
             tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
             tuple(seg.measured), seg.again, tuple(t.core for t in grid), scope.ref, tracked,
-            replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
-            frozenset(fixed), tuple(probes or ()))
+            _shared(scope.s), _own(seg, scope, mine, rows), None if tiles is None else frozenset(tiles),
+            together, banded, frozenset(fixed), tuple(probes or ()))
 
 
-def _seen_run(seg, scope: Scope, mine: set[str], rows: bool = True):
-    """The run options as one segment's count sees them: the places of its own values (a device+host
-    staging without a split value of its own places them as host staging with the same values on the
-    device does), the tiles' reads ahead only where it reads a value across the link, attention's options
-    only where it has an attention op, none of what the count never reads."""
+def _shared(s: Setting) -> Setting:
+    """What every segment's count sees alike of a setting, once per setting: its run options but those
+    each segment sees of its own (`_own`) and those no count reads (the segment says what it recomputes)."""
+    def make():
+        run = s.run.replace(staging=Place.DEVICE, on_device=frozenset(), split=(), read_ahead=False,
+                            kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL,
+                            progress=True, stage_dir=None, heap_slack=0, check_emitted=True, recompute=())
+        return replace(s, run=run)
+
+    return recall(("setting", id(s)), make, s)
+
+
+def _own(seg, scope: Scope, mine: set[str], rows: bool = True) -> tuple:
+    """What one segment's count sees of the run options beside `_shared`: the places of its own values (a
+    device+host staging without a split value of its own places them as host staging with the same
+    values on the device does), the tiles' reads ahead only where it reads a value across the link,
+    attention's options only where it has an attention op."""
     s, run = scope.s, scope.s.run
     split = tuple((v, r if rows else 0) for v, r in run.split if v in mine)
     ahead = run.read_ahead and any(s.off(v) for v in seg.inputs if v != scope.program.input)
-    run = run.replace(staging=run.staging if split else run.staging.home, split=split, read_ahead=ahead,
-                      on_device=frozenset(v for v in run.on_device if v in mine), progress=True,
-                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
-    # says what it recomputes: its ops, inputs, measured values)
-    if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
-        run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
-    return run
+    attention = (run.kv_chunk, run.query_rows, run.query_chunk, run.attention) \
+        if any(op.kind is OpKind.ATTENTION for op in seg.ops) else None
+    return run.staging if split else run.staging.home, frozenset(v for v in run.on_device if v in mine), \
+        split, ahead, attention
 
 
 def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, regions) -> Cost:
@@ -259,16 +267,12 @@ def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
 
 
 def _class_cost(seg, like: Translations, key, scope: Scope, last, fixed, same, n: int = 1) -> Cost:
-    """`_tile_cost` of a class of tiles (`like.reps[key]`), n at a time; inside `remembered()` once per
-    class and `same` (the segment's memo key but its split values' device rows, which the class holds:
-    the count of a tile reads a split only through how many of its boxes' rows are on the device)."""
-    table = memo_table()
-    if table is None or same is None:
+    """`_tile_cost` of a class of tiles (`like.reps[key]`), n at a time, once per class and `same` (the
+    segment's memo key but its split values' device rows: the class holds how many of its rows are)."""
+    def count():
         return _tile_cost(seg, *like.reps[key], scope, last, fixed, n)
-    at = ("class", id(like), key, n, same)
-    if at not in table:
-        table[at] = (_tile_cost(seg, *like.reps[key], scope, last, fixed, n), like)
-    return table[at][0]
+
+    return count() if same is None else recall(("class", id(like), key, n, same), count, like)
 
 
 def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
