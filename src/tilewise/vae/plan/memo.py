@@ -1,5 +1,6 @@
 """What a plan's search makes many times over, remembered within one `settle` (`remembered`): segment
-counts and classes of tiles (`counts`), the program's cuts (`segments`), the untiled run's FLOPs (`make`).
+counts and classes of tiles (`counts`), the program's cuts (`segments`), tile grids (`grid`,
+`query_bands`), the untiled run's FLOPs (`make`).
 Each is a function of what its key holds; ids in a key stay theirs while their objects are kept with it.
 """
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 
-from ..run.segments import cut
+from ..run.attention import query_grid
+from ..run.segments import cut, tile_grid
 from ..settings import Attention
 
 _REMEMBERED: ContextVar[dict | None] = ContextVar("plan_memo", default=None)
@@ -47,3 +49,13 @@ def segments(program, fixed, attention: Attention, recomputed=()) -> list:
     segments are read, never changed, by the plans that share them)."""
     key = ("cut", id(program), frozenset(fixed), attention, tuple(recomputed))
     return recall(key, lambda: cut(program, fixed, attention, recomputed), program)
+
+
+def grid(hw: tuple[int, int], tile: int):
+    """`run.segments.tile_grid`, once per shape and tile (a grid is read, never changed)."""
+    return recall(("grid", tuple(hw), tile), lambda: tile_grid(hw, tile))
+
+
+def query_bands(hw: tuple[int, int], rows: int):
+    """`run.attention.query_grid`, once per shape and query band."""
+    return recall(("query grid", tuple(hw), rows), lambda: query_grid(hw, rows))
