@@ -149,17 +149,17 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         and batchable(seg) else 1
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
-    cost, parts, probed, ran, items, memo = Cost(), 0, {}, 0, [], {}
+    cost, parts, probed, ran, memo = Cost(), 0, {}, 0, {}
     like = _translations(seg, grid, scope, rows, regions)
-    split = {v: r for v, r in s.run.device_rows.items() if s.gpu and (v in seg.inputs or v in seg.outputs)}
+    split = tuple(sorted((v, r) for v, r in s.run.split if s.gpu and (v in seg.inputs or v in seg.outputs)))
     same = None if memo_table() is None or regions is not None else \
         _memo_key(seg, grid, scope, tiles, together, banded, fixed, probes, rows=False)
+    chosen = [t for t in grid if tiles is None or t.index in tiles]
+    classes = like.classes(chosen, lambda t: _tile_boxes(seg, t, scope, rows, regions), split)
+    items = list(zip(chosen, classes, strict=True))
     boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
-    for tile in grid:
-        if tiles is not None and tile.index not in tiles:
-            continue
-        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions), split)))
-        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows) if boxes is not None else ():
+    for tile in chosen if boxes is not None else ():
+        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows):
             cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
     for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
         n = len(like.reps[key][0])

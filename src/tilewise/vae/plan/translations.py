@@ -30,12 +30,21 @@ class Translations:
         self.keys: dict[tuple, tuple[int, int]] = {}  # core -> class, of the tiles seen
         self.made: dict[tuple, tuple[list, list]] = {}  # core or rows -> the boxes of a tile there
         self.split: dict[tuple, tuple] = {}  # (core or rows, split) -> its split values' device rows
+        self.known: dict[tuple, list] = {}  # (tiles, split) -> their classes
         self.period, self.reach = period_and_reach(seg.ops, shapes)
 
-    def key(self, tile, boxes, split: dict[str, int] | None = None) -> tuple:
+    def classes(self, tiles, boxes, split: tuple = ()) -> list[tuple]:
+        """The class of each of `tiles` (`key`; `boxes(tile)`: its bands and the boxes they need), once per
+        tiles and split."""
+        seen = (tuple(t.index for t in tiles), split)
+        if seen not in self.known:
+            self.known[seen] = [self.key(t, lambda t=t: boxes(t), split) for t in tiles]
+        return self.known[seen]
+
+    def key(self, tile, boxes, split: tuple = ()) -> tuple:
         """The class of a tile: known from its core, or its rows and columns, else from its boxes
-        (`boxes()`: its bands and the boxes they need); with `split` (value -> its first rows on the
-        device), with the device rows of each split value's boxes."""
+        (`boxes()`: its bands and the boxes they need); with `split` ((value, its first rows on the
+        device), sorted), with the device rows of each split value's boxes."""
         core = tile.core
         got = self.keys.get(core)
         if got is None and self.by_axis:
@@ -48,10 +57,9 @@ class Translations:
             return got
         where = core[:2] if self.by_axis and core[:2] in self.made else core
         # (with `by_axis` every tile of these rows has the same rows in its boxes)
-        seen = (where, tuple(sorted(split.items())))
-        if seen not in self.split:
-            self.split[seen] = _device_rows(*self._made(where, boxes), split)
-        key = (*got, self.split[seen])
+        if (where, split) not in self.split:
+            self.split[where, split] = _device_rows(*self._made(where, boxes), dict(split))
+        key = (*got, self.split[where, split])
         if key not in self.reps:
             self.reps[key] = self._made(core, boxes)
         return key
