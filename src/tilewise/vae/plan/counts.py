@@ -25,9 +25,7 @@ cost are in `op_costs`. `benchmarks/counting.py` counts the same on a real (or f
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,8 +35,11 @@ from ...locality.program import back_propagate, last_use
 from ..run.attention import projects_into
 from ..run.bands import band_rows, row_local, tile_bands, working_bytes
 from ..run.batches import batch_groups, batchable
-from ..settings import Attention, Place
+from ..settings import Place
+from .keys import memo_key
 from .live import Sizes, live_peak, pointwise_conv
+from .memo import recall
+from .memo import table as memo_table
 from .op_costs import (
     ADJUST,
     AFFINE,
@@ -82,52 +83,15 @@ def segment_cost(seg, grid, scope: Scope, tiles: set[int] | None = None, togethe
     mode's staged sampled tiles, whose boxes are back-propagated through the whole part from their cores:
     `estimators.staged_tile_stats`; their rows are the cores' rows' as the segment's own are). Inside
     `remembered()`, a count made before for the same segment, grid and setting is reused."""
-    table = _REMEMBERED.get()
+    table = memo_table()
     key = None if table is None or regions is not None else \
-        _memo_key(seg, grid, scope, tiles, together, banded, fixed, probes)
+        memo_key(seg, grid, scope, tiles, together, banded, fixed, probes)
     if key is not None and key in table:
         return replace(table[key][0])
     cost = _segment_cost(seg, grid, scope, tiles, together, banded, fixed, probes, regions)
     if key is not None:
         table[key] = (replace(cost), seg.ops, scope.program)  # (their ids stay theirs while remembered)
     return cost
-
-
-_REMEMBERED: ContextVar[dict | None] = ContextVar("segment_costs", default=None)
-
-
-@contextlib.contextmanager
-def remembered():
-    """Segment counts remembered inside: a plan's search counts the same segment over the same grid in
-    the same setting many times (each staging placement, key chunk or query band it tries changes a few
-    segments' counts, not the others')."""
-    token = _REMEMBERED.set({})
-    try:
-        yield
-    finally:
-        _REMEMBERED.reset(token)
-
-
-def _memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes) -> tuple:
-    """What a segment's count reads: its ops, its values' (and the reference's) shapes and channels, the
-    grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
-    each choice tried), the statistics its values' readers merge, and of the setting what the segment can
-    see (the placement of its own values; attention's options only where it has an attention op)."""
-    s, run = scope.s, scope.s.run
-    mine = set(seg.inputs) | set(seg.outputs)
-    values = sorted(mine | {v for op in seg.ops for v in (op.dst, *op.src)} | {scope.ref})
-    run = run.replace(on_device=frozenset(v for v in run.on_device if v in mine),
-                      split=tuple((v, r) for v, r in run.split if v in mine), progress=True,
-                      stage_dir=None, heap_slack=0, check_emitted=True, recompute=())  # (the segment
-    # says what it recomputes: its ops, inputs, measured values)
-    if not any(op.kind is OpKind.ATTENTION for op in seg.ops):
-        run = run.replace(kv_chunk=0, query_rows=0, query_chunk=0, attention=Attention.GLOBAL)
-    tracked = tuple(sorted((v, tuple(sorted(g))) for v, g in scope.tracked.items() if v in mine))
-    return (scope.program.input, scope.program.output, tuple(id(op) for op in seg.ops), tuple(seg.inputs),
-            tuple(seg.outputs), tuple((v, scope.shapes[v], scope.chans[v]) for v in values), seg.kind,
-            tuple(seg.measured), seg.again, tuple(t.core for t in grid), scope.ref, tracked,
-            replace(s, run=run), None if tiles is None else frozenset(tiles), together, banded,
-            frozenset(fixed), tuple(probes or ()))
 
 
 def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, regions) -> Cost:
@@ -144,18 +108,21 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         and batchable(seg) else 1
     if batch > 1:  # (the executor reads no tile ahead in a batched segment)
         scope = replace(scope, s=s.with_run(read_ahead=False))
-    cost, parts, probed, ran, items, memo = Cost(), 0, {}, 0, [], {}
+    cost, parts, probed, ran, memo = Cost(), 0, {}, 0, {}
     like = _translations(seg, grid, scope, rows, regions)
+    split = tuple(sorted((v, r) for v, r in s.run.split if s.gpu and (v in seg.inputs or v in seg.outputs)))
+    same = None if memo_table() is None or regions is not None else \
+        [memo_key(seg, grid, scope, tiles, together, banded, fixed, probes, False, p) for p in (True, False)]
+    chosen = [t for t in grid if tiles is None or t.index in tiles]
+    classes = like.classes(chosen, lambda t: _tile_boxes(seg, t, scope, rows, regions), split)
+    items = list(zip(chosen, classes, strict=True))
     boxes = _ProbeBoxes(probes, scope, seg.outputs) if probes else None
-    for tile in grid:
-        if tiles is not None and tile.index not in tiles:
-            continue
-        items.append((tile, like.key(tile, lambda t=tile: _tile_boxes(seg, t, scope, rows, regions))))
-        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows) if boxes is not None else ():
+    for tile in chosen if boxes is not None else ():
+        for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows):
             cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
     for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
-        bands, needs = like.reps[key]
-        memo[key] = (len(bands), _tile_cost(seg, bands, needs, scope, last, fixed) if bands else None)
+        n = len(like.reps[key][0])
+        memo[key] = (n, _class_cost(seg, like, key, scope, last, fixed, same) if n else None)
     for key, times in Counter(key for _, key in items).items():
         n, tile_cost = memo[key]
         if n:
@@ -166,7 +133,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
             if memo[key][0]:
-                one = memo[key][1] if k == 1 else _tile_cost(seg, *like.reps[key], scope, last, fixed, k)
+                one = memo[key][1] if k == 1 else _class_cost(seg, like, key, scope, last, fixed, same, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -245,37 +212,50 @@ def _tile_boxes(seg, tile, scope: Scope, rows, regions):
 
 def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
     """The classes of a segment's tiles over `grid` (its boxes: in `rows` bands, or `regions`), made once
-    inside `remembered()`: each staging, batch or chunk a plan tries counts the same classes again."""
-    split = {v: r for v, r in (scope.s.run.device_rows if scope.s.gpu else {}).items()
-             if v in seg.inputs or v in seg.outputs}
-    table = _REMEMBERED.get()
+    inside `remembered()`: each staging, split, batch or chunk a plan tries counts the same classes again."""
+    table = memo_table()
     if table is None:
-        return Translations(seg, scope.shapes, split)
+        return Translations(seg, scope.shapes)
     values = sorted({v for op in seg.ops for v in (op.dst, *op.src)} | set(seg.inputs) | {scope.ref})
     key = ("classes", tuple(id(op) for op in seg.ops), tuple(seg.inputs), tuple(seg.outputs),
            tuple((v, scope.shapes[v]) for v in values), scope.ref, tuple(t.core for t in grid), rows,
-           tuple(sorted(split.items())), None if regions is None else id(regions))
+           None if regions is None else id(regions))
     if key not in table:
-        table[key] = (Translations(seg, scope.shapes, split), seg.ops, regions)  # (their ids stay theirs)
+        table[key] = (Translations(seg, scope.shapes), seg.ops, regions)  # (their ids stay theirs)
     return table[key][0]
 
 
-def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
+def _class_cost(seg, like: Translations, key, scope: Scope, last, fixed, same, n: int = 1) -> Cost:
+    """`_tile_cost` of a class of tiles (`like.reps[key]`), n at a time, once per class and `same` (the
+    segment's memo keys: but its split values' device rows, which the class holds; and its ops' count
+    once per class of its tiles' boxes and the key without its values' places)."""
+    bands, needs = like.reps[key]
+
+    def ops():
+        return _ops_cost(seg, bands, needs, scope, last, fixed, n)
+
+    def count():
+        got = None if same is None else recall(("ops", id(like), key[:2], n, same[1]), ops, like)
+        return _tile_cost(seg, bands, needs, scope, last, fixed, n, got)
+
+    return count() if same is None else recall(("class", id(like), key, n, same[0]), count, like)
+
+
+def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1, ops: Cost | None = None) -> Cost:
     """One tile of a segment, band by band (each band's cores and the boxes they need), as `run_bands`
     runs it (and the executor stores it); n > 1: n tiles of its class run as one batch (`batches.
     run_group`: one band, each input's boxes stacked, the ops once on n times the batch, the cores stored
-    tile by tile)."""
+    tile by tile). `ops`: what its ops dispatch (`_ops_cost`), where counted before."""
     shapes, chans, program, tracked, s = scope.shapes, scope.chans, scope.program, scope.tracked, scope.s
     unit = s.batch * s.item
-    sn = s if n == 1 else replace(s, batch=n * s.batch)  # (what the ops run on)
-    cost = Cost()
-    carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
+    cost = ops if ops is not None else _ops_cost(seg, bands, needs, scope, last, fixed, n)
+    cost = replace(cost)  # (the ops' own count may be remembered)
     owned = {v for v in seg.inputs if s.run.staging is Place.DISK or s.off(v)}  # reads that copy
     if s.gpu and s.run.read_ahead and s.run.staging is not Place.DISK:  # host-staged first-band boxes
         # read a tile ahead (a split value's: the box's host rows)
         cost.ahead = cost.fetched = sum(s.host_area(v, needs[0][v]) * chans[v] * unit
                                         for v in owned - {program.input} if v in needs[0])
-    for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
+    for cores, need in zip(bands, needs, strict=True):
         ins = [v for v in seg.inputs if v in need]
         copies = {v for v in owned if v not in s.run.device_rows or (v in need and s.host_area(v, need[v]))}
         # (a split value's box in its device rows: a view)
@@ -291,11 +271,25 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
         else:
             held = working_bytes(need, chans, n * unit)
         band = Cost(working=held, launches=len(ins) if n > 1 else 0)  # (a cat a stacked input)
-        nxt = needs[j + 1] if j + 1 < len(needs) else {}
         for v in ins:
             if s.off(v) and v != program.input:  # (the input is staged as given)
                 band.h2d += s.host_area(v, need[v]) * chans[v] * n * unit
                 band.launches += n * s.joins(v, need[v])  # (a split value's rows joined: a cat)
+        for v, core in cores.items():
+            band.add(_store_cost(v, core, scope, v in seg.measured), times=n)
+        cost.add(band)
+    return cost
+
+
+def _ops_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost:
+    """What a tile's ops dispatch band by band, convolution rows carried from band to band (`_tile_cost`
+    without its reads, stores and working set: nothing here reads where values are staged)."""
+    shapes, chans, s = scope.shapes, scope.chans, scope.s
+    sn = s if n == 1 else replace(s, batch=n * s.batch)  # (what the ops run on)
+    cost = Cost()
+    carried: dict[str, tuple] = {}  # conv output -> box of the rows the next band reuses
+    for j, (cores, need) in enumerate(zip(bands, needs, strict=True)):
+        nxt = needs[j + 1] if j + 1 < len(needs) else {}
         for i, op in enumerate(seg.ops):
             d = op.dst
             if d not in need:
@@ -304,17 +298,14 @@ def _tile_cost(seg, bands, needs, scope: Scope, last, fixed, n: int = 1) -> Cost
             if c is not None and (c[0] != box[0] or c[2:] != box[2:]):
                 c = None
             if c is None:
-                band.add(op_cost(seg.ops, i, box, need, shapes, chans, sn, last, cores, fixed))
+                cost.add(op_cost(seg.ops, i, box, need, shapes, chans, sn, last, cores, fixed))
             elif c[1] < box[1]:  # rows past the carried ones, then joined to them
-                band.add(op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, sn, last, cores, fixed))
-                band.launches += 1
+                cost.add(op_cost(seg.ops, i, (c[1], *box[1:]), need, shapes, chans, sn, last, cores, fixed))
+                cost.launches += 1
             if op.kind is OpKind.CONV and not pointwise_conv(op) and d in nxt and nxt[d][0] < box[1] \
                     and nxt[d][2:] == box[2:]:
                 carried[d] = (nxt[d][0], box[1], box[2], box[3])
-                band.launches += 1  # (the carried rows are cloned)
-        for v, core in cores.items():
-            band.add(_store_cost(v, core, scope, v in seg.measured), times=n)
-        cost.add(band)
+                cost.launches += 1  # (the carried rows are cloned)
     return cost
 
 

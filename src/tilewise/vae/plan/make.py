@@ -16,6 +16,7 @@ from ..run.options import Choices, pass_options
 from ..run.staging import TRIM_FREE
 from ..settings import Job, Mode, Place, Settings
 from .fast import fast_passes
+from .memo import recall
 from .op_costs import Setting, untiled_cost
 from .passes import PassSpec, conv_work, pass_plan, untiled_pass
 from .records import Pass, PassKind, Plan, staging_floor
@@ -77,7 +78,14 @@ def make_plan(settings: Settings, job: Job, shape: tuple[int, ...], ask: Choices
                          read_ahead=ask.read_ahead and any(q.ahead for q in passes),
                          staged_estimate=any(q.kind is PassKind.SAMPLED_STAGED for q in passes))
     return _assemble(settings, job, shape, chosen, passes, fast=k is not None and not one, untiled=one,
-                     untiled_flops=untiled_cost(p, shapes, p.channels(), s).flops)
+                     untiled_flops=_untiled_flops(p, shapes, s))
+
+
+def _untiled_flops(p, shapes, s: Setting) -> int:
+    """FLOPs of the plain untiled run (`op_costs.untiled_cost`), once per program, shapes, batch and
+    attention inside `memo.remembered()` (they read nothing else of a plan's choices)."""
+    key = ("untiled flops", id(p), tuple(shapes.items()), s.batch, s.run.attention)
+    return recall(key, lambda: untiled_cost(p, shapes, p.channels(), s).flops, p)
 
 
 def _assemble(settings: Settings, job: Job, shape, choices: Choices, passes: list[Pass], fast: bool,

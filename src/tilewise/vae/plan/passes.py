@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from ...locality.ops import OpKind
 from ...locality.program import Program, SegmentKind
 from ..devices import DeviceProfile
-from ..run.attention import query_grid
-from ..run.segments import cut, last_readers, tile_grid
+from ..run.segments import last_readers
 from ..settings import Place
 from .counts import Scope, segment_cost
+from .memo import grid, query_bands, segments
 from .op_costs import Cost, Setting, untiled_cost
 from .records import Pass, PassKind, Stage
 
@@ -103,9 +103,9 @@ class _Walk:
     def __post_init__(self):
         spec, p = self.spec, self.spec.program
         self.shapes, self.chans = p.shapes(tuple(spec.shape[-2:])), p.channels()
-        self.segs = cut(p, spec.fixed, self.s.run.attention, self.s.run.recompute)
+        self.segs = segments(p, spec.fixed, self.s.run.attention, self.s.run.recompute)
         self.last = last_readers(self.segs, p.input)
-        self.grid = tile_grid(self.shapes[spec.ref], spec.tile)
+        self.grid = grid(self.shapes[spec.ref], spec.tile)
         self.producer = {op.dst: op.name for op in p.ops}
         tracked: dict[str, set[int]] = {}  # values whose statistics an exact GroupNorm merges
         for op in p.ops:
@@ -145,7 +145,7 @@ class _Walk:
             kv = keys_values_bytes(seg.ops[0], self.shapes, self.chans, s, len(self.grid))
             self.attn = max(self.attn, kv)
             if s.run.query_rows and spec.tiles is None:
-                seg_grid = query_grid(self.shapes[spec.ref], s.run.query_rows)
+                seg_grid = query_bands(self.shapes[spec.ref], s.run.query_rows)
         c = segment_cost(seg, seg_grid, self.scope, spec.tiles, spec.together, spec.banded,
                          probes=list(spec.probes) or None, regions=spec.regions)
         self.cost.add(c)

@@ -14,11 +14,10 @@ from ...locality.program import SegmentKind, recomputable
 from ...memory import format_bytes
 from ..devices import BAND_BYTES
 from ..run.options import Choices
-from ..run.segments import cut
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
-from .counts import remembered
 from .make import make_plan, request
+from .memo import remembered, segments
 from .records import PassKind, Plan
 
 CPU_TILES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4)  # the tiles a CPU plan tries, biggest first
@@ -106,13 +105,13 @@ def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     p = job.program
     best, tried = plan, set()
     while True:  # (values one by one, in program order)
-        segs = cut(p, {}, settings.attention, best.choices.recompute)
+        segs = segments(p, {}, settings.attention, best.choices.recompute)
         v = next((v for v in recomputable(segs, p.input, longer=True) if v not in tried), None)
         if v is None:
             break
         tried.add(v)
         best = _faster(settings, job, shape, best, (v,))
-    segs = cut(p, {}, settings.attention, best.choices.recompute)
+    segs = segments(p, {}, settings.attention, best.choices.recompute)
     left = recomputable(segs, p.input, longer=True)
     for i, v in enumerate(left):  # (then pairs one segment reads: alone, neither paid)
         for w in left[i + 1:]:
@@ -288,7 +287,7 @@ def _fitted(settings: Settings, job: Job, shape, ask: Choices) -> Plan:
 
 def _whole_readers(job: Job, settings: Settings, ask: Choices) -> frozenset:
     """Staged values a segment reads whole (attention's keys and values, a module run whole): not split."""
-    segs = cut(job.program, {}, settings.attention, ask.recompute)
+    segs = segments(job.program, {}, settings.attention, ask.recompute)
     return frozenset(v for seg in segs if seg.kind in (SegmentKind.ATTENTION, SegmentKind.WHOLE)
                      for v in seg.inputs)
 

@@ -19,18 +19,32 @@ class Translations:
     class is a pair: what the tile's rows give (its bands, every value's rows) and what its columns give,
     each learned once per interval (`by_axis`; the regions of fast mode's staged sampled tiles too, which
     are back-propagated from their cores; without it, from each tile's own boxes: after a tile where a
-    value's box is empty; a pass's probes are counted from each tile's own cores, beside its class)."""
+    value's box is empty; a pass's probes are counted from each tile's own cores, beside its class).
+    With split values (a device+host staging's, `key`) the class also says how many of each box's rows
+    are on the device: one object serves every split of the segment's values."""
 
-    def __init__(self, seg, shapes, split: dict[str, int]):
-        self.shapes, self.by_axis, self.outputs, self.split = shapes, True, set(seg.outputs), split
-        self.reps: dict[tuple[int, int], tuple[list, list]] = {}  # class -> its first tile's (bands, needs)
+    def __init__(self, seg, shapes):
+        self.shapes, self.by_axis, self.outputs = shapes, True, set(seg.outputs)
+        self.reps: dict[tuple, tuple[list, list]] = {}  # class -> its first tile's (bands, needs)
         self.rows, self.cols, self.ids = {}, {}, {}  # interval -> its axis class; axis class -> its id
         self.keys: dict[tuple, tuple[int, int]] = {}  # core -> class, of the tiles seen
+        self.made: dict[tuple, tuple[list, list]] = {}  # core or rows -> the boxes of a tile there
+        self.split: dict[tuple, tuple] = {}  # (core or rows, split) -> its split values' device rows
+        self.known: dict[tuple, list] = {}  # (tiles, split) -> their classes
         self.period, self.reach = period_and_reach(seg.ops, shapes)
 
-    def key(self, tile, boxes) -> tuple[int, int]:
+    def classes(self, tiles, boxes, split: tuple = ()) -> list[tuple]:
+        """The class of each of `tiles` (`key`; `boxes(tile)`: its bands and the boxes they need), once per
+        tiles and split."""
+        seen = (tuple(t.index for t in tiles), split)
+        if seen not in self.known:
+            self.known[seen] = [self.key(t, lambda t=t: boxes(t), split) for t in tiles]
+        return self.known[seen]
+
+    def key(self, tile, boxes, split: tuple = ()) -> tuple:
         """The class of a tile: known from its core, or its rows and columns, else from its boxes
-        (`boxes()`: its bands and the boxes they need)."""
+        (`boxes()`: its bands and the boxes they need); with `split` ((value, its first rows on the
+        device), sorted), with the device rows of each split value's boxes."""
         core = tile.core
         got = self.keys.get(core)
         if got is None and self.by_axis:
@@ -39,13 +53,29 @@ class Translations:
         if got is None:
             got = self._remember(core, *boxes())
         self.keys[core] = got
-        return got
+        if not split:
+            return got
+        where = core[:2] if self.by_axis and core[:2] in self.made else core
+        # (with `by_axis` every tile of these rows has the same rows in its boxes)
+        if (where, split) not in self.split:
+            self.split[where, split] = _device_rows(*self._made(where, boxes), dict(split))
+        key = (*got, self.split[where, split])
+        if key not in self.reps:
+            self.reps[key] = self._made(core, boxes)
+        return key
+
+    def _made(self, where, boxes) -> tuple[list, list]:
+        if where not in self.made:
+            self.made[where] = boxes()
+        return self.made[where]
 
     def _remember(self, core, bands, needs) -> tuple[int, int]:
         """The class of a tile from its boxes, which become its class's `reps` if it is the first."""
         if self.by_axis and any(set(c) != self.outputs for c in bands):
             self.by_axis = False  # (an empty box: rows and columns no longer say which values a band has)
         if self.by_axis:
+            if core[:2] not in self.rows:  # (the boxes of its rows, for a split's device rows)
+                self.made[core[:2]] = (bands, needs)
             key = self.rows.setdefault(core[:2], self._id(self._axis(bands, needs, 0))), \
                 self.cols.setdefault(core[2:], self._id(self._axis(bands, needs, 2)))
         else:
@@ -58,8 +88,10 @@ class Translations:
 
     def _axis(self, bands, needs, a: int) -> tuple:
         """The class of a tile's boxes along one axis (a = 0: rows, 2: columns; `batches.axis_class`)."""
-        got = axis_class(bands, needs, self.shapes, self.period, self.reach, a)
-        if a == 0 and self.split:  # (a split value's box: how many of its rows are on the device)
-            got += tuple(tuple((v, max(0, min(b[1], self.split[v]) - b[0])) for v, b in d.items()
-                               if v in self.split) for d in (*bands, *needs))
-        return got
+        return axis_class(bands, needs, self.shapes, self.period, self.reach, a)
+
+
+def _device_rows(bands, needs, split: dict[str, int]) -> tuple:
+    """How many rows of each split value's box are on the device, band by band and box by box."""
+    return tuple(tuple((v, max(0, min(b[1], split[v]) - b[0])) for v, b in d.items() if v in split)
+                 for d in (*bands, *needs))
