@@ -18,7 +18,7 @@ from ...locality.program import SegmentKind, last_use
 from ...memory import format_bytes
 from ..run.segments import tile_grid
 from ..settings import Job, Kind, Mode, Place, Settings
-from .fast import FastSplit, estimation_bytes, fast_note, fast_split
+from .fast import FastSplit, estimation_bytes, fast_note, fast_split, low_pass
 from .live import FrameSizes, unit_peak
 from .stores import write_bytes
 from .units import IN_MEMORY, VIDEO_STAGINGS, Order, layout, video_segments
@@ -266,6 +266,9 @@ def _plan(settings: Settings, job: Job, shape, tile: int, st: Place, order: Orde
         if job.kind is Kind.DECODE:
             head = count(split.head, shape, tile, split.head.input, **figures)
             est = max(est, head["peak"])
+        if settings.fast.low > 1:  # (the low pass, run exact before the sampled tiles)
+            small, low_shape, ref = low_pass(job, shape, settings.fast.low)
+            est = max(est, count(small, low_shape, tile, ref, to_sink=True, **figures)["peak"])
         f["peak"] = max(f["peak"], est)
     if f["dropped"]:
         notes.append(f"the model encodes 1 + {p.every} k frames: the last {f['dropped']} input frames are "
