@@ -5,18 +5,14 @@ within one `memo.remembered()`.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ...locality.ops import OpKind
 from ..settings import Attention, Place
 from .memo import recall
 from .op_costs import Setting
 
-if TYPE_CHECKING:
-    from .counts import Scope
 
-
-def memo_key(seg, grid, scope: Scope, tiles, together, banded, fixed, probes, rows: bool = True,
+def memo_key(seg, grid, scope, tiles, together, banded, fixed, probes, rows: bool = True,
              places: bool = True) -> tuple:
     """What a segment's count reads: its ops, its values' (and the reference's) shapes and channels, the
     grid's cores, its program's input and output (not the program: fast mode's pieces are made anew for
@@ -47,7 +43,7 @@ def _shared(s: Setting) -> Setting:
     return recall(("setting", id(s)), make, s)
 
 
-def _own(seg, scope: Scope, mine: set[str], rows: bool = True) -> tuple:
+def _own(seg, scope, mine: set[str], rows: bool = True) -> tuple:
     """Where one segment's count sees its own values beside `_shared`: their places (a device+host staging
     without a split value of its own places them as host staging with the same values on the device
     does), and the tiles' reads ahead only where it reads a value across the link."""
