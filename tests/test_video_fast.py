@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 import video_vae_support as support  # noqa: E402
 
 import tilewise as tw  # noqa: E402
-from tilewise.vae.video.fast import FastSplit, estimation_bytes, fast_split  # noqa: E402
+from tilewise.vae.video.fast import FastSplit, estimation_bytes, fast_split, low_program  # noqa: E402
 from tilewise.vae.video.sampled import SampledStats, sampled  # noqa: E402
 
 TOL = 1e-4
@@ -147,3 +147,17 @@ def test_the_estimation_holds_its_regions_in_host_memory_where_the_run_stages_th
     held = estimation_bytes(tv.settings, job, split, tuple(x.shape), plans["host"].tile_size)
     assert plans["host"].host_bytes >= held > 0
     assert plans["host"].estimate_peak < plans["device"].estimate_peak
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+def test_the_low_pass_reduces_every_slice_an_upsampler_resamples_alike(factor):
+    """HunyuanVideo's upsampler resamples its first frame and the rest apart: the low pass takes the same
+    mean on both, so the frames it joins are of one size and its last GroupNorm reads a value `factor`
+    times smaller (taking the factor per op reduced the first frame only at fast_low 2)."""
+    p = tw.TiledVAE(_vae("hunyuan"), tile_size=2, mode="fast", progress=False).job("decode").program
+    small, left = low_program(p, (8, 8), factor)
+    shapes, full = small.shapes((8, 8)), p.shapes((8, 8))
+    joins = [op for op in small.ops if len(op.src) > 1 and op.src[0] in shapes and op.src[1] in shapes]
+    assert joins and all(shapes[op.src[0]] == shapes[op.src[1]] for op in joins)
+    norm = small.ops[-1]
+    assert left == 1 and shapes[norm.src[0]][0] * factor == full[norm.src[0]][0]

@@ -172,14 +172,20 @@ def low_program(p: VideoProgram, hw, factor: int) -> tuple[VideoProgram, int]:
     """The decode program `factor` times smaller after its first spatial upsampling, stopped at its last
     GroupNorm: each upsampling by r followed by the mean over its blocks of gcd(r, the factor left) (a
     `Rearrange` packing them: a nearest upsampling so undone, a depth-to-space or transposed convolution
-    box-filtered), as far as they absorb the factor; returns it and the factor left over."""
+    box-filtered), as far as they absorb the factor (every op upsampling one resolution by the same g);
+    returns it and the factor left over."""
     shapes = p.shapes(tuple(hw))
-    left, ops = factor, []
+    left, ops, taken = factor, [], {}  # (taken: input shape -> its mean's g, one per resolution)
     for op in p.ops:
         r = _scale(op, shapes)
-        if left > 1 and r > 1 and r == int(r):
-            g = math.gcd(int(r), left)
-            left //= g
+        at = shapes[op.src[0]] if r > 1 else None
+        if r > 1 and r == int(r) and (at in taken or left > 1):
+            # (an upsampler may resample slices of its input apart, HunyuanVideo's first frame and the
+            # rest: every op reading that resolution takes the same g, or the slices' sizes would part)
+            if at not in taken:
+                taken[at] = math.gcd(int(r), left)
+                left //= taken[at]
+            g = taken[at]
             made = f"{op.dst}[x{int(r)}]"
             ops += [dataclasses.replace(op, dst=made),
                     Rearrange(src=(made,), dst=op.dst, name=f"{op.name}[low pass]", fn=_mean_of(g), down=g,
