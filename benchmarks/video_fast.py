@@ -6,7 +6,8 @@ trained 2-D decoder's, up to GroupNorm statistics pooled over the frames) or Hun
 replication (`--pad replicate`). The videos: a size x size window sliding `--step` px a frame to the right
 across each of scikit-image's astronaut, coffee, chelsea and rocket, pixels in [-1, 1]; their latents
 are the untiled encode's posterior mode. Side by side in one run, per photograph, against the untiled
-decode / encode (fp32, CPU): tilewise exact, tilewise fast (the default `fast_sample`, and 0.25), and
+decode / encode (fp32, CPU): tilewise exact, tilewise fast per (`fast_sample`: the default and 0.25;
+`fast_low`: `--lows`, the low pass's reduction, 0 none), and
 diffusers' own tiling (`vae.enable_tiling`, tiles of the given pixel sizes, stride 3/4 of a tile): max abs
 error and PSNR of the pixels in [0, 1], wall time, the plan's estimated peak; for encode the latent's max
 abs error and relative rms. Beside them the 2-D fast mode on the same latent frames and tile (the
@@ -95,17 +96,17 @@ def static_check(vae2d, size: int) -> list[str]:
     return lines + [""]
 
 
-def decode_rows(vae3d, z, tile: int, samples, diffusers_tiles) -> tuple[list, torch.Tensor]:
+def decode_rows(vae3d, z, tile: int, samples, lows, diffusers_tiles) -> tuple[list, torch.Tensor]:
     """Decode rows (variant, tiles, s, plan peak, max abs, PSNR) and the untiled reference."""
     import tilewise as tw
 
     ref, t_ref = timed(lambda: vae3d.decode(z).sample)
     rows = [("untiled", "1", t_ref, None, 0.0, float("inf"))]
-    for mode, frac in [("exact", None)] + [("fast", f) for f in samples]:
-        tv = tw.TiledVAE(vae3d, tile_size=tile, mode=mode, fast_sample=frac, progress=False)
+    for mode, frac, low in [("exact", None, 4)] + [("fast", f, k) for f in samples for k in lows]:
+        tv = tw.TiledVAE(vae3d, tile_size=tile, mode=mode, fast_sample=frac, fast_low=low, progress=False)
         plan = tv.plan(tuple(z.shape))
         y, s = timed(lambda v: v.decode(z).sample, tv)
-        name = mode if mode == "exact" else f"fast, sample {frac or 'default'}"
+        name = mode if mode == "exact" else f"fast, sample {frac or 'default'}, low {low}"
         grid = f"{plan.grid[0]}x{plan.grid[1]} of {tile}"
         rows.append((name, grid, s, plan.peak, *pixel_errors(y, ref)))
     for px in diffusers_tiles:
@@ -117,17 +118,17 @@ def decode_rows(vae3d, z, tile: int, samples, diffusers_tiles) -> tuple[list, to
     return rows, ref
 
 
-def encode_rows(vae3d, x, tile: int, samples) -> tuple[list, torch.Tensor]:
+def encode_rows(vae3d, x, tile: int, samples, lows) -> tuple[list, torch.Tensor]:
     """Encode rows (variant, tiles, s, plan peak, latent max abs, relative rms) and the untiled mode."""
     import tilewise as tw
 
     ref, t_ref = timed(lambda: vae3d.encode(x).latent_dist.mode())
     rows = [("untiled", "1", t_ref, None, 0.0, 0.0)]
-    for mode, frac in [("exact", None)] + [("fast", f) for f in samples]:
-        tv = tw.TiledVAE(vae3d, tile_size=tile, mode=mode, fast_sample=frac, progress=False)
+    for mode, frac, low in [("exact", None, 4)] + [("fast", f, k) for f in samples for k in lows]:
+        tv = tw.TiledVAE(vae3d, tile_size=tile, mode=mode, fast_sample=frac, fast_low=low, progress=False)
         plan = tv.plan(tuple(x.shape), kind="encode")
         z, s = timed(lambda v: v.encode(x).latent_dist.mode(), tv)
-        name = mode if mode == "exact" else f"fast, sample {frac or 'default'}"
+        name = mode if mode == "exact" else f"fast, sample {frac or 'default'}, low {low}"
         rows.append((name, f"{plan.grid[0]}x{plan.grid[1]} of {tile}", s, plan.peak, *latent_errors(z, ref)))
     return rows, ref
 
@@ -160,20 +161,20 @@ def diffusers_2d(vae2d, z, px: int) -> tuple[float, float]:
     return pixel_errors(y, ref)
 
 
-def norm_errors(vae3d, z, tile: int) -> dict[str, tuple[float, float]]:
-    """Per GroupNorm of fast mode's estimated part (default sample): (|mean error| / exact std,
-    |estimated std / exact std - 1|), the worst (batch, group) over every causal step."""
+def norm_errors(vae3d, z, tile: int, low: int) -> dict[str, tuple[float, float]]:
+    """Per GroupNorm of fast mode's estimated part (default sample, `fast_low` low): (|mean error| /
+    exact std, |estimated std / exact std - 1|), the worst (batch, group) over every causal step."""
     import tilewise as tw
     from tilewise.vae.video.executor import VideoExecutor
     from tilewise.vae.video.fast import fast_split, fast_stats
 
-    tv = tw.TiledVAE(vae3d, tile_size=tile, mode="fast", progress=False)
+    tv = tw.TiledVAE(vae3d, tile_size=tile, mode="fast", fast_low=low, progress=False)
     job = tv.job("decode")
     split = fast_split(tv.settings, job, tuple(z.shape))
     assert not isinstance(split, str) and split is not None, split
 
-    def executor(program, ref, stats=None):
-        return VideoExecutor(program, tile, ref, progress=False, fixed_stats=stats)
+    def executor(program, ref, stats=None, probes=None):
+        return VideoExecutor(program, tile, ref, progress=False, fixed_stats=stats, probes=probes)
 
     with torch.no_grad():
         est, _ = fast_stats(tv.settings, job, split, z, tile, executor)
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=4, help="px the window moves a frame (default: %(default)s)")
     ap.add_argument("--tile", type=int, default=8, help="tilewise tile, latent px (default: %(default)s)")
     ap.add_argument("--samples", default="default,0.25", help="fast_sample values (default: %(default)s)")
+    ap.add_argument("--lows", default="4", help="fast_low values, 0: no low pass (default: %(default)s)")
     ap.add_argument("--diffusers-tiles", default="64,128", help="diffusers' tile px (default: %(default)s)")
     ap.add_argument("--pad", choices=("constant", "replicate"), default="constant",
                     help="the causal convs' border padding (default: %(default)s, the 2-D VAE's)")
@@ -220,6 +222,7 @@ def main() -> None:
     vae2d = load_default_vae().eval()
     vae3d, _ = inflated_hunyuan(vae2d, args.pad)
     samples = [None if s == "default" else float(s) for s in args.samples.split(",")]
+    lows = [int(k) for k in args.lows.split(",")]
     px = [int(p) for p in args.diffusers_tiles.split(",") if p]
     started = time.perf_counter()
     lines = ["# 3-D fast mode on trained statistics (#28)", "",
@@ -232,13 +235,13 @@ def main() -> None:
     dec, enc, norms, flat = [], [], {}, []
     for name in args.photos.split(","):
         x = panning(name, args.size, args.frames, args.step)
-        rows, z = encode_rows(vae3d, x, args.tile, samples)
+        rows, z = encode_rows(vae3d, x, args.tile, samples, lows)
         enc += [(name, *r) for r in rows]
-        rows, _ = decode_rows(vae3d, z, args.tile, samples, px)
+        rows, _ = decode_rows(vae3d, z, args.tile, samples, lows, px)
         dec += [(name, *r) for r in rows]
         flat.append((name, *fast_2d(vae2d, z, args.tile, 4), *fast_2d(vae2d, z, args.tile, 0),
                      *diffusers_2d(vae2d, z, px[-1] if px else 128)))
-        norms[name] = norm_errors(vae3d, z, args.tile)
+        norms[name] = norm_errors(vae3d, z, args.tile, lows[0])
         print(f"{name}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     lines += ["## Decode", ""] + table(
         ["photo", "variant", "tiles", "s", "plan peak MiB", "max abs", "PSNR dB"],
@@ -253,7 +256,8 @@ def main() -> None:
          f"2-D diffusers tiling {px[-1] if px else 128} px: max abs", "PSNR dB"],
         [(n, *(f"{v:.4f}" if i % 2 == 0 else f"{v:.1f}" for i, v in enumerate(r))) for n, *r in flat]) + [""]
     names = list(next(iter(norms.values())))
-    lines += ["## Estimated GroupNorm statistics against the exact ones (decode, default sample)", "",
+    lines += ["## Estimated GroupNorm statistics against the exact ones (decode, default sample, "
+              f"fast_low {lows[0]})", "",
               "|mean error| / exact std ; |estimated std / exact std - 1|, the worst group:", ""] + table(
         ["GroupNorm"] + list(norms), [(g, *(f"{norms[n][g][0]:.4f} ; {norms[n][g][1]:.4f}" for n in norms))
                                       for g in names]) + [""]
