@@ -253,7 +253,8 @@ def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
     host memory; of two placements (`_shortest_first`, `_spill_longest`), each also with the room left
     beside it given to the other values' first rows (`_split_rest`), the fitting one of least estimated
     time. None when none places some but not all on the device."""
-    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST, split=()))  # (every read a copy)
+    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST, on_device=frozenset(), split=()))
+    # (every read a copy: none of `ask`'s own placement kept)
     room = [settings.memory_budget - n for n in host.segment_bytes]
     size = {s.value: s.bytes for s in host.stages}
     rows = {s.value: s.shape[-2] for s in host.stages}
