@@ -252,22 +252,29 @@ def place(settings: Settings, job: Job, shape, ask: Choices) -> Plan | None:
     """The "device+host" plan of some choices: some staged values on the device, the others in pinned
     host memory; of two placements (`_shortest_first`, `_spill_longest`), each also with the room left
     beside it given to the other values' first rows (`_split_rest`), the fitting one of least estimated
-    time. None when none places some but not all on the device."""
-    host = make_plan(settings, job, shape, ask.replace(staging=Place.HOST, split=()))  # (every read a copy)
-    room = [settings.memory_budget - n for n in host.segment_bytes]
-    size = {s.value: s.bytes for s in host.stages}
-    rows = {s.value: s.shape[-2] for s in host.stages}
+    time. The room is measured on the all-host plan (every read a copy) and, where `ask` places values on
+    the device already (settle's recomputation and batches re-place a plan), also on the plan that keeps
+    them there (their reads views: nearer what such a placement holds, but blind to the others). None
+    when none places some but not all on the device."""
+    hosts = [ask.replace(staging=Place.HOST, on_device=frozenset(), split=())]
+    if ask.on_device:
+        hosts.append(ask.replace(staging=Place.HOST, split=()))
     whole = _whole_readers(job, settings, ask)
     plans, tried = [], []
-    for chosen in (_shortest_first(host.lifetimes, size, room), _spill_longest(host.lifetimes, size, room)):
-        split = () if ask.tile_batch > 1 else \
-            _split_rest(host.lifetimes, host.readers, size, rows, room, chosen, whole)
-        more = frozenset(v for v, r in split if r >= rows[v])  # (all its rows fit: whole on the device)
-        for on, sp in ((chosen, ()), (chosen | more, tuple((v, r) for v, r in split if v not in more))):
-            if on | {v for v, _ in sp} and len(on) < len(size) and (on, sp) not in tried:
-                tried.append((on, sp))
-                plans.append(_fitted(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=on,
-                                                                       split=sp)))
+    for host in (make_plan(settings, job, shape, h) for h in hosts):
+        room = [settings.memory_budget - n for n in host.segment_bytes]
+        size = {s.value: s.bytes for s in host.stages}
+        rows = {s.value: s.shape[-2] for s in host.stages}
+        for chosen in (_shortest_first(host.lifetimes, size, room),
+                       _spill_longest(host.lifetimes, size, room)):
+            split = () if ask.tile_batch > 1 else \
+                _split_rest(host.lifetimes, host.readers, size, rows, room, chosen, whole)
+            more = frozenset(v for v, r in split if r >= rows[v])  # (all its rows fit: whole on the device)
+            for on, sp in ((chosen, ()), (chosen | more, tuple((v, r) for v, r in split if v not in more))):
+                if on | {v for v, _ in sp} and len(on) < len(size) and (on, sp) not in tried:
+                    tried.append((on, sp))
+                    plans.append(_fitted(settings, job, shape, ask.replace(staging=Place.MIXED, on_device=on,
+                                                                           split=sp)))
     if not plans:
         return None
     return min(plans, key=lambda q: (q.peak > settings.memory_budget, q.seconds))  # (a tie: the first)
