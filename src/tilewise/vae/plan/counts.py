@@ -121,8 +121,8 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         for cores in tile_bands(tile.core, seg.outputs, shapes, ref, rows):
             cost.launches += boxes.adds(cores, probed)  # (the tile's own cores)
     for key in dict.fromkeys(key for _, key in items):  # (each class of tiles counted once)
-        n = len(like.reps[key][0])
-        memo[key] = (n, _class_cost(seg, like, key, scope, last, fixed, same) if n else None)
+        n = len(like.rep(key, split)[0])
+        memo[key] = (n, _class_cost(seg, like, key, split, scope, last, fixed, same) if n else None)
     for key, times in Counter(key for _, key in items).items():
         n, tile_cost = memo[key]
         if n:
@@ -133,7 +133,7 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
             if memo[key][0]:
-                one = memo[key][1] if k == 1 else _class_cost(seg, like, key, scope, last, fixed, same, k)
+                one = memo[key][1] if k == 1 else _class_cost(seg, like, key, split, scope, last, fixed, same, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -225,11 +225,11 @@ def _translations(seg, grid, scope: Scope, rows, regions) -> Translations:
     return table[key][0]
 
 
-def _class_cost(seg, like: Translations, key, scope: Scope, last, fixed, same, n: int = 1) -> Cost:
-    """`_tile_cost` of a class of tiles (`like.reps[key]`), n at a time, once per class and `same` (the
-    segment's memo keys: but its split values' device rows, which the class holds; and its ops' count
-    once per class of its tiles' boxes and the key without its values' places)."""
-    bands, needs = like.reps[key]
+def _class_cost(seg, like: Translations, key, split, scope: Scope, last, fixed, same, n: int = 1) -> Cost:
+    """`_tile_cost` of a class of tiles (`like.rep(key, split)`), n at a time, once per class and `same`
+    (the segment's memo keys: but its split values' device rows, which the class holds; and its ops'
+    count once per class of its tiles' boxes and the key without its values' places)."""
+    bands, needs = like.rep(key, split)
 
     def ops():
         return _ops_cost(seg, bands, needs, scope, last, fixed, n)
