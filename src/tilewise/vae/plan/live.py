@@ -102,7 +102,7 @@ def _op_bytes(ops, i: int, need, sizes: Sizes, last, keep, norms_in_place: bool,
         copied = not op.pads_itself(want, inner) and any(zero_pad(want, inner)[0])
         padded = sizes.of(src, want) if copied else 0  # the padded copy
         if lazy_input(ops, i, last, keep):  # the upsampled rows, materialised, die once padded
-            ups = sizes.of(src, inner)
+            ups = sizes.of(src, upsampled_box(ops[i - 1], inner))
             temp = padded + max(0, ups - (out if padded else 0)) if padded else ups
         else:
             temp = padded
@@ -135,6 +135,14 @@ def lazy_output(ops, i: int, last, keep) -> bool:
 def lazy_input(ops, i: int, last, keep) -> bool:
     """Whether conv ops[i] reads an upsampling that was never materialised (it upsamples each band)."""
     return i > 0 and ops[i - 1].kind is OpKind.RESAMPLE and lazy_output(ops, i - 1, last, keep)
+
+
+def upsampled_box(op, box):
+    """The box of a resample's output that `Upsampled.crop` materialises for `box`: widened to whole
+    source pixels (an interior tile's conv reads an odd box of rows at 2x: one row more above and below
+    is upsampled, then cropped)."""
+    s = op.scale
+    return box[0] // s * s, ((box[1] - 1) // s + 1) * s, box[2] // s * s, ((box[3] - 1) // s + 1) * s
 
 
 def pointwise_conv(op) -> bool:
