@@ -133,7 +133,8 @@ def _segment_cost(seg, grid, scope: Scope, tiles, together, banded, fixed, probe
         groups = batch_groups(items, batch, scope.program.output in seg.outputs)
         for (key, k), times in Counter((g[0][1], len(g)) for g in groups).items():
             if memo[key][0]:
-                one = memo[key][1] if k == 1 else _class_cost(seg, like, key, split, scope, last, fixed, same, k)
+                one = memo[key][1] if k == 1 else \
+                    _class_cost(seg, like, key, split, scope, last, fixed, same, k)
                 cost.add(one, together, times)
     if ran == 1:  # (one tile: there is no next tile to read ahead)
         cost.ahead = cost.fetched = 0
@@ -356,8 +357,8 @@ def _segment_once(seg, scope: Scope, parts: int) -> Cost:
                 into = projects_into(op, s.batch)
                 cost.launches += (PROJECT_INTO if into else KEYS_VALUES + KV_STORE) * bands
             cost.flops += s.batch * 2 * 2 * h * w * c * c
-            if s.off(src):
-                cost.h2d += h * w * c * unit
+            if s.off(src):  # (read whole: a split value's host rows)
+                cost.h2d += s.host_area(src, (0, h, 0, w)) * c * unit
             if s.run.kv_chunk and s.gpu:  # (into host memory: copies, not kernels)
                 cost.d2h += 2 * h * w * c * unit
         if op.kind is OpKind.GROUP_NORM and id(op) not in seg.again:  # (an affine once per run)
