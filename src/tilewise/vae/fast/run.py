@@ -23,7 +23,7 @@ from ..run.segments import tile_grid
 from ..run.staging import trim_heap
 from ..settings import Estimator, FastSettings, Job, Kind, Place
 from .estimators import estimate_stats, sample_tiles, sampled_tile_stats, staged_tile_stats
-from .split import fixed_ops, low_pass, piece_grid, split_pieces, split_program
+from .split import fixed_ops, low_pass, piece_grid, recomputed_in, split_pieces, split_program
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,9 @@ def _estimate(fast: FastSettings, part: Program, x, ref: str, tile: int, options
     tiles = sample_tiles(tile_grid((rh, rw), tile), fast.fraction(Estimator.TILES), choices.fast_most)
     if options.staging is Place.DISK or choices.staged_estimate:  # one tile's working set at a time,
         # the regions staged
-        return staged_tile_stats(part, x, ref, tiles, fixed, options, adjust)
+        # (the plan's recomputed values: this piece's, `recomputed_in`)
+        staged = options.replace(recompute=recomputed_in(part, choices.recompute))
+        return staged_tile_stats(part, x, ref, tiles, fixed, staged, adjust)
     return sampled_tile_stats(part, x, ref, tiles, fixed, options, adjust)
 
 

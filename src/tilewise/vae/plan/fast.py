@@ -13,13 +13,22 @@ from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
-from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
+from ..fast.split import (
+    fast_split,
+    low_pass,
+    piece_cuts,
+    piece_grid,
+    recomputed_in,
+    split_pieces,
+    split_program,
+)
 from ..run.batches import axis_class, period_and_reach
 from ..run.options import Choices
 from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import sample_stats_cost
 from .live import Sizes, together_peak
+from .memo import segments
 from .op_costs import ADJUST, Setting, stats_copy
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
@@ -44,6 +53,7 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     come with their `fast_most` and `head_tile`. A GPU plan's low pass runs in one tile where that fits
     the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits."""
     first, second = split_program(job.program, k)
+    recomputed, s = s.run.recompute, s.with_run(recompute=())  # (the staged sampled tiles' alone)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
     head, held, head_tile = [], 0, 0
     if job.kind is Kind.DECODE:
@@ -53,7 +63,8 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most)
+    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most,
+                   recomputed)
     cuts = ask.fast_cuts
     best = None
     for cap in [ask.fast_most] if cuts is not None else fp.sample_caps():
@@ -70,6 +81,19 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
         q = pass_plan(spec, exact, job.profile, full)
         passes.append(q.with_held(rp.output_bytes))
     return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
+
+
+def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str]]:
+    """The cuts of a fast plan's staged sampled tiles' pass, each piece's (its segments with the values of
+    `choices.recompute` it makes recomputed, its input), as `staged_tile_stats` runs them: what a GPU plan
+    may recompute there instead of staging (`settle._recomputed`). None staged: none."""
+    k = fast_split(job.program, job.kind, settings.mode, settings.fast)
+    if k is None or not choices.staged_estimate:
+        return []
+    first, second = split_program(job.program, k)
+    pieces = split_pieces(second if job.kind is Kind.DECODE else first, choices.fast_cuts or ())
+    return [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input)
+            for q in pieces]
 
 
 def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,
@@ -118,6 +142,7 @@ class _FastPlan:
     full: int
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
+    recomputed: tuple[str, ...] = ()  # the staged sampled tiles' values their readers recompute
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
@@ -285,14 +310,21 @@ class _FastPlan:
     def _staged(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled, norms: int) -> Pass:
         """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
         back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
-        no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
+        no reads ahead; its statistics as exact mode's (and the low pass's correction). The piece's values
+        in `recomputed` are remade by their readers (`recomputed_in`): their readers' work and FLOPs added."""
         unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
         kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
         spec = PassSpec(kind, pc.program, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions,
                         piece=pc.piece)
         staged = pass_plan(spec, unchecked, self.job.profile, self.full)
+        work, flops = sp.work, sp.flops
+        values = recomputed_in(pc.program, self.recomputed)
+        if values:  # (what the readers remake: the same pass recomputing, less the pass staging all)
+            again = pass_plan(spec, unchecked.with_run(recompute=values), self.job.profile, self.full)
+            work, flops = work + again.work - staged.work, flops + again.flops - staged.flops
+            staged = again
         extra = ADJUST * norms if self.settings.fast.low else 0
-        return staged.replace(work=sp.work, flops=sp.flops, launches=staged.launches + extra)
+        return staged.replace(work=work, flops=flops, launches=staged.launches + extra)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ..devices import BAND_BYTES
 from ..run.options import Choices
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
+from .fast import staged_cuts
 from .make import make_plan, request
 from .memo import remembered, segments
 from .records import PassKind, Plan
@@ -98,23 +99,32 @@ def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     chains of recomputed values): each recomputable value in program order, kept where the plan with it
     fits and is faster (one kept may make later ones recomputable through it), then each pair of the
     others that one segment reads (a resnet's residual and shortcut: recomputing one alone still reads
-    the other's leaves). Exact host-staged plans on one process; device staging moves nothing to save."""
-    if settings.mode is not Mode.EXACT or plan.untiled or plan.staging is Place.DEVICE \
-            or settings.process_group is not None:
+    the other's leaves). Exact host-staged plans on one process, and fast mode's staged sampled tiles
+    (`fast.staged_cuts`: their pass's values, piece by piece); device staging moves nothing to save."""
+    if plan.untiled or plan.staging is Place.DEVICE or settings.process_group is not None:
         return plan
-    p = job.program
+    if settings.mode is Mode.EXACT:
+        def cuts(choices: Choices) -> list:
+            return [(segments(job.program, {}, settings.attention, choices.recompute), job.program.input)]
+    elif plan.choices.staged_estimate:
+        def cuts(choices: Choices) -> list:
+            return staged_cuts(job, settings, choices)
+    else:
+        return plan
+
+    def left(choices: Choices) -> list[str]:
+        return [v for segs, given in cuts(choices) for v in recomputable(segs, given, longer=True)]
+
     best, tried = plan, set()
     while True:  # (values one by one, in program order)
-        segs = segments(p, {}, settings.attention, best.choices.recompute)
-        v = next((v for v in recomputable(segs, p.input, longer=True) if v not in tried), None)
+        v = next((v for v in left(best.choices) if v not in tried), None)
         if v is None:
             break
         tried.add(v)
         best = _faster(settings, job, shape, best, (v,))
-    segs = segments(p, {}, settings.attention, best.choices.recompute)
-    left = recomputable(segs, p.input, longer=True)
-    for i, v in enumerate(left):  # (then pairs one segment reads: alone, neither paid)
-        for w in left[i + 1:]:
+    rest, segs = left(best.choices), [s for segs, _ in cuts(best.choices) for s in segs]
+    for i, v in enumerate(rest):  # (then pairs one segment reads: alone, neither paid)
+        for w in rest[i + 1:]:
             if any(v in s.inputs and w in s.inputs for s in segs) \
                     and not {v, w} & set(best.choices.recompute):
                 best = _faster(settings, job, shape, best, (v, w))
