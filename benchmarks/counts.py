@@ -176,10 +176,12 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def _sampled(p) -> str:
-    """How a fast plan's sampled tiles run: at most so many rows and columns of them, staged."""
+    """How a fast plan's sampled tiles run: at most so many rows and columns of them, staged, with so many
+    of their values recomputed by their readers instead."""
     ch = p.choices
     return (f", sampled <= {ch.fast_most} rows / cols" if ch.fast_most else "") + (
-        ", sampled tiles staged" if ch.staged_estimate else "")
+        ", sampled tiles staged" if ch.staged_estimate else "") + (
+        f", {len(ch.recompute)} of their values recomputed" if ch.recompute and ch.staged_estimate else "")
 
 
 def targets(rows: list[dict]) -> list[str]:
