@@ -1,6 +1,7 @@
-"""Fast mode's staged sampled tiles recompute values instead of staging them (issue #31): the same
-statistics and outputs as staging them (fp32 <= 1e-5), the plan's bytes those its run moves, and GPU plans
-recomputing only where their time model finds it faster (planned on fake tensors: no GPU needed)."""
+"""Fast mode's staged sampled tiles, and its exact latent-resolution pass, recompute values instead of
+staging them (issue #31): the same statistics and outputs as staging them (fp32 <= 1e-5), the plan's bytes
+those its run moves, and GPU plans recomputing only where their time model finds it faster (planned on
+fake tensors: no GPU needed)."""
 
 from __future__ import annotations
 
@@ -47,16 +48,18 @@ def _chained(part):
 
 
 def _recomputing(tv, job, shape, plan, most: int | None = None):
-    """`plan` with the values of its staged sampled tiles' pass recomputed (`fast.staged_cuts`), one by one
-    in program order (at most `most`)."""
-    values = []
-    while most is None or len(values) < most:
-        cuts = staged_cuts(job, tv.settings, plan.choices.replace(recompute=tuple(values)))
-        left = [v for segs, given in cuts for v in recomputable(segs, given, longer=True) if v not in values]
+    """`plan` with the values of its exact pass and staged sampled tiles' pass recomputed
+    (`fast.staged_cuts`), one by one in program order (at most `most` in each pass's cut)."""
+    values: list[str] = []
+    while True:
+        left = []
+        for segs, given in staged_cuts(job, tv.settings, plan.choices.replace(recompute=tuple(values))):
+            made = {op.dst for seg in segs for op in seg.ops}
+            if most is None or sum(v in made for v in values) < most:
+                left += [v for v in recomputable(segs, given, longer=True) if v not in values]
         if not left:
-            break
+            return make_plan(tv.settings, job, shape, plan.choices.replace(recompute=tuple(values)))
         values.append(left[0])
-    return make_plan(tv.settings, job, shape, plan.choices.replace(recompute=tuple(values)))
 
 
 def test_staged_sampled_tiles_recomputing_give_the_statistics_and_outputs_of_staging():
@@ -81,34 +84,40 @@ def test_staged_sampled_tiles_recomputing_give_the_statistics_and_outputs_of_sta
     assert done.keys() == done_r.keys() and all((done[t] - done_r[t]).abs().max() <= 1e-5 for t in done)
 
 
-def test_fast_decode_recomputing_its_sampled_tiles_equals_todays_fast_decode():
+def test_fast_decode_recomputing_in_its_head_and_sampled_tiles_equals_todays_fast_decode():
     torch.manual_seed(0)
     vae = build_vae("sd", torch.float32, "cpu", **NARROW)
     tv = tw.TiledVAE(vae, mode="fast", tile_size=4, fast_low=4, memory_budget=1_000_000, progress=False,
                      device_kind="cuda", fast_sample=0.5)
     z, job = structured_latent(1, 4, 12, 12), tv.job("decode")
     plan = tv.plan(tuple(z.shape))  # (the sampled tiles do not fit at once: staged, in host memory)
-    forced = _recomputing(tv, job, tuple(z.shape), plan, most=8)  # (all: 2.5x the run's time)
+    forced = _recomputing(tv, job, tuple(z.shape), plan, most=4)  # (all: 2.5x the run's time)
+    head = {op.dst for op in split_program(job.program, fast_split(job.program, Kind.DECODE, Mode.FAST,
+                                                                    tv.settings.fast))[0].ops}
     with torch.no_grad():
         ref = run_once(tv.settings, job, z, plan.choices, None)[0]
         got = run_once(tv.settings, job, z, forced.choices, None)[0]
     assert plan.staged_estimate and plan.choices.recompute == () and len(forced.choices.recompute) == 8
+    assert len(head & set(forced.choices.recompute)) == 4  # (the exact head's and the sampled tiles')
     assert (got - ref).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("pieces", [False, True])
-def test_fast_plan_counts_a_recomputing_staged_run_to_the_byte(pieces):
-    with fake():  # (pieces: the part cut at both its upsamplings, each piece recomputing its own values)
+@pytest.mark.parametrize("kind,pieces", [("decode", False), ("decode", True), ("encode", False)])
+def test_fast_plan_counts_a_recomputing_run_to_the_byte(kind, pieces):
+    with fake():  # (pieces: the part cut at both its upsamplings, each piece recomputing its own values;
+        # encode: its exact tail recomputing too)
         vae = build_vae("sd", torch.float16, "meta", **NARROW)
         tv = tw.TiledVAE(vae, mode="fast", tile_size=8, fast_low=4, memory_budget=3_000_000, progress=False,
                          device_kind="cuda", fast_sample=0.5)
-        z, job = torch.randn(1, 4, 32, 32).to("meta", torch.float16), tv.job("decode")
+        job = tv.job(kind)
+        t = torch.randn(1, 4, 32, 32) if kind == "decode" else torch.randn(1, 3, 256, 256)
+        t, tile = t.to("meta", torch.float16), 8 if kind == "decode" else 16
         cuts = piece_cuts(job.program, job.kind, Mode.FAST, tv.settings.fast) if pieces else ()
-        base = make_plan(tv.settings, job, tuple(z.shape), request(tv.settings, job, 8, "host")
+        base = make_plan(tv.settings, job, tuple(t.shape), request(tv.settings, job, tile, "host")
                          .replace(fast_cuts=cuts))
-        plan = _recomputing(tv, job, tuple(z.shape), base)
+        plan = _recomputing(tv, job, tuple(t.shape), base)
         with count("meta") as c:
-            run_once(tv.settings, job, z, plan.choices, None)
+            run_once(tv.settings, job, t, plan.choices, None)
     assert plan.choices.recompute and plan.choices.staged_estimate and len(plan.fast_cuts) == 2 * pieces
     assert plan.flops == c.flops > base.flops  # (the readers' recomputed convolutions)
     assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h) and plan.h2d < base.h2d and plan.d2h < base.d2h

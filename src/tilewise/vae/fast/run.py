@@ -74,7 +74,8 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     trim = options.staging is Place.DISK and x.device.type == "cpu"
     exact_peak = 0
     if job.kind is Kind.DECODE:
-        res = Executor(first, choices.head_tile or tile, first.input, options, x.device, group).run(x)
+        own = options.replace(recompute=recomputed_in(first, choices.recompute))  # (the head's values)
+        res = Executor(first, choices.head_tile or tile, first.input, own, x.device, group).run(x)
         part, ref, h, exact_peak = second, second.input, res.output, res.staged_peak
         del res  # (h is the only reference to the head's output: the first piece releases it)
         if trim:
@@ -88,7 +89,8 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     del h
     out, h, staged_peak = _run_pieces(job, fast, part, ref, held, choices, options, emit, group, adjust)
     if job.kind is Kind.ENCODE:
-        res = Executor(second, tile, second.output, options, x.device, group).run(h, emit=emit)
+        own = options.replace(recompute=recomputed_in(second, choices.recompute))  # (the tail's values)
+        res = Executor(second, tile, second.output, own, x.device, group).run(h, emit=emit)
         out, exact_peak = res.output, res.staged_peak
     return out, max(exact_peak, staged_peak)
 

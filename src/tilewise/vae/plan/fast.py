@@ -58,7 +58,8 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     head, held, head_tile = [], 0, 0
     if job.kind is Kind.DECODE:
         head_tile = ask.head_tile if ask.fast_cuts is not None else 0
-        q, head_tile = _head_pass(job, settings, first, shape, tile, exact, full, head_tile)
+        own = exact.with_run(recompute=recomputed_in(first, recomputed))  # (its own recomputed values)
+        q, head_tile = _head_pass(job, settings, first, shape, tile, own, full, head_tile)
         head.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
@@ -78,22 +79,25 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     if job.kind is Kind.ENCODE:
         rp = got[-1]
         spec = PassSpec(PassKind.TAIL, second, rp.output_shape, tile, second.output)
-        q = pass_plan(spec, exact, job.profile, full)
+        q = pass_plan(spec, exact.with_run(recompute=recomputed_in(second, recomputed)), job.profile, full)
         passes.append(q.with_held(rp.output_bytes))
     return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
 
 
 def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str]]:
-    """The cuts of a fast plan's staged sampled tiles' pass, each piece's (its segments with the values of
-    `choices.recompute` it makes recomputed, its input), as `staged_tile_stats` runs them: what a GPU plan
-    may recompute there instead of staging (`settle._recomputed`). None staged: none."""
+    """The cuts of a fast plan's passes that may recompute staged values instead of moving them (each: its
+    segments with the values of `choices.recompute` it makes recomputed, its input), as they run: the
+    exact latent-resolution pass (decode's head, encode's tail: exact mode's recomputation) and, where the
+    sampled tiles are staged, their pass piece by piece (`staged_tile_stats`); `settle._recomputed` tries
+    them. The low pass and the other tiles stage nothing recomputable (the crop estimator: none)."""
     k = fast_split(job.program, job.kind, settings.mode, settings.fast)
-    if k is None or not choices.staged_estimate:
+    if k is None:
         return []
     first, second = split_program(job.program, k)
-    pieces = split_pieces(second if job.kind is Kind.DECODE else first, choices.fast_cuts or ())
+    exact, part = (first, second) if job.kind is Kind.DECODE else (second, first)
+    progs = [exact, *(split_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
     return [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input)
-            for q in pieces]
+            for q in progs]
 
 
 def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,

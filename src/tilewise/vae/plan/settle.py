@@ -99,18 +99,17 @@ def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     chains of recomputed values): each recomputable value in program order, kept where the plan with it
     fits and is faster (one kept may make later ones recomputable through it), then each pair of the
     others that one segment reads (a resnet's residual and shortcut: recomputing one alone still reads
-    the other's leaves). Exact host-staged plans on one process, and fast mode's staged sampled tiles
-    (`fast.staged_cuts`: their pass's values, piece by piece); device staging moves nothing to save."""
+    the other's leaves). Host-staged plans on one process: exact ones, and fast ones in their exact
+    latent-resolution pass and staged sampled tiles (`fast.staged_cuts`); device staging moves nothing to
+    save."""
     if plan.untiled or plan.staging is Place.DEVICE or settings.process_group is not None:
         return plan
     if settings.mode is Mode.EXACT:
         def cuts(choices: Choices) -> list:
             return [(segments(job.program, {}, settings.attention, choices.recompute), job.program.input)]
-    elif plan.choices.staged_estimate:
+    else:
         def cuts(choices: Choices) -> list:
             return staged_cuts(job, settings, choices)
-    else:
-        return plan
 
     def left(choices: Choices) -> list[str]:
         return [v for segs, given in cuts(choices) for v in recomputable(segs, given, longer=True)]
