@@ -62,10 +62,12 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     3. The other tiles run the high-resolution part end to end with those statistics.
     With disk staging, or `choices.staged_estimate` (a GPU plan whose sampled tiles do not fit at once),
     step 2 runs the sampled tiles one at a time, segment by segment, their regions staged
-    (`staged_tile_stats`). `choices.fast_cuts` (positions in the high-resolution part, `piece_cuts`; a
-    GPU plan's choice) run steps 2-3 piece by piece, the value between two pieces whole on the device:
-    every tile's halo then spans only its piece's receptive field, not the whole part's (the same values
-    and statistics, less recomputation). `options`: how the exact passes run (the others follow them).
+    (`staged_tile_stats`; `choices.recompute`: the staged values its readers remake, and step 1's,
+    each pass its own, `split.recomputed_in`). `choices.fast_cuts` (positions in the high-resolution
+    part, `piece_cuts`; a GPU plan's choice) run steps 2-3 piece by piece, the value between two pieces
+    whole on the device: every tile's halo then spans only its piece's receptive field, not the whole
+    part's (the same values and statistics, less recomputation). `options`: how the exact passes run
+    (the others follow them).
     """
     first, second = split_program(job.program, k)
     tile = choices.tile_size

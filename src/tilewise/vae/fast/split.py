@@ -95,8 +95,8 @@ def split_pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
 
 
 def recomputed_in(piece: Program, values) -> tuple[str, ...]:
-    """Those of `values` (a plan's recomputed sampled-tile values, `Choices.recompute`) that `piece` makes:
-    fast mode recomputes them piece by piece, in the staged sampled tiles' pass."""
+    """Those of `values` (a fast plan's recomputed values, `Choices.recompute`) that `piece` makes: each
+    pass that recomputes (the exact latent-resolution pass, each piece's staged sampled tiles) its own."""
     made = {op.dst for op in piece.ops}
     return tuple(v for v in values if v in made)
 

@@ -51,9 +51,11 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     where the default sample's sampled tiles would be staged across the link (or not fit), fewer sampled
     tiles (`sample_caps`) while that is faster: their statistics from what fits on the device. Given cuts
     come with their `fast_most` and `head_tile`. A GPU plan's low pass runs in one tile where that fits
-    the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits."""
+    the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits.
+    `ask.recompute` (`settle._recomputed`'s choice among `staged_cuts`): the staged values the exact pass
+    and the staged sampled tiles recompute, each pass its own (`recomputed_in`)."""
     first, second = split_program(job.program, k)
-    recomputed, s = s.run.recompute, s.with_run(recompute=())  # (the staged sampled tiles' alone)
+    recomputed, s = s.run.recompute, s.with_run(recompute=())  # (each pass its own: `recomputed_in`)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
     head, held, head_tile = [], 0, 0
     if job.kind is Kind.DECODE:
@@ -146,7 +148,7 @@ class _FastPlan:
     full: int
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
-    recomputed: tuple[str, ...] = ()  # the staged sampled tiles' values their readers recompute
+    recomputed: tuple[str, ...] = ()  # the plan's recomputed values (each staged piece takes its own)
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
