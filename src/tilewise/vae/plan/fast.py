@@ -28,7 +28,7 @@ from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import sample_stats_cost
 from .live import Sizes, together_peak
-from .memo import segments
+from .memo import recall, segments
 from .op_costs import ADJUST, Setting, stats_copy
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
@@ -54,7 +54,7 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits.
     `ask.recompute` (`settle._recomputed`'s choice among `staged_cuts`): the staged values the exact pass
     and the staged sampled tiles recompute, each pass its own (`recomputed_in`)."""
-    first, second = split_program(job.program, k)
+    first, second = _split(job.program, k)
     recomputed, s = s.run.recompute, s.with_run(recompute=())  # (each pass its own: `recomputed_in`)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
     head, held, head_tile = [], 0, 0
@@ -95,11 +95,22 @@ def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[li
     k = fast_split(job.program, job.kind, settings.mode, settings.fast)
     if k is None:
         return []
-    first, second = split_program(job.program, k)
+    first, second = _split(job.program, k)
     exact, part = (first, second) if job.kind is Kind.DECODE else (second, first)
-    progs = [exact, *(split_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
+    progs = [exact, *(_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
     return [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input)
             for q in progs]
+
+
+def _split(p: Program, k: int) -> tuple[Program, Program]:
+    """`fast.split.split_program`, once per program and cut inside `memo.remembered()`: the same programs
+    for every plan a search makes, so that what is remembered by program (segments, counts) is found."""
+    return recall(("fast split", id(p), k), lambda: split_program(p, k), p)
+
+
+def _pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
+    """`fast.split.split_pieces`, once per part and cuts inside `memo.remembered()` (as `_split`)."""
+    return recall(("fast pieces", id(part), tuple(cuts)), lambda: split_pieces(part, tuple(cuts)), part)
 
 
 def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,
@@ -210,8 +221,10 @@ class _FastPlan:
         rh, rw = self.part.shapes(tuple(self.part_shape[-2:]))[self.ref]
         grid = tile_grid((rh, rw), self.tile)  # (as the run)
         sampled = self.sampled(grid)
-        low, small, low_ref = low_pass(self.job.kind, self.part, self.part_shape, self.ref,
-                                       self.settings.fast.low, self.job.factor)
+        args = (self.job.kind, self.part, tuple(self.part_shape), self.ref, self.settings.fast.low,
+                self.job.factor)  # (once per part inside `memo.remembered()`, as `_split`)
+        low, small, low_ref = recall(("fast low pass", id(self.part), *args[2:]), lambda: low_pass(*args),
+                                     self.part)
         lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
         probes = tuple(map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled)
         resized = math.prod(small) * self.exact.item if small[-2:] != self.part_shape[-2:] else 0
@@ -230,7 +243,7 @@ class _FastPlan:
     def piece_passes(self, cuts: tuple[int, ...]) -> list[Pass]:
         """Each piece's sampled tiles' and other tiles' passes, the value between pieces held whole; the
         sampled tiles staged in every piece when they do not fit at once in one."""
-        pieces = split_pieces(self.part, cuts)
+        pieces = _pieces(self.part, cuts)
         shapes = self.part.shapes(tuple(self.part_shape[-2:]))
         staged = None
         while True:
