@@ -181,7 +181,8 @@ def _sampled(p) -> str:
     ch = p.choices
     return (f", sampled <= {ch.fast_most} rows / cols" if ch.fast_most else "") + (
         ", sampled tiles staged" if ch.staged_estimate else "") + (
-        f", {len(ch.recompute)} values recomputed" if ch.recompute else "")
+        f", {len(ch.recompute) + len(ch.low_recompute)} values recomputed" if ch.recompute or ch.low_recompute
+        else "")
 
 
 def targets(rows: list[dict]) -> list[str]:

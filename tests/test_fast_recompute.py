@@ -47,19 +47,20 @@ def _chained(part):
         values.append(left[0])
 
 
-def _recomputing(tv, job, shape, plan, most: int | None = None):
-    """`plan` with the values of its exact pass and staged sampled tiles' pass recomputed
+def _recomputing(tv, job, shape, plan, most: int | None = None, low: bool = True):
+    """`plan` with the values of its exact pass, low pass (`low`) and staged sampled tiles' pass recomputed
     (`fast.staged_cuts`), one by one in program order (at most `most` in each pass's cut)."""
-    values: list[str] = []
+    values = {"recompute": [], "low_recompute": []}
     while True:
+        ask = plan.choices.replace(**{f: tuple(vs) for f, vs in values.items()})
         left = []
-        for segs, given in staged_cuts(job, tv.settings, plan.choices.replace(recompute=tuple(values))):
+        for segs, given, f in staged_cuts(job, tv.settings, ask):
             made = {op.dst for seg in segs for op in seg.ops}
-            if most is None or sum(v in made for v in values) < most:
-                left += [v for v in recomputable(segs, given, longer=True) if v not in values]
+            if (low or f == "recompute") and (most is None or sum(v in made for v in values[f]) < most):
+                left += [(f, v) for v in recomputable(segs, given, longer=True) if v not in values[f]]
         if not left:
-            return make_plan(tv.settings, job, shape, plan.choices.replace(recompute=tuple(values)))
-        values.append(left[0])
+            return make_plan(tv.settings, job, shape, ask)
+        values[left[0][0]].append(left[0][1])
 
 
 def test_staged_sampled_tiles_recomputing_give_the_statistics_and_outputs_of_staging():
@@ -97,7 +98,8 @@ def test_fast_decode_recomputing_in_its_head_and_sampled_tiles_equals_todays_fas
     with torch.no_grad():
         ref = run_once(tv.settings, job, z, plan.choices, None)[0]
         got = run_once(tv.settings, job, z, forced.choices, None)[0]
-    assert plan.staged_estimate and plan.choices.recompute == () and len(forced.choices.recompute) == 8
+    assert plan.staged_estimate and plan.choices.recompute == plan.choices.low_recompute == ()
+    assert len(forced.choices.recompute) == 8 and len(forced.choices.low_recompute) == 4
     assert len(head & set(forced.choices.recompute)) == 4  # (the exact head's and the sampled tiles')
     assert (got - ref).abs().max() <= 1e-5
 
@@ -118,7 +120,8 @@ def test_fast_plan_counts_a_recomputing_run_to_the_byte(kind, pieces):
         plan = _recomputing(tv, job, tuple(t.shape), base)
         with count("meta") as c:
             run_once(tv.settings, job, t, plan.choices, None)
-    assert plan.choices.recompute and plan.choices.staged_estimate and len(plan.fast_cuts) == 2 * pieces
+    assert plan.choices.recompute and plan.choices.low_recompute and plan.choices.staged_estimate
+    assert len(plan.fast_cuts) == 2 * pieces
     assert plan.flops == c.flops > base.flops  # (the readers' recomputed convolutions)
     assert (plan.h2d, plan.d2h) == (c.h2d, c.d2h) and plan.h2d < base.h2d and plan.d2h < base.d2h
     assert abs(plan.launches - c.launches) <= 0.03 * c.launches and plan.syncs == base.syncs
@@ -136,7 +139,7 @@ def test_fast_gpu_plans_recompute_the_sampled_tiles_where_their_time_model_finds
                          device_kind=CUDA.replace(link_bytes_s=link))
         shape, job = (1, 4, 64, 64), tv.job("decode")
         plan = tv.plan(shape)
-        staged = make_plan(tv.settings, job, shape, plan.choices.replace(recompute=()))
+        staged = make_plan(tv.settings, job, shape, plan.choices.replace(recompute=(), low_recompute=()))
     [q] = [q for q in plan.passes if q.kind is PassKind.SAMPLED_STAGED]
     [r] = [r for r in staged.passes if r.kind is PassKind.SAMPLED_STAGED]
     assert plan.staging.value == "host" and plan.peak <= 40 << 20
@@ -145,4 +148,5 @@ def test_fast_gpu_plans_recompute_the_sampled_tiles_where_their_time_model_finds
         assert q.h2d + q.d2h < r.h2d + r.d2h and q.flops > r.flops and len(q.stages) < len(r.stages)
         assert "recomputed by their readers" in str(plan)
     else:
-        assert plan.choices.recompute == () and (q.h2d, q.flops) == (r.h2d, r.flops)
+        assert plan.choices.recompute == plan.choices.low_recompute == ()
+        assert (q.h2d, q.flops) == (r.h2d, r.flops)

@@ -167,8 +167,9 @@ def _low_pass_stats(job: Job, fast: FastSettings, part: Program, x, ref: str, ch
     full = part.shapes(tuple(x.shape[-2:]))[ref]
     lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
     cores = tile_cores(fast, full, choices.tile_size, choices.fast_most)
-    ex = Executor(low, choices.low_tile or choices.tile_size, low_ref, options.replace(check_emitted=False),
-                  x.device, probes=tuple(map_box(c, full, lo) for c in cores))
+    own = options.replace(check_emitted=False, recompute=choices.low_recompute)  # (its own recomputed)
+    ex = Executor(low, choices.low_tile or choices.tile_size, low_ref, own, x.device,
+                  probes=tuple(map_box(c, full, lo) for c in cores))
     res = ex.run(small, emit=lambda box, value: None)
     return {id(op): (res.stats[id(op)], res.probe_stats[(op.src[0], op.groups)].result())
             for op in low.ops if op.kind is OpKind.GROUP_NORM}

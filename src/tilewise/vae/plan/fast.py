@@ -16,6 +16,7 @@ from ..fast.estimators import sample_tiles
 from ..fast.split import (
     fast_split,
     low_pass,
+    low_program,
     piece_cuts,
     piece_grid,
     recomputed_in,
@@ -53,7 +54,8 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     come with their `fast_most` and `head_tile`. A GPU plan's low pass runs in one tile where that fits
     the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits.
     `ask.recompute` (`settle._recomputed`'s choice among `staged_cuts`): the staged values the exact pass
-    and the staged sampled tiles recompute, each pass its own (`recomputed_in`)."""
+    and the staged sampled tiles recompute, each pass its own (`recomputed_in`); `ask.low_recompute`: the
+    low pass's."""
     first, second = _split(job.program, k)
     recomputed, s = s.run.recompute, s.with_run(recompute=())  # (each pass its own: `recomputed_in`)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
@@ -67,7 +69,7 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     else:
         part, part_shape, ref = first, shape, first.output
     fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most,
-                   recomputed)
+                   recomputed, ask.low_recompute)
     cuts = ask.fast_cuts
     best = None
     for cap in [ask.fast_most] if cuts is not None else fp.sample_caps():
@@ -86,20 +88,26 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
 
 
-def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str]]:
+def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str, str]]:
     """The cuts of a fast plan's passes that may recompute staged values instead of moving them (each: its
-    segments with the values of `choices.recompute` it makes recomputed, its input), as they run: the
-    exact latent-resolution pass (decode's head, encode's tail: exact mode's recomputation) and, where the
-    sampled tiles are staged, their pass piece by piece (`staged_tile_stats`); `settle._recomputed` tries
-    them. The low pass and the other tiles stage nothing recomputable (the crop estimator: none)."""
+    segments with the values it recomputes already, its input, the `Choices` field naming them), as they
+    run: the exact latent-resolution pass (decode's head, encode's tail: exact mode's recomputation), the
+    low pass (`low_recompute`: its program reuses the part's value names) and, where the sampled tiles are
+    staged, their pass piece by piece (`staged_tile_stats`); `settle._recomputed` tries them. The other
+    tiles stage nothing (the crop estimator: no cuts)."""
     k = fast_split(job.program, job.kind, settings.mode, settings.fast)
     if k is None:
         return []
     first, second = _split(job.program, k)
     exact, part = (first, second) if job.kind is Kind.DECODE else (second, first)
     progs = [exact, *(_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
-    return [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input)
+    cuts = [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input, "recompute")
             for q in progs]
+    if settings.fast.low:
+        low = low_program(part, settings.fast.low)[0] if job.kind is Kind.DECODE else part
+        cuts.append((segments(low, {}, settings.attention, choices.low_recompute), low.input,
+                     "low_recompute"))
+    return cuts
 
 
 def _split(p: Program, k: int) -> tuple[Program, Program]:
@@ -160,6 +168,7 @@ class _FastPlan:
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
     recomputed: tuple[str, ...] = ()  # the plan's recomputed values (each staged piece takes its own)
+    low_recomputed: tuple[str, ...] = ()  # the low pass's
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
@@ -231,7 +240,8 @@ class _FastPlan:
 
         def planned(t: int) -> Pass:  # (its output is thrown away: only its statistics are wanted)
             spec = PassSpec(PassKind.LOW, low, small, t or self.tile, low_ref, probes=probes, streamed=True)
-            return pass_plan(spec, self.exact, self.job.profile, self.full).with_held(self.held + resized)
+            own = self.exact.with_run(recompute=self.low_recomputed)
+            return pass_plan(spec, own, self.job.profile, self.full).with_held(self.held + resized)
 
         budget = self.settings.memory_budget
         if self.exact.gpu and max(lo) > self.tile:
