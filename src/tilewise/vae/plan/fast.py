@@ -68,8 +68,12 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
+    # (the pieces' passes planned before in this search, by any plan of the same program, tile and setting:
+    # a recomputation tried re-plans only the passes whose recomputed values it changes)
+    pairs = recall(("fast piece pairs", id(job.program), k, tile, s, full, settings, job.profile,
+                    tuple(part_shape), held), dict, job.program)
     fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most,
-                   recomputed, ask.low_recompute)
+                   recomputed, ask.low_recompute, pairs)
     cuts = ask.fast_cuts
     best = None
     for cap in [ask.fast_most] if cuts is not None else fp.sample_caps():
@@ -276,7 +280,7 @@ class _FastPlan:
         not planned again (`memo`)."""
         grid = tile_grid(pc.hw, pc.tile)  # (as the run)
         sampled = frozenset(self.sampled(grid))
-        key = (pc.program.input, pc.program.output, sampled, held)
+        key = (pc.program.input, pc.program.output, sampled, held, recomputed_in(pc.program, self.recomputed))
         got = self.memo.get((*key, staged))
         if got is None:
             got = self._piece_pair(pc, grid, sampled, held, staged)
