@@ -94,7 +94,8 @@ def test_gpu_fast_plan_in_pieces_counts_what_its_run_dispatches(kind, budget):
         ask = request(tv.settings, tv.job(kind), plan.tile_size, plan.staging).replace(fast_cuts=())
         one = make_plan(tv.settings, tv.job(kind), tuple(t.shape), ask)
         # (the pieces' saving apart from what the plan recomputes: free launches make that worth it)
-        kept = make_plan(tv.settings, tv.job(kind), tuple(t.shape), plan.choices.replace(recompute=()))
+        kept = make_plan(tv.settings, tv.job(kind), tuple(t.shape), plan.choices.replace(recompute=(),
+                                                                                   low_recompute=()))
         if kind == "decode":
             with count("meta") as c:
                 tv.decode(t)
