@@ -176,10 +176,13 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def _sampled(p) -> str:
-    """How a fast plan's sampled tiles run: at most so many rows and columns of them, staged."""
+    """How a fast plan's sampled tiles run: at most so many rows and columns of them, staged; and how many
+    staged values (the sampled tiles' and the exact pass's) its readers recompute instead."""
     ch = p.choices
     return (f", sampled <= {ch.fast_most} rows / cols" if ch.fast_most else "") + (
-        ", sampled tiles staged" if ch.staged_estimate else "")
+        ", sampled tiles staged" if ch.staged_estimate else "") + (
+        f", {len(ch.recompute) + len(ch.low_recompute)} values recomputed" if ch.recompute or ch.low_recompute
+        else "")
 
 
 def targets(rows: list[dict]) -> list[str]:

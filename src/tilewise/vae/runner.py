@@ -88,7 +88,7 @@ def run_once(settings: Settings, job: Job, t, choices: Choices, emit) -> tuple:
     if split is not None:  # (fast mode's passes run in whole tiles, reading ahead where they can)
         options = pass_options(settings, job.profile, choices, band_bytes=job.profile.band_bytes,
                                heap_slack=slack, on_device=frozenset(), kv_chunk=0, query_rows=0,
-                               read_ahead=True)
+                               read_ahead=True, recompute=())  # (recomputed: each pass its own)
         return run_fast(job, settings.fast, split, t, choices, options, emit, group)
     fast = settings.mode is Mode.FAST  # (the crop estimator: its statistics fixed, every tile end to end)
     fixed = crop_stats(job, settings.fast, t, choices.tile_size, group) if fast else {}

@@ -19,7 +19,7 @@ import torch
 from ...geometry import Box
 from ...locality.boxes import box_empty, map_box, sub_tensor
 from ...locality.ops import OpKind, RunContext
-from ...locality.program import Program, back_propagate, last_use, run_op, split_segments
+from ...locality.program import Program, back_propagate, last_use, recompute, run_op, split_segments
 from ..run.bands import band_rows, row_local, run_bands
 from ..run.executor import ExecContext
 from ..run.options import RunOptions
@@ -146,13 +146,17 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
     segment on its own back-propagated regions (core plus the halo of everything after it) and writes
     them to full-size staged tensors of which only those regions are ever touched. A GroupNorm's
     statistics are merged over the sampled cores read back from staging before its segment runs.
-    `options`: the staging (its place, folder, heap slack), row bands and the executor's chunks.
+    `options`: the staging (its place, folder, heap slack), row bands and the executor's chunks, and the
+    values recomputed instead of staged (`options.recompute`, `locality.program.recompute`: measured by
+    the segment making them, remade from staged leaves by each segment reading them; the same values).
     """
     shapes = program.shapes(tuple(x.shape[-2:]))
     out_v = program.output
     needs = [back_propagate(program.ops, {out_v: map_box(t.core, shapes[ref], shapes[out_v])}, shapes)
              for t in tiles]
     segs = split_segments(program, lambda op: op.kind is OpKind.GROUP_NORM and id(op) in fixed)
+    if options.recompute:  # (measured by their makers, remade by their readers from staged leaves)
+        segs = recompute(segs, options.recompute, program.input)
     run = _StagedRun(program, x, ref, tiles, needs, shapes, options, fixed)
     stage = Staging(options.staging.home, x.device, options.stage_dir, options.heap_slack)
     last = {v: i for i, seg in enumerate(segs) for v in seg.inputs}
@@ -161,7 +165,7 @@ def staged_tile_stats(program: Program, x, ref: str, tiles: list, fixed: set[int
         for i, seg in enumerate(segs):
             run.segment_stats(seg, stage, adjust)
             for v in seg.outputs:
-                if v != out_v:
+                if v != out_v and v not in seg.measured:
                     stage.alloc(v, (x.shape[0], run.chans[v], *shapes[v]), x.dtype)
             for t, need in zip(tiles, needs, strict=True):
                 run.tile(seg, t, need, stage)
@@ -219,7 +223,8 @@ class _StagedRun:
                 if v == out_v:
                     outs.append(vals[v][0])
                 elif v in vals:
-                    stage.write(v, bneed[v], vals[v][0])
+                    if v not in seg.measured:  # (recomputed by its readers: its statistics only)
+                        stage.write(v, bneed[v], vals[v][0])
                     core = map_box(box, self.shapes[self.ref], self.shapes[v])
                     for g in self.readers.get(v, ()) if not box_empty(core) else ():
                         self.accs.setdefault((v, g), GroupStats(g, self.options.stats_chunk)).add(

@@ -23,7 +23,7 @@ from ..run.segments import tile_grid
 from ..run.staging import trim_heap
 from ..settings import Estimator, FastSettings, Job, Kind, Place
 from .estimators import estimate_stats, sample_tiles, sampled_tile_stats, staged_tile_stats
-from .split import fixed_ops, low_pass, piece_grid, split_pieces, split_program
+from .split import fixed_ops, low_pass, piece_grid, recomputed_in, split_pieces, split_program
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,12 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     3. The other tiles run the high-resolution part end to end with those statistics.
     With disk staging, or `choices.staged_estimate` (a GPU plan whose sampled tiles do not fit at once),
     step 2 runs the sampled tiles one at a time, segment by segment, their regions staged
-    (`staged_tile_stats`). `choices.fast_cuts` (positions in the high-resolution part, `piece_cuts`; a
-    GPU plan's choice) run steps 2-3 piece by piece, the value between two pieces whole on the device:
-    every tile's halo then spans only its piece's receptive field, not the whole part's (the same values
-    and statistics, less recomputation). `options`: how the exact passes run (the others follow them).
+    (`staged_tile_stats`; `choices.recompute`: the staged values its readers remake, and step 1's,
+    each pass its own, `split.recomputed_in`). `choices.fast_cuts` (positions in the high-resolution
+    part, `piece_cuts`; a GPU plan's choice) run steps 2-3 piece by piece, the value between two pieces
+    whole on the device: every tile's halo then spans only its piece's receptive field, not the whole
+    part's (the same values and statistics, less recomputation). `options`: how the exact passes run
+    (the others follow them).
     """
     first, second = split_program(job.program, k)
     tile = choices.tile_size
@@ -74,7 +76,8 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     trim = options.staging is Place.DISK and x.device.type == "cpu"
     exact_peak = 0
     if job.kind is Kind.DECODE:
-        res = Executor(first, choices.head_tile or tile, first.input, options, x.device, group).run(x)
+        own = options.replace(recompute=recomputed_in(first, choices.recompute))  # (the head's values)
+        res = Executor(first, choices.head_tile or tile, first.input, own, x.device, group).run(x)
         part, ref, h, exact_peak = second, second.input, res.output, res.staged_peak
         del res  # (h is the only reference to the head's output: the first piece releases it)
         if trim:
@@ -88,7 +91,8 @@ def run_fast(job: Job, fast: FastSettings, k: int, x, choices: Choices, options:
     del h
     out, h, staged_peak = _run_pieces(job, fast, part, ref, held, choices, options, emit, group, adjust)
     if job.kind is Kind.ENCODE:
-        res = Executor(second, tile, second.output, options, x.device, group).run(h, emit=emit)
+        own = options.replace(recompute=recomputed_in(second, choices.recompute))  # (the tail's values)
+        res = Executor(second, tile, second.output, own, x.device, group).run(h, emit=emit)
         out, exact_peak = res.output, res.staged_peak
     return out, max(exact_peak, staged_peak)
 
@@ -143,7 +147,9 @@ def _estimate(fast: FastSettings, part: Program, x, ref: str, tile: int, options
     tiles = sample_tiles(tile_grid((rh, rw), tile), fast.fraction(Estimator.TILES), choices.fast_most)
     if options.staging is Place.DISK or choices.staged_estimate:  # one tile's working set at a time,
         # the regions staged
-        return staged_tile_stats(part, x, ref, tiles, fixed, options, adjust)
+        # (the plan's recomputed values: this piece's, `recomputed_in`)
+        staged = options.replace(recompute=recomputed_in(part, choices.recompute))
+        return staged_tile_stats(part, x, ref, tiles, fixed, staged, adjust)
     return sampled_tile_stats(part, x, ref, tiles, fixed, options, adjust)
 
 
@@ -161,8 +167,9 @@ def _low_pass_stats(job: Job, fast: FastSettings, part: Program, x, ref: str, ch
     full = part.shapes(tuple(x.shape[-2:]))[ref]
     lo = low.shapes(tuple(small.shape[-2:]))[low_ref]
     cores = tile_cores(fast, full, choices.tile_size, choices.fast_most)
-    ex = Executor(low, choices.low_tile or choices.tile_size, low_ref, options.replace(check_emitted=False),
-                  x.device, probes=tuple(map_box(c, full, lo) for c in cores))
+    own = options.replace(check_emitted=False, recompute=choices.low_recompute)  # (its own recomputed)
+    ex = Executor(low, choices.low_tile or choices.tile_size, low_ref, own, x.device,
+                  probes=tuple(map_box(c, full, lo) for c in cores))
     res = ex.run(small, emit=lambda box, value: None)
     return {id(op): (res.stats[id(op)], res.probe_stats[(op.src[0], op.groups)].result())
             for op in low.ops if op.kind is OpKind.GROUP_NORM}

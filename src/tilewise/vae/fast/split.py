@@ -94,6 +94,13 @@ def split_pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
             for j, q in enumerate(pieces)]
 
 
+def recomputed_in(piece: Program, values) -> tuple[str, ...]:
+    """Those of `values` (a fast plan's recomputed values, `Choices.recompute`) that `piece` makes: each
+    pass that recomputes (the exact latent-resolution pass, each piece's staged sampled tiles) its own."""
+    made = {op.dst for op in piece.ops}
+    return tuple(v for v in values if v in made)
+
+
 def piece_grid(piece: Program, shapes, ref: str, tile: int, kind: Kind) -> tuple[str, int]:
     """A piece's reference value, its lower-resolution end (decode: its input; encode: its output), and
     the tile in its pixels: the part's tile scaled by that value's size over the part's reference."""

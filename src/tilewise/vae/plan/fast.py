@@ -13,13 +13,23 @@ from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
-from ..fast.split import low_pass, piece_cuts, piece_grid, split_pieces, split_program
+from ..fast.split import (
+    fast_split,
+    low_pass,
+    low_program,
+    piece_cuts,
+    piece_grid,
+    recomputed_in,
+    split_pieces,
+    split_program,
+)
 from ..run.batches import axis_class, period_and_reach
 from ..run.options import Choices
 from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import sample_stats_cost
 from .live import Sizes, together_peak
+from .memo import recall, segments
 from .op_costs import ADJUST, Setting, stats_copy
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
@@ -42,18 +52,28 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     where the default sample's sampled tiles would be staged across the link (or not fit), fewer sampled
     tiles (`sample_caps`) while that is faster: their statistics from what fits on the device. Given cuts
     come with their `fast_most` and `head_tile`. A GPU plan's low pass runs in one tile where that fits
-    the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits."""
-    first, second = split_program(job.program, k)
+    the budget (its halos cost launches, not FLOPs), its decode head in the tile of least time that fits.
+    `ask.recompute` (`settle._recomputed`'s choice among `staged_cuts`): the staged values the exact pass
+    and the staged sampled tiles recompute, each pass its own (`recomputed_in`); `ask.low_recompute`: the
+    low pass's."""
+    first, second = _split(job.program, k)
+    recomputed, s = s.run.recompute, s.with_run(recompute=())  # (each pass its own: `recomputed_in`)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
     head, held, head_tile = [], 0, 0
     if job.kind is Kind.DECODE:
         head_tile = ask.head_tile if ask.fast_cuts is not None else 0
-        q, head_tile = _head_pass(job, settings, first, shape, tile, exact, full, head_tile)
+        own = exact.with_run(recompute=recomputed_in(first, recomputed))  # (its own recomputed values)
+        q, head_tile = _head_pass(job, settings, first, shape, tile, own, full, head_tile)
         head.append(q)
         part, part_shape, ref, held = second, q.output_shape, second.input, q.output_bytes
     else:
         part, part_shape, ref = first, shape, first.output
-    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most)
+    # (the pieces' passes planned before in this search, by any plan of the same program, tile and setting:
+    # a recomputation tried re-plans only the passes whose recomputed values it changes)
+    pairs = recall(("fast piece pairs", id(job.program), k, tile, s, full, settings, job.profile,
+                    tuple(part_shape), held), dict, job.program)
+    fp = _FastPlan(job, settings, part, part_shape, ref, tile, s, exact, full, held, ask.fast_most,
+                   recomputed, ask.low_recompute, pairs)
     cuts = ask.fast_cuts
     best = None
     for cap in [ask.fast_most] if cuts is not None else fp.sample_caps():
@@ -67,9 +87,42 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     if job.kind is Kind.ENCODE:
         rp = got[-1]
         spec = PassSpec(PassKind.TAIL, second, rp.output_shape, tile, second.output)
-        q = pass_plan(spec, exact, job.profile, full)
+        q = pass_plan(spec, exact.with_run(recompute=recomputed_in(second, recomputed)), job.profile, full)
         passes.append(q.with_held(rp.output_bytes))
     return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
+
+
+def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str, str]]:
+    """The cuts of a fast plan's passes that may recompute staged values instead of moving them (each: its
+    segments with the values it recomputes already, its input, the `Choices` field naming them), as they
+    run: the exact latent-resolution pass (decode's head, encode's tail: exact mode's recomputation), the
+    low pass (`low_recompute`: its program reuses the part's value names) and, where the sampled tiles are
+    staged, their pass piece by piece (`staged_tile_stats`); `settle._recomputed` tries them. The other
+    tiles stage nothing (the crop estimator: no cuts)."""
+    k = fast_split(job.program, job.kind, settings.mode, settings.fast)
+    if k is None:
+        return []
+    first, second = _split(job.program, k)
+    exact, part = (first, second) if job.kind is Kind.DECODE else (second, first)
+    progs = [exact, *(_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
+    cuts = [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input, "recompute")
+            for q in progs]
+    if settings.fast.low:
+        low = low_program(part, settings.fast.low)[0] if job.kind is Kind.DECODE else part
+        cuts.append((segments(low, {}, settings.attention, choices.low_recompute), low.input,
+                     "low_recompute"))
+    return cuts
+
+
+def _split(p: Program, k: int) -> tuple[Program, Program]:
+    """`fast.split.split_program`, once per program and cut inside `memo.remembered()`: the same programs
+    for every plan a search makes, so that what is remembered by program (segments, counts) is found."""
+    return recall(("fast split", id(p), k), lambda: split_program(p, k), p)
+
+
+def _pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
+    """`fast.split.split_pieces`, once per part and cuts inside `memo.remembered()` (as `_split`)."""
+    return recall(("fast pieces", id(part), tuple(cuts)), lambda: split_pieces(part, tuple(cuts)), part)
 
 
 def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,
@@ -118,6 +171,8 @@ class _FastPlan:
     full: int
     held: int
     most: int = 0  # at most this many rows and columns of sampled tiles (0: no cap)
+    recomputed: tuple[str, ...] = ()  # the plan's recomputed values (each staged piece takes its own)
+    low_recomputed: tuple[str, ...] = ()  # the low pass's
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # piece_pair's, shared by caps
 
     def sampled(self, grid) -> set[int]:
@@ -179,15 +234,18 @@ class _FastPlan:
         rh, rw = self.part.shapes(tuple(self.part_shape[-2:]))[self.ref]
         grid = tile_grid((rh, rw), self.tile)  # (as the run)
         sampled = self.sampled(grid)
-        low, small, low_ref = low_pass(self.job.kind, self.part, self.part_shape, self.ref,
-                                       self.settings.fast.low, self.job.factor)
+        args = (self.job.kind, self.part, tuple(self.part_shape), self.ref, self.settings.fast.low,
+                self.job.factor)  # (once per part inside `memo.remembered()`, as `_split`)
+        low, small, low_ref = recall(("fast low pass", id(self.part), *args[2:]), lambda: low_pass(*args),
+                                     self.part)
         lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
         probes = tuple(map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled)
         resized = math.prod(small) * self.exact.item if small[-2:] != self.part_shape[-2:] else 0
 
         def planned(t: int) -> Pass:  # (its output is thrown away: only its statistics are wanted)
             spec = PassSpec(PassKind.LOW, low, small, t or self.tile, low_ref, probes=probes, streamed=True)
-            return pass_plan(spec, self.exact, self.job.profile, self.full).with_held(self.held + resized)
+            own = self.exact.with_run(recompute=self.low_recomputed)
+            return pass_plan(spec, own, self.job.profile, self.full).with_held(self.held + resized)
 
         budget = self.settings.memory_budget
         if self.exact.gpu and max(lo) > self.tile:
@@ -199,7 +257,7 @@ class _FastPlan:
     def piece_passes(self, cuts: tuple[int, ...]) -> list[Pass]:
         """Each piece's sampled tiles' and other tiles' passes, the value between pieces held whole; the
         sampled tiles staged in every piece when they do not fit at once in one."""
-        pieces = split_pieces(self.part, cuts)
+        pieces = _pieces(self.part, cuts)
         shapes = self.part.shapes(tuple(self.part_shape[-2:]))
         staged = None
         while True:
@@ -222,7 +280,7 @@ class _FastPlan:
         not planned again (`memo`)."""
         grid = tile_grid(pc.hw, pc.tile)  # (as the run)
         sampled = frozenset(self.sampled(grid))
-        key = (pc.program.input, pc.program.output, sampled, held)
+        key = (pc.program.input, pc.program.output, sampled, held, recomputed_in(pc.program, self.recomputed))
         got = self.memo.get((*key, staged))
         if got is None:
             got = self._piece_pair(pc, grid, sampled, held, staged)
@@ -285,14 +343,19 @@ class _FastPlan:
     def _staged(self, sp: Pass, pc: PieceRef, regions: _Regions, sampled, norms: int) -> Pass:
         """The sampled tiles' pass as `staged_tile_stats` runs it: each tile still runs on its regions
         back-propagated through the whole part (the together pass's work and FLOPs), no finite checks,
-        no reads ahead; its statistics as exact mode's (and the low pass's correction)."""
-        unchecked = self.exact.with_run(check_finite=False, read_ahead=False)
+        no reads ahead; its statistics as exact mode's (and the low pass's correction). The piece's values
+        in `recomputed` are remade by their readers (`recomputed_in`): the work and FLOPs its segments then
+        count on the tiles' regions (without recomputation, the same as the together pass's: 766 staged
+        passes of the narrow and the SD-width decoder compared)."""
+        values = recomputed_in(pc.program, self.recomputed)
+        unchecked = self.exact.with_run(check_finite=False, read_ahead=False, recompute=values)
         kind = PassKind.SAMPLED_STAGED if self.s.run.staging is not Place.DISK else PassKind.SAMPLED
         spec = PassSpec(kind, pc.program, pc.shape, pc.tile, pc.ref, tiles=sampled, regions=regions,
                         piece=pc.piece)
         staged = pass_plan(spec, unchecked, self.job.profile, self.full)
+        work, flops = (staged.work, staged.flops) if values else (sp.work, sp.flops)
         extra = ADJUST * norms if self.settings.fast.low else 0
-        return staged.replace(work=sp.work, flops=sp.flops, launches=staged.launches + extra)
+        return staged.replace(work=work, flops=flops, launches=staged.launches + extra)
 
 
 @dataclass(frozen=True)

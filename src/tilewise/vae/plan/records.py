@@ -210,8 +210,9 @@ class Plan:
         if self.device != "cpu" and self.staging in (Place.HOST, Place.MIXED) and not self.untiled:
             rows.append("    copies to the host on a side stream" + (", the next tile's inputs read while a "
                                                                      "tile runs" if self.read_ahead else ""))
-        if self.choices.recompute:
-            rows.append(f"    {len(self.choices.recompute)} GroupNorm inputs recomputed by their readers "
+        if self.choices.recompute or self.choices.low_recompute:
+            n = len(self.choices.recompute) + len(self.choices.low_recompute)  # (fast: the low pass too)
+            rows.append(f"    {n} GroupNorm inputs recomputed by their readers "
                         "from staged values, not staged (their makers take their statistics)")
         if self.staging_floor is not None:
             moved = self.h2d + self.d2h

@@ -16,6 +16,7 @@ from ..devices import BAND_BYTES
 from ..run.options import Choices
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
+from .fast import staged_cuts
 from .make import make_plan, request
 from .memo import remembered, segments
 from .records import PassKind, Plan
@@ -98,32 +99,44 @@ def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     chains of recomputed values): each recomputable value in program order, kept where the plan with it
     fits and is faster (one kept may make later ones recomputable through it), then each pair of the
     others that one segment reads (a resnet's residual and shortcut: recomputing one alone still reads
-    the other's leaves). Exact host-staged plans on one process; device staging moves nothing to save."""
-    if settings.mode is not Mode.EXACT or plan.untiled or plan.staging is Place.DEVICE \
-            or settings.process_group is not None:
+    the other's leaves). Host-staged plans on one process: exact ones, and fast ones in their exact
+    latent-resolution pass, low pass and staged sampled tiles (`fast.staged_cuts`: each cut with the
+    `Choices` field naming its values); device staging moves nothing to save."""
+    if plan.untiled or plan.staging is Place.DEVICE or settings.process_group is not None:
         return plan
-    p = job.program
+    if settings.mode is Mode.EXACT:
+        def cuts(choices: Choices) -> list:
+            segs = segments(job.program, {}, settings.attention, choices.recompute)
+            return [(segs, job.program.input, "recompute")]
+    else:
+        def cuts(choices: Choices) -> list:
+            return staged_cuts(job, settings, choices)
+
+    def left(choices: Choices) -> list[tuple[str, str]]:
+        return [(f, v) for segs, given, f in cuts(choices) for v in recomputable(segs, given, longer=True)]
+
     best, tried = plan, set()
     while True:  # (values one by one, in program order)
-        segs = segments(p, {}, settings.attention, best.choices.recompute)
-        v = next((v for v in recomputable(segs, p.input, longer=True) if v not in tried), None)
-        if v is None:
+        fv = next((fv for fv in left(best.choices) if fv not in tried), None)
+        if fv is None:
             break
-        tried.add(v)
-        best = _faster(settings, job, shape, best, (v,))
-    segs = segments(p, {}, settings.attention, best.choices.recompute)
-    left = recomputable(segs, p.input, longer=True)
-    for i, v in enumerate(left):  # (then pairs one segment reads: alone, neither paid)
-        for w in left[i + 1:]:
-            if any(v in s.inputs and w in s.inputs for s in segs) \
-                    and not {v, w} & set(best.choices.recompute):
-                best = _faster(settings, job, shape, best, (v, w))
+        tried.add(fv)
+        best = _faster(settings, job, shape, best, fv[1:], fv[0])
+    for segs, given, f in cuts(best.choices):  # (then pairs one segment reads: alone, neither paid)
+        rest = recomputable(segs, given, longer=True)
+        for i, v in enumerate(rest):
+            for w in rest[i + 1:]:
+                if any(v in s.inputs and w in s.inputs for s in segs) \
+                        and not {v, w} & set(getattr(best.choices, f)):
+                    best = _faster(settings, job, shape, best, (v, w), f)
     return best
 
 
-def _faster(settings: Settings, job: Job, shape, plan: Plan, values) -> Plan:
-    """`plan` with `values` recomputed too where that fits and is faster, else `plan`."""
-    got = _plan_at(settings, job, shape, plan.choices.replace(recompute=(*plan.choices.recompute, *values)))
+def _faster(settings: Settings, job: Job, shape, plan: Plan, values, field: str = "recompute") -> Plan:
+    """`plan` with `values` recomputed too (`Choices.recompute`, or the `field` naming them) where that
+    fits and is faster, else `plan`."""
+    ask = plan.choices.replace(**{field: (*getattr(plan.choices, field), *values)})
+    got = _plan_at(settings, job, shape, ask)
     if got is not None and got.peak <= settings.memory_budget and got.seconds < plan.seconds:
         return got
     return plan

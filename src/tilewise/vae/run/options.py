@@ -36,6 +36,7 @@ class Choices:
     head_tile: int = 0  # fast mode: decode's exact latent-resolution head's tile (0: the run's tile)
     tile_batch: int = 1  # same-shape tiles of a local segment run this many at a time (`batches`)
     recompute: tuple[str, ...] = ()  # staged values their readers recompute instead (`program.recompute`)
+    low_recompute: tuple[str, ...] = ()  # fast mode: the low pass's (its program reuses the part's names)
 
     def __post_init__(self):
         object.__setattr__(self, "staging", Place.parse(self.staging, "staging"))
