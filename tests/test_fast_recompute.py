@@ -23,7 +23,7 @@ from tilewise.locality.program import recomputable, recompute, split_segments  #
 from tilewise.vae.devices import CUDA  # noqa: E402
 from tilewise.vae.fast.estimators import sample_tiles, staged_tile_stats  # noqa: E402
 from tilewise.vae.fast.split import fast_split, piece_cuts, split_program  # noqa: E402
-from tilewise.vae.plan.fast import staged_cuts  # noqa: E402
+from tilewise.vae.plan.fast_programs import staged_cuts  # noqa: E402
 from tilewise.vae.plan.make import make_plan, request  # noqa: E402
 from tilewise.vae.plan.records import PassKind  # noqa: E402
 from tilewise.vae.run.options import RunOptions  # noqa: E402

@@ -13,23 +13,15 @@ from ...locality.boxes import box_area, map_box
 from ...locality.ops import OpKind
 from ...locality.program import Program, back_propagate
 from ..fast.estimators import sample_tiles
-from ..fast.split import (
-    fast_split,
-    low_pass,
-    low_program,
-    piece_cuts,
-    piece_grid,
-    recomputed_in,
-    split_pieces,
-    split_program,
-)
+from ..fast.split import piece_cuts, piece_grid, recomputed_in, split_program
 from ..run.batches import axis_class, period_and_reach
 from ..run.options import Choices
 from ..run.segments import tile_grid
 from ..settings import Estimator, Job, Kind, Place, Settings
 from .counts import sample_stats_cost
+from .fast_programs import low_pass_once, pieces_once, split_once
 from .live import Sizes, together_peak
-from .memo import recall, segments
+from .memo import recall
 from .op_costs import ADJUST, Setting, stats_copy
 from .passes import PassSpec, pass_plan
 from .records import Pass, PassKind
@@ -56,7 +48,7 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
     `ask.recompute` (`settle._recomputed`'s choice among `staged_cuts`): the staged values the exact pass
     and the staged sampled tiles recompute, each pass its own (`recomputed_in`); `ask.low_recompute`: the
     low pass's."""
-    first, second = _split(job.program, k)
+    first, second = split_once(job.program, k)
     recomputed, s = s.run.recompute, s.with_run(recompute=())  # (each pass its own: `recomputed_in`)
     exact = s.with_run(band_bytes=job.profile.band_bytes)
     head, held, head_tile = [], 0, 0
@@ -90,39 +82,6 @@ def fast_passes(job: Job, settings: Settings, k: int, shape, tile: int, s: Setti
         q = pass_plan(spec, exact.with_run(recompute=recomputed_in(second, recomputed)), job.profile, full)
         passes.append(q.with_held(rp.output_bytes))
     return passes, dict(fast_cuts=tuple(cuts), low_tile=low_tile, fast_most=cap, head_tile=head_tile)
-
-
-def staged_cuts(job: Job, settings: Settings, choices: Choices) -> list[tuple[list, str, str]]:
-    """The cuts of a fast plan's passes that may recompute staged values instead of moving them (each: its
-    segments with the values it recomputes already, its input, the `Choices` field naming them), as they
-    run: the exact latent-resolution pass (decode's head, encode's tail: exact mode's recomputation), the
-    low pass (`low_recompute`: its program reuses the part's value names) and, where the sampled tiles are
-    staged, their pass piece by piece (`staged_tile_stats`); `settle._recomputed` tries them. The other
-    tiles stage nothing (the crop estimator: no cuts)."""
-    k = fast_split(job.program, job.kind, settings.mode, settings.fast)
-    if k is None:
-        return []
-    first, second = _split(job.program, k)
-    exact, part = (first, second) if job.kind is Kind.DECODE else (second, first)
-    progs = [exact, *(_pieces(part, choices.fast_cuts or ()) if choices.staged_estimate else ())]
-    cuts = [(segments(q, {}, settings.attention, recomputed_in(q, choices.recompute)), q.input, "recompute")
-            for q in progs]
-    if settings.fast.low:
-        low = low_program(part, settings.fast.low)[0] if job.kind is Kind.DECODE else part
-        cuts.append((segments(low, {}, settings.attention, choices.low_recompute), low.input,
-                     "low_recompute"))
-    return cuts
-
-
-def _split(p: Program, k: int) -> tuple[Program, Program]:
-    """`fast.split.split_program`, once per program and cut inside `memo.remembered()`: the same programs
-    for every plan a search makes, so that what is remembered by program (segments, counts) is found."""
-    return recall(("fast split", id(p), k), lambda: split_program(p, k), p)
-
-
-def _pieces(part: Program, cuts: tuple[int, ...]) -> list[Program]:
-    """`fast.split.split_pieces`, once per part and cuts inside `memo.remembered()` (as `_split`)."""
-    return recall(("fast pieces", id(part), tuple(cuts)), lambda: split_pieces(part, tuple(cuts)), part)
 
 
 def _head_pass(job: Job, settings: Settings, first: Program, shape, tile: int, exact: Setting, full: int,
@@ -234,10 +193,8 @@ class _FastPlan:
         rh, rw = self.part.shapes(tuple(self.part_shape[-2:]))[self.ref]
         grid = tile_grid((rh, rw), self.tile)  # (as the run)
         sampled = self.sampled(grid)
-        args = (self.job.kind, self.part, tuple(self.part_shape), self.ref, self.settings.fast.low,
-                self.job.factor)  # (once per part inside `memo.remembered()`, as `_split`)
-        low, small, low_ref = recall(("fast low pass", id(self.part), *args[2:]), lambda: low_pass(*args),
-                                     self.part)
+        low, small, low_ref = low_pass_once(self.job.kind, self.part, self.part_shape, self.ref,
+                                            self.settings.fast.low, self.job.factor)
         lo = low.shapes(tuple(small[-2:]))[low_ref]  # (the sampled cores' statistics too: probes)
         probes = tuple(map_box(t.core, (rh, rw), lo) for t in grid if t.index in sampled)
         resized = math.prod(small) * self.exact.item if small[-2:] != self.part_shape[-2:] else 0
@@ -257,7 +214,7 @@ class _FastPlan:
     def piece_passes(self, cuts: tuple[int, ...]) -> list[Pass]:
         """Each piece's sampled tiles' and other tiles' passes, the value between pieces held whole; the
         sampled tiles staged in every piece when they do not fit at once in one."""
-        pieces = _pieces(self.part, cuts)
+        pieces = pieces_once(self.part, cuts)
         shapes = self.part.shapes(tuple(self.part_shape[-2:]))
         staged = None
         while True:

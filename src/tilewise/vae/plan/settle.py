@@ -16,7 +16,7 @@ from ..devices import BAND_BYTES
 from ..run.options import Choices
 from ..run.staging import admits, candidates
 from ..settings import Attention, Job, Mode, Place, Settings
-from .fast import staged_cuts
+from .fast_programs import staged_cuts
 from .make import make_plan, request
 from .memo import remembered, segments
 from .records import PassKind, Plan
@@ -100,7 +100,7 @@ def _recomputed(settings: Settings, job: Job, shape, plan: Plan) -> Plan:
     fits and is faster (one kept may make later ones recomputable through it), then each pair of the
     others that one segment reads (a resnet's residual and shortcut: recomputing one alone still reads
     the other's leaves). Host-staged plans on one process: exact ones, and fast ones in their exact
-    latent-resolution pass, low pass and staged sampled tiles (`fast.staged_cuts`: each cut with the
+    latent-resolution pass, low pass and staged sampled tiles (`fast_programs.staged_cuts`: each cut with the
     `Choices` field naming its values); device staging moves nothing to save."""
     if plan.untiled or plan.staging is Place.DEVICE or settings.process_group is not None:
         return plan
